@@ -1,4 +1,36 @@
 //! `prefixcache-core`: the whole prefix-cache engine, with no Python in its dependency graph.
+//!
+//! A [`CacheManager`] owns block pools, the chained prefix-hash index, eviction and checkpoint
+//! planning for models that mix attention layers (paged KV blocks) with recurrent-state layers
+//! (one state snapshot per block). Engines drive it through a two-phase step protocol:
+//! `add` -> `lookup` -> `schedule` -> `build_plan` -> kernels -> `commit` | `abort`.
 #![forbid(unsafe_code)]
 
+mod commit;
+pub mod config;
+pub mod error;
+pub mod events;
 pub mod hashing;
+mod hit;
+mod index;
+mod invariants;
+mod manager;
+mod plan;
+pub mod pool;
+mod schedule;
+mod sequence;
+pub mod stats;
+
+pub use config::{CacheConfig, GroupConfig, GroupKind, PoolConfig, Retention, StateGroupConfig};
+pub use error::{CacheError, Result};
+pub use events::{CacheEvent, EventRecord};
+pub use hashing::{
+    hash_prefix, Digest, ExtraKeys, HashAlgorithm, HashConfig, MultimodalInput, DEFAULT_SEED,
+    ENCODING_VERSION,
+};
+pub use hit::{GroupHit, Hit, MissReason};
+pub use manager::{Added, CacheManager, PoolUsage, MAX_SEQUENCE_TOKENS};
+pub use plan::{PagedGroupPlan, StateGroupPlan, StepPlan};
+pub use pool::{BlockId, NULL_BLOCK};
+pub use schedule::Scheduled;
+pub use stats::{GroupStats, SkipReason, Stats};

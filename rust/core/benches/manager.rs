@@ -1,0 +1,2 @@
+//! Manager benchmarks (filled in below).
+fn main() {}

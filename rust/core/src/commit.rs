@@ -1,0 +1,281 @@
+//! `commit` and `abort`: the second phase of a step.
+//!
+//! Publishing rule at commit, for a step that computed `[qs, qe)` of a sequence:
+//! - paged groups: every unit boundary q with `qs < q <= qe` becomes a key of the block holding
+//!   token `q - 1`; a copy-on-write destination is keyed for the boundaries the copy gave it;
+//!   lookahead tokens are never keyed; sliding windows release the blocks that left the window;
+//! - state groups: the running buffers swap; the checkpoint the sequence resumed from is
+//!   released first, then the step's checkpoints are published and released to the LRU as most
+//!   recently used; a decode-tail snapshot replaces the previous one and stays private until
+//!   `finish`.
+//!
+//! `abort` publishes nothing, frees the step's new blocks and copies, and puts every sequence
+//! back at its pre-step position (a first step gives its pinned hit back).
+
+use crate::error::{CacheError, Result};
+use crate::events::CacheEvent;
+use crate::hashing::Digest;
+use crate::manager::{CacheManager, GroupRuntime};
+use crate::plan::StepPlan;
+use crate::pool::{BlockId, BlockKey, Key, LruEnd, NULL_BLOCK};
+use crate::sequence::{GroupStep, PagedSeq, SeqGroup, Sequence, StateSeq};
+
+impl CacheManager {
+    fn take_in_flight(&mut self, step_id: u64, verb: &str) -> Result<Vec<usize>> {
+        match &self.in_flight {
+            Some(f) if f.step_id == step_id => {
+                Ok(self.in_flight.take().map(|f| f.slots).unwrap_or_default())
+            }
+            Some(f) => Err(CacheError::StalePlan {
+                plan_step: step_id,
+                state: format!("step {} is in flight; cannot {verb} step {step_id}", f.step_id),
+            }),
+            None => Err(CacheError::StalePlan {
+                plan_step: step_id,
+                state: if step_id < self.next_step {
+                    format!("it was already committed or aborted; cannot {verb} it again")
+                } else {
+                    "no such plan was built".to_string()
+                },
+            }),
+        }
+    }
+
+    /// Publishes what the plan's step wrote and advances every sequence.
+    pub fn commit(&mut self, plan: &StepPlan) -> Result<()> {
+        self.commit_step(plan.step_id)
+    }
+
+    /// `commit` by step id.
+    pub fn commit_step(&mut self, step_id: u64) -> Result<()> {
+        let slots = self.take_in_flight(step_id, "commit")?;
+        for slot in slots {
+            self.commit_slot(slot);
+        }
+        self.stats.commits += 1;
+        Ok(())
+    }
+
+    /// Undoes the plan's step: nothing is published, every sequence is back where it was.
+    pub fn abort(&mut self, plan: &StepPlan) -> Result<()> {
+        self.abort_step(plan.step_id)
+    }
+
+    /// `abort` by step id.
+    pub fn abort_step(&mut self, step_id: u64) -> Result<()> {
+        let slots = self.take_in_flight(step_id, "abort")?;
+        for slot in slots.into_iter().rev() {
+            self.undo_step(slot);
+        }
+        self.stats.aborts += 1;
+        Ok(())
+    }
+
+    fn commit_slot(&mut self, slot: usize) {
+        let Some(mut seq) = self.seqs[slot].take() else { return };
+        let Some(step) = seq.step.take() else {
+            self.seqs[slot] = Some(seq);
+            return;
+        };
+        let (start, end) = (step.start, step.end);
+        let mut groups = std::mem::take(&mut seq.groups);
+        for (g, group_step) in step.groups.iter().enumerate() {
+            let pool = self.groups[g].pool();
+            match (group_step, &mut groups[g]) {
+                (GroupStep::Paged { cow, .. }, SeqGroup::Paged(paged)) => {
+                    let block_size = self.groups[g].block_size().unwrap_or(1);
+                    if let Some((src, dst, tokens)) = *cow {
+                        let col_start = start - tokens;
+                        self.publish_range(g, &seq, dst, col_start, start);
+                        self.pools[pool].decref(src, LruEnd::MostRecent);
+                    }
+                    let mut q = (start / self.unit + 1) * self.unit;
+                    while q <= end {
+                        let col = ((q - 1) / block_size) as usize;
+                        let block_end = ((col as u32 + 1) * block_size).min(end);
+                        let block = paged.table[col];
+                        self.publish_range(g, &seq, block, q - self.unit, block_end);
+                        q = (block_end / self.unit + 1) * self.unit;
+                    }
+                    if let GroupRuntime::SlidingWindow { window, .. } = self.groups[g] {
+                        release_window(&mut self.pools[pool], paged, end, window, block_size);
+                    }
+                }
+                (GroupStep::State { interior, snapshot }, SeqGroup::State(state)) => {
+                    let written = usize::from(state.current == Some(0));
+                    state.current = Some(written);
+                    if state.resume != NULL_BLOCK {
+                        self.pools[pool].decref(state.resume, LruEnd::MostRecent);
+                        state.resume = NULL_BLOCK;
+                    }
+                    for c in interior.iter().chain(snapshot.iter()) {
+                        if c.decode_tail {
+                            if let Some((old, _)) = state.decode_tail.replace((c.block, c.position))
+                            {
+                                self.pools[pool].decref(old, LruEnd::MostRecent);
+                            }
+                            continue;
+                        }
+                        self.publish_checkpoint(g, &seq, c.block, c.position);
+                        self.pools[pool].decref(c.block, LruEnd::MostRecent);
+                    }
+                }
+                _ => {}
+            }
+        }
+        seq.groups = groups;
+        seq.num_computed = end;
+        self.seqs[slot] = Some(seq);
+    }
+
+    /// Keys `block` of paged group `g` at every unit boundary in `(from, to]`.
+    fn publish_range(&mut self, g: usize, seq: &Sequence, block: BlockId, from: u32, to: u32) {
+        let unit = self.unit;
+        let hashes = &seq.hashes;
+        let pool = self.groups[g].pool();
+        let first = from / unit + 1;
+        let last = to / unit;
+        let mut added: Vec<Digest> = Vec::new();
+        let mut first_added = None;
+        for i in first..=last {
+            let position = i * unit;
+            let key = Key { group: g as u32, digest: hashes[(i - 1) as usize] };
+            if self.pools[pool].add_key(block, BlockKey { key, position }) {
+                self.index_insert(key, block, seq, i - 1);
+                first_added.get_or_insert(position);
+                added.push(key.digest);
+            }
+        }
+        if let Some(first_position) = first_added {
+            self.store_event(g, block, added, hashes, first_position, false);
+        }
+    }
+
+    fn publish_checkpoint(&mut self, g: usize, seq: &Sequence, block: BlockId, position: u32) {
+        let hashes = &seq.hashes;
+        let unit_index = position / self.unit;
+        let key = Key { group: g as u32, digest: hashes[(unit_index - 1) as usize] };
+        let pool = self.groups[g].pool();
+        if self.pools[pool].add_key(block, BlockKey { key, position }) {
+            self.index_insert(key, block, seq, unit_index - 1);
+            self.stats.groups[g].checkpoints_published += 1;
+            self.store_event(g, block, vec![key.digest], hashes, position, true);
+        }
+    }
+
+    fn index_insert(&mut self, key: Key, block: BlockId, seq: &Sequence, unit_index: u32) {
+        if !self.index.verifies_tokens() {
+            self.index.insert(key, block, None);
+            return;
+        }
+        let i = unit_index as usize;
+        let unit = self.unit as usize;
+        let parent = if i == 0 { self.hasher.seed_digest() } else { seq.hashes[i - 1] };
+        self.index.insert(key, block, Some((&parent, &seq.tokens[i * unit..(i + 1) * unit])));
+    }
+
+    fn store_event(
+        &mut self,
+        g: usize,
+        block: BlockId,
+        keys: Vec<Digest>,
+        hashes: &[Digest],
+        first_position: u32,
+        checkpoint: bool,
+    ) {
+        if !self.events.enabled() {
+            return;
+        }
+        let unit = self.unit;
+        let parent = (first_position > unit).then(|| hashes[(first_position / unit - 2) as usize]);
+        let token_end = first_position + (keys.len() as u32 - 1) * unit;
+        self.events.push(CacheEvent::BlockStored {
+            group: g as u32,
+            block,
+            keys,
+            parent,
+            token_start: first_position - unit,
+            token_end,
+            checkpoint,
+        });
+    }
+
+    /// `finish`: the decode-tail snapshot becomes a published checkpoint, least recently used.
+    pub(crate) fn publish_decode_tail(
+        &mut self,
+        g: usize,
+        seq: &Sequence,
+        block: BlockId,
+        position: u32,
+    ) {
+        self.publish_checkpoint(g, seq, block, position);
+        if self.pools[self.groups[g].pool()].is_published(block) {
+            self.stats.groups[g].decode_tails_published += 1;
+        }
+        self.pools[self.groups[g].pool()].decref(block, LruEnd::LeastRecent);
+    }
+
+    /// Undoes a scheduled or in-flight step of one sequence.
+    pub(crate) fn undo_step(&mut self, slot: usize) {
+        let Some(mut seq) = self.seqs[slot].take() else { return };
+        let Some(step) = seq.step.take() else {
+            self.seqs[slot] = Some(seq);
+            return;
+        };
+        for (g, group_step) in step.groups.iter().enumerate() {
+            let pool = &mut self.pools[self.groups[g].pool()];
+            match (group_step, &mut seq.groups[g]) {
+                (GroupStep::Paged { table_len_before, cow }, SeqGroup::Paged(paged)) => {
+                    for &block in paged.table[*table_len_before..].iter().rev() {
+                        pool.decref(block, LruEnd::MostRecent);
+                    }
+                    paged.table.truncate(*table_len_before);
+                    if let Some((src, _, _)) = cow {
+                        pool.decref(*src, LruEnd::MostRecent);
+                    }
+                    if step.first {
+                        *paged = PagedSeq::default();
+                    }
+                }
+                (GroupStep::State { interior, snapshot }, SeqGroup::State(state)) => {
+                    for c in interior.iter().chain(snapshot.iter()) {
+                        pool.decref(c.block, LruEnd::MostRecent);
+                    }
+                    if step.first {
+                        for block in [state.running[1], state.running[0], state.resume] {
+                            pool.decref(block, LruEnd::MostRecent);
+                        }
+                        *state = StateSeq::default();
+                    }
+                }
+                _ => {}
+            }
+        }
+        if step.first {
+            seq.started = false;
+            seq.num_computed = 0;
+            seq.prefill_target = 0;
+            seq.junction = None;
+            self.started -= 1;
+        }
+        self.seqs[slot] = Some(seq);
+    }
+}
+
+/// Releases the blocks that left the window once `computed` tokens are done: a block j is no
+/// longer read when `(j + 1) * B <= computed - W`.
+fn release_window(
+    pool: &mut crate::pool::BlockPool,
+    paged: &mut PagedSeq,
+    computed: u32,
+    window: u32,
+    block_size: u32,
+) {
+    let keep_from = (computed.saturating_sub(window) / block_size) as usize;
+    while paged.window_start < keep_from.min(paged.table.len()) {
+        let col = paged.window_start;
+        pool.decref(paged.table[col], LruEnd::MostRecent);
+        paged.table[col] = NULL_BLOCK;
+        paged.window_start += 1;
+    }
+}

@@ -1,0 +1,94 @@
+//! The one error type of the core.
+//!
+//! Every misuse reachable through the public API is a variant with structured fields and a
+//! message that says what was wrong and what to change. Running out of blocks is not an error:
+//! `schedule` returns `Ok(None)` for it.
+
+use thiserror::Error;
+
+/// Errors returned by [`crate::CacheManager`] and the configuration validators.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum CacheError {
+    /// The configuration is inconsistent; the message says which field to change.
+    #[error("invalid configuration: {message}")]
+    Config { message: String },
+
+    /// A request argument is out of range or malformed (empty tokens, bad multimodal range, ...).
+    #[error("invalid request: {message}")]
+    InvalidRequest { message: String },
+
+    /// The sequence id is not known (never added, or already finished).
+    #[error("unknown sequence {seq_id}: add it first (finished sequences must be added again)")]
+    UnknownSequence { seq_id: u64 },
+
+    /// `add` of a sequence id that is still live.
+    #[error("sequence {seq_id} is already live: finish or preempt it, or use another id")]
+    DuplicateSequence { seq_id: u64 },
+
+    /// `schedule` of a sequence whose every token is already computed.
+    #[error(
+        "sequence {seq_id} has nothing left to compute ({num_computed} of {num_tokens} tokens \
+         computed): append the sampled token first"
+    )]
+    NothingToSchedule { seq_id: u64, num_computed: u32, num_tokens: u32 },
+
+    /// A call that the step protocol does not allow now (plan in flight, double schedule, ...).
+    #[error("step protocol: {message}")]
+    Step { message: String },
+
+    /// `commit` / `abort` of a plan that is not the one in flight.
+    #[error(
+        "plan of step {plan_step} is not in flight ({state}): commit or abort each plan exactly \
+         once, the latest one built"
+    )]
+    StalePlan { plan_step: u64, state: String },
+
+    /// A checkpoint position the kernel cannot write.
+    #[error(
+        "checkpoint at position {position} is offset {offset} from the chunk start {chunk_start}, \
+         not a multiple of the backend's alignment {alignment}; {valid}"
+    )]
+    Alignment { position: u32, offset: u32, alignment: u32, chunk_start: u32, valid: String },
+
+    /// `reset` while sequences still hold blocks.
+    #[error("reset refused: {live} sequence(s) still hold blocks; finish or preempt them first")]
+    ResetRefused { live: usize },
+
+    /// `check_invariants` found an inconsistency (a bug in the core; please report it).
+    #[error("invariant violated: {message}")]
+    Invariant { message: String },
+}
+
+impl CacheError {
+    pub(crate) fn config(message: impl Into<String>) -> Self {
+        Self::Config { message: message.into() }
+    }
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
+        Self::InvalidRequest { message: message.into() }
+    }
+    pub(crate) fn step(message: impl Into<String>) -> Self {
+        Self::Step { message: message.into() }
+    }
+    pub(crate) fn invariant(message: impl Into<String>) -> Self {
+        Self::Invariant { message: message.into() }
+    }
+    /// A stable name of the variant, used by the bindings' exhaustive mapping tests.
+    #[must_use]
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Config { .. } => "Config",
+            Self::InvalidRequest { .. } => "InvalidRequest",
+            Self::UnknownSequence { .. } => "UnknownSequence",
+            Self::DuplicateSequence { .. } => "DuplicateSequence",
+            Self::NothingToSchedule { .. } => "NothingToSchedule",
+            Self::Step { .. } => "Step",
+            Self::StalePlan { .. } => "StalePlan",
+            Self::Alignment { .. } => "Alignment",
+            Self::ResetRefused { .. } => "ResetRefused",
+            Self::Invariant { .. } => "Invariant",
+        }
+    }
+}
+
+/// Result alias of the core.
+pub type Result<T, E = CacheError> = std::result::Result<T, E>;

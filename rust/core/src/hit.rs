@@ -1,0 +1,237 @@
+//! Prefix hits: the reconciled hit over every group, each group's own hit and why it stops,
+//! and the junction where another request diverged.
+//!
+//! Rules (per candidate L, a multiple of U with L <= N - 1):
+//! - full attention: every block `j < L / B` published under its full key `(j + 1) B`, and if
+//!   `L % B != 0` a block published under the key at L (copied on write by the consumer). These
+//!   hits are downward closed, so the bound is found by one scan from the start;
+//! - sliding window: the same, for the blocks covering `[max(0, L - W), L)` only;
+//! - state: a checkpoint published under the key at exactly L, or L = 0.
+//!
+//! Windows and states are not downward closed: candidates are tested from the full-attention
+//! bound downward in steps of U. Nothing here changes cache state.
+
+use crate::manager::{CacheManager, GroupRuntime};
+use crate::pool::{BlockId, Key};
+use crate::sequence::Sequence;
+
+/// Why a group's own hit stops where it does.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum MissReason {
+    /// The key at the next position was never published (or was evicted long ago).
+    NotCached,
+    /// The key at the next position was evicted recently.
+    RecentlyEvicted,
+    /// The paged groups could go further, but no state was saved at the next position.
+    NoStateAtPosition,
+    /// The window's last block is cached but an earlier block of the window is not.
+    WindowGap,
+}
+
+impl MissReason {
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::NotCached => "not_cached",
+            Self::RecentlyEvicted => "recently_evicted",
+            Self::NoStateAtPosition => "no_state_at_position",
+            Self::WindowGap => "window_gap",
+        }
+    }
+}
+
+/// One group's part of a [`Hit`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupHit {
+    pub group: u32,
+    /// The group's own longest hit (a multiple of U, at most `Hit::max_tokens`).
+    pub tokens: u32,
+    /// Why it does not reach `tokens + U` (`None` when it reaches `Hit::max_tokens`).
+    pub stop: Option<MissReason>,
+}
+
+/// The result of a lookup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hit {
+    /// The reconciled hit L: every group can resume there.
+    pub tokens: u32,
+    /// The largest L a lookup could return: `((N - 1) / U) * U`.
+    pub max_tokens: u32,
+    pub groups: Vec<GroupHit>,
+    /// The largest own hit above L when it exceeds L by at least 2U (another request diverged
+    /// there; a retained `junction` checkpoint is taken at it).
+    pub junction: Option<u32>,
+}
+
+enum Probe {
+    Ok,
+    /// Missing key at this position; whether it is the candidate's last key.
+    Missing { position: u32, last: bool },
+}
+
+impl CacheManager {
+    fn key_at(seq: &Sequence, group: u32, unit: u32, position: u32) -> Key {
+        Key { group, digest: seq.hashes[(position / unit - 1) as usize] }
+    }
+
+    pub(crate) fn has_key(&self, seq: &Sequence, group: u32, position: u32) -> bool {
+        self.index.contains(&Self::key_at(seq, group, self.unit, position))
+    }
+
+    fn miss_reason(&self, seq: &Sequence, group: u32, position: u32) -> MissReason {
+        if self.index.recently_evicted(&Self::key_at(seq, group, self.unit, position)) {
+            MissReason::RecentlyEvicted
+        } else {
+            MissReason::NotCached
+        }
+    }
+
+    /// Full-attention bound of one group (downward closed scan), capped at `limit`.
+    fn full_attention_bound(&self, seq: &Sequence, group: u32, block: u32, limit: u32) -> u32 {
+        let unit = self.unit;
+        let mut bound = 0;
+        let mut block_start = 0;
+        loop {
+            let full_end = block_start + block;
+            if full_end <= limit && self.has_key(seq, group, full_end) {
+                bound = full_end;
+                block_start = full_end;
+                continue;
+            }
+            let last = limit.min(full_end - unit);
+            let mut q = block_start + unit;
+            while q <= last && self.has_key(seq, group, q) {
+                bound = q;
+                q += unit;
+            }
+            return bound;
+        }
+    }
+
+    fn window_probe(&self, seq: &Sequence, group: u32, block: u32, window: u32, l: u32) -> Probe {
+        if l == 0 {
+            return Probe::Ok;
+        }
+        let first_col = l.saturating_sub(window) / block;
+        let last_col = (l - 1) / block;
+        // The last key first: a miss there is the common case and ends the candidate.
+        let last_position = ((last_col + 1) * block).min(l);
+        if !self.has_key(seq, group, last_position) {
+            return Probe::Missing { position: last_position, last: true };
+        }
+        for col in first_col..last_col {
+            let position = (col + 1) * block;
+            if !self.has_key(seq, group, position) {
+                return Probe::Missing { position, last: false };
+            }
+        }
+        Probe::Ok
+    }
+
+    fn group_allows(&self, seq: &Sequence, g: usize, l: u32) -> bool {
+        match self.groups[g] {
+            GroupRuntime::FullAttention { .. } => true,
+            GroupRuntime::SlidingWindow { block_size, window, .. } => {
+                matches!(self.window_probe(seq, g as u32, block_size, window, l), Probe::Ok)
+            }
+            GroupRuntime::State { .. } => l == 0 || self.has_key(seq, g as u32, l),
+        }
+    }
+
+    /// The longest prefix whose stored unit tokens match (only with `verify_tokens`).
+    fn verified_limit(&self, seq: &Sequence, max_tokens: u32) -> u32 {
+        if !self.index.verifies_tokens() {
+            return max_tokens;
+        }
+        let unit = self.unit as usize;
+        let seed = self.hasher.seed_digest();
+        let units = (max_tokens as usize) / unit;
+        let mut parent = seed;
+        for i in 0..units {
+            let digest = seq.hashes[i];
+            if !self.index.verify(&digest, &parent, &seq.tokens[i * unit..(i + 1) * unit]) {
+                return (i * unit) as u32;
+            }
+            parent = digest;
+        }
+        max_tokens
+    }
+
+    /// The reconciled hit of a sequence (no statistics, no state change).
+    pub(crate) fn compute_hit(&self, seq: &Sequence) -> Hit {
+        let unit = self.unit;
+        let n = seq.num_tokens();
+        let max_tokens = if n == 0 { 0 } else { ((n - 1) / unit) * unit };
+        let limit = self.verified_limit(seq, max_tokens);
+        let mut groups = Vec::with_capacity(self.groups.len());
+        let mut bound = limit;
+        for (g, runtime) in self.groups.iter().enumerate() {
+            let gid = g as u32;
+            let (own, stop) = match *runtime {
+                GroupRuntime::FullAttention { block_size, .. } => {
+                    let own = self.full_attention_bound(seq, gid, block_size, limit);
+                    bound = bound.min(own);
+                    let stop = (own < max_tokens).then(|| self.miss_reason(seq, gid, own + unit));
+                    (own, stop)
+                }
+                GroupRuntime::SlidingWindow { block_size, window, .. } => {
+                    let mut l = limit;
+                    let mut stop = None;
+                    loop {
+                        match self.window_probe(seq, gid, block_size, window, l) {
+                            Probe::Ok => break,
+                            Probe::Missing { position, last } => {
+                                if stop.is_none() {
+                                    stop = Some(if last {
+                                        self.miss_reason(seq, gid, position)
+                                    } else {
+                                        MissReason::WindowGap
+                                    });
+                                }
+                                l -= unit;
+                            }
+                        }
+                    }
+                    (l, if l < max_tokens { stop.or(Some(MissReason::NotCached)) } else { None })
+                }
+                GroupRuntime::State { .. } => {
+                    let mut l = limit;
+                    while l > 0 && !self.has_key(seq, gid, l) {
+                        l -= unit;
+                    }
+                    let stop = (l < max_tokens).then(|| {
+                        match self.miss_reason(seq, gid, l + unit) {
+                            MissReason::RecentlyEvicted => MissReason::RecentlyEvicted,
+                            _ => MissReason::NoStateAtPosition,
+                        }
+                    });
+                    (l, stop)
+                }
+            };
+            groups.push(GroupHit { group: gid, tokens: own, stop });
+        }
+        let mut tokens = bound;
+        while tokens > 0
+            && !(0..self.groups.len()).all(|g| {
+                groups[g].tokens >= tokens && self.group_allows(seq, g, tokens)
+                    || matches!(self.groups[g], GroupRuntime::FullAttention { .. })
+            })
+        {
+            tokens -= unit;
+        }
+        let top = groups.iter().map(|g| g.tokens).max().unwrap_or(0);
+        let junction = (top >= tokens + 2 * unit).then_some(top);
+        Hit { tokens, max_tokens, groups, junction }
+    }
+
+    /// The block to use for a key: one already in use if any, else the most recently used.
+    pub(crate) fn choose_block(&self, seq: &Sequence, group: u32, position: u32) -> BlockId {
+        let pool = &self.pools[self.groups[group as usize].pool()];
+        let holders = self.index.get(&Self::key_at(seq, group, self.unit, position));
+        holders
+            .iter()
+            .copied()
+            .max_by_key(|&b| (pool.ref_count(b) > 0, pool.stamp(b), u32::MAX - b))
+            .unwrap_or(0)
+    }
+}

@@ -1,0 +1,187 @@
+//! `HashIndex`: which blocks are published under which key, plus what explains misses.
+//!
+//! One key may map to several blocks (two sequences computed the same content; duplicates are
+//! never merged, so a block id never changes under a running sequence). The index holds only
+//! published blocks: a key is inserted at commit and removed when its block is evicted or the
+//! cache is reset. It also remembers a bounded set of recently evicted keys, so a lookup can say
+//! `recently_evicted` instead of `not_cached`, and, with `verify_tokens`, the tokens and parent
+//! digest behind every published digest, so hits can be checked token by token.
+
+use std::collections::VecDeque;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use crate::hashing::Digest;
+use crate::pool::{BlockId, Key};
+
+#[derive(Clone, Debug)]
+enum Holders {
+    One(BlockId),
+    Many(Vec<BlockId>),
+}
+
+impl Holders {
+    fn as_slice(&self) -> &[BlockId] {
+        match self {
+            Self::One(b) => std::slice::from_ref(b),
+            Self::Many(v) => v,
+        }
+    }
+}
+
+/// Tokens behind a published digest (only with `verify_tokens`).
+#[derive(Clone, Debug)]
+struct StoredUnit {
+    parent: Digest,
+    tokens: Box<[u32]>,
+    holders: u32,
+}
+
+/// Key -> blocks, recently evicted keys, and optionally the stored unit tokens.
+#[derive(Clone, Debug, Default)]
+pub struct HashIndex {
+    map: FxHashMap<Key, Holders>,
+    recent: FxHashSet<Key>,
+    recent_order: VecDeque<Key>,
+    recent_capacity: usize,
+    units: Option<FxHashMap<Digest, StoredUnit>>,
+}
+
+impl HashIndex {
+    #[must_use]
+    pub fn new(recent_capacity: usize, verify_tokens: bool) -> Self {
+        Self {
+            recent_capacity,
+            units: verify_tokens.then(FxHashMap::default),
+            ..Self::default()
+        }
+    }
+
+    /// Blocks published under `key` (empty if none).
+    #[must_use]
+    pub fn get(&self, key: &Key) -> &[BlockId] {
+        self.map.get(key).map_or(&[], Holders::as_slice)
+    }
+
+    #[must_use]
+    pub fn contains(&self, key: &Key) -> bool {
+        self.map.contains_key(key)
+    }
+
+    /// Number of distinct keys.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Publishes `block` under `key`. `unit` carries (parent digest, unit tokens) when tokens
+    /// are verified.
+    pub fn insert(&mut self, key: Key, block: BlockId, unit: Option<(&Digest, &[u32])>) {
+        match self.map.get_mut(&key) {
+            None => {
+                self.map.insert(key, Holders::One(block));
+            }
+            Some(Holders::One(first)) => {
+                let first = *first;
+                self.map.insert(key, Holders::Many(vec![first, block]));
+            }
+            Some(Holders::Many(v)) => v.push(block),
+        }
+        if let (Some(units), Some((parent, tokens))) = (self.units.as_mut(), unit) {
+            units
+                .entry(key.digest)
+                .or_insert_with(|| StoredUnit {
+                    parent: *parent,
+                    tokens: tokens.into(),
+                    holders: 0,
+                })
+                .holders += 1;
+        }
+    }
+
+    /// Unpublishes `block` from `key`; `evicted` records the key as recently evicted when no
+    /// block is left under it.
+    pub fn remove(&mut self, key: &Key, block: BlockId, evicted: bool) {
+        let now_empty = match self.map.get_mut(key) {
+            None => return,
+            Some(Holders::One(b)) => *b == block,
+            Some(Holders::Many(v)) => {
+                v.retain(|&b| b != block);
+                if v.len() == 1 {
+                    let last = v[0];
+                    self.map.insert(*key, Holders::One(last));
+                }
+                false
+            }
+        };
+        if now_empty {
+            self.map.remove(key);
+            if evicted {
+                self.remember_evicted(*key);
+            }
+        }
+        if let Some(units) = self.units.as_mut() {
+            if let Some(unit) = units.get_mut(&key.digest) {
+                unit.holders -= 1;
+                if unit.holders == 0 {
+                    units.remove(&key.digest);
+                }
+            }
+        }
+    }
+
+    fn remember_evicted(&mut self, key: Key) {
+        if self.recent_capacity == 0 || !self.recent.insert(key) {
+            return;
+        }
+        self.recent_order.push_back(key);
+        while self.recent_order.len() > self.recent_capacity {
+            if let Some(old) = self.recent_order.pop_front() {
+                self.recent.remove(&old);
+            }
+        }
+    }
+
+    /// Whether `key` lost its last block to eviction recently (and was not published since).
+    #[must_use]
+    pub fn recently_evicted(&self, key: &Key) -> bool {
+        self.recent.contains(key) && !self.map.contains_key(key)
+    }
+
+    /// With `verify_tokens`: whether the unit published under `digest` has exactly these tokens
+    /// and parent. Without it: always true.
+    #[must_use]
+    pub fn verify(&self, digest: &Digest, parent: &Digest, tokens: &[u32]) -> bool {
+        match &self.units {
+            None => true,
+            Some(units) => units
+                .get(digest)
+                .is_some_and(|u| u.parent == *parent && *u.tokens == *tokens),
+        }
+    }
+
+    #[must_use]
+    pub fn verifies_tokens(&self) -> bool {
+        self.units.is_some()
+    }
+
+    /// Iterates over every (key, block) pair (for invariant checks).
+    pub fn entries(&self) -> impl Iterator<Item = (&Key, BlockId)> + '_ {
+        self.map.iter().flat_map(|(k, h)| h.as_slice().iter().map(move |&b| (k, b)))
+    }
+
+    /// Forgets every key (reset). Recently evicted keys are forgotten too.
+    pub fn clear(&mut self) {
+        self.map.clear();
+        self.recent.clear();
+        self.recent_order.clear();
+        if let Some(units) = self.units.as_mut() {
+            units.clear();
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! `check_invariants`: the whole-manager consistency check that tests run after every call.
+//!
+//! It verifies: each pool's own partition (free / owned / cached, LRU integrity, null block);
+//! reference counts equal the number of holders (tables, copy sources, running buffers, resume
+//! pins, decode tails, pending checkpoints); keys map only to published blocks of the right
+//! pool and every block key is indexed; state blocks carry exactly one key, on a unit boundary;
+//! no planned checkpoint is off the kernel grid; the checkpoint cap holds; the bookkeeping of
+//! scheduled and started sequences agrees with the sequences themselves.
+
+use crate::error::{CacheError, Result};
+use crate::manager::{CacheManager, GroupRuntime};
+use crate::pool::{BlockKind, NULL_BLOCK};
+use crate::sequence::{GroupStep, SeqGroup};
+
+impl CacheManager {
+    /// Checks every invariant; `Err(Invariant)` describes the first violation found.
+    pub fn check_invariants(&self) -> Result<()> {
+        for (i, pool) in self.pools.iter().enumerate() {
+            pool.check().map_err(|m| CacheError::invariant(format!("pool {i}: {m}")))?;
+        }
+        self.check_holders()?;
+        self.check_index()?;
+        self.check_steps()
+    }
+
+    fn check_holders(&self) -> Result<()> {
+        let mut expected: Vec<Vec<u32>> =
+            self.pools.iter().map(|p| vec![0; p.num_blocks() as usize]).collect();
+        let mut started = 0;
+        for seq in self.seqs.iter().flatten() {
+            started += usize::from(seq.started);
+            for (g, group) in seq.groups.iter().enumerate() {
+                let counts = &mut expected[self.groups[g].pool()];
+                let mut hold = |b: u32| {
+                    if b != NULL_BLOCK {
+                        counts[b as usize] += 1;
+                    }
+                };
+                match group {
+                    SeqGroup::Paged(p) => p.table.iter().copied().for_each(&mut hold),
+                    SeqGroup::State(s) => {
+                        s.running.iter().copied().for_each(&mut hold);
+                        hold(s.resume);
+                        if let Some((b, _)) = s.decode_tail {
+                            hold(b);
+                        }
+                    }
+                }
+                if let Some(step) = &seq.step {
+                    match &step.groups[g] {
+                        GroupStep::Paged { cow: Some((src, _, _)), .. } => hold(*src),
+                        GroupStep::Paged { .. } => {}
+                        GroupStep::State { interior, snapshot } => {
+                            interior.iter().chain(snapshot.iter()).for_each(|c| hold(c.block));
+                        }
+                    }
+                }
+            }
+        }
+        if started != self.started {
+            return Err(CacheError::invariant(format!(
+                "{started} sequences hold blocks but the manager counts {}",
+                self.started
+            )));
+        }
+        for (i, pool) in self.pools.iter().enumerate() {
+            for (b, &want) in expected[i].iter().enumerate() {
+                let have = pool.ref_count(b as u32);
+                if have != want {
+                    return Err(CacheError::invariant(format!(
+                        "pool {i} block {b}: reference count {have} but {want} holders"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_index(&self) -> Result<()> {
+        let mut indexed = 0usize;
+        for (key, block) in self.index.entries() {
+            indexed += 1;
+            let Some(runtime) = self.groups.get(key.group as usize) else {
+                return Err(CacheError::invariant(format!("key of unknown group {}", key.group)));
+            };
+            let pool = &self.pools[runtime.pool()];
+            if !pool.keys(block).iter().any(|k| k.key == *key) {
+                return Err(CacheError::invariant(format!(
+                    "index maps a key of group {} to block {block}, which does not carry it",
+                    key.group
+                )));
+            }
+        }
+        let mut carried = 0usize;
+        for (i, pool) in self.pools.iter().enumerate() {
+            for b in 1..pool.num_blocks() {
+                let keys = pool.keys(b);
+                carried += keys.len();
+                for k in keys {
+                    if !self.index.get(&k.key).contains(&b) {
+                        return Err(CacheError::invariant(format!(
+                            "pool {i} block {b} carries a key at {} that is not indexed",
+                            k.position
+                        )));
+                    }
+                    if k.position == 0 || k.position % self.unit != 0 {
+                        return Err(CacheError::invariant(format!(
+                            "pool {i} block {b} keyed at {}, not a unit boundary",
+                            k.position
+                        )));
+                    }
+                    let state = matches!(self.groups[k.key.group as usize], GroupRuntime::State { .. });
+                    if state && (keys.len() != 1 || !pool.kind(b).is_checkpoint()) {
+                        return Err(CacheError::invariant(format!(
+                            "pool {i} block {b}: a state key on a block labelled {:?} with {} \
+                             keys (a checkpoint holds exactly one position)",
+                            pool.kind(b),
+                            keys.len()
+                        )));
+                    }
+                    if !state && pool.kind(b) != BlockKind::Paged {
+                        return Err(CacheError::invariant(format!(
+                            "pool {i} block {b}: a paged key on a block labelled {:?}",
+                            pool.kind(b)
+                        )));
+                    }
+                }
+            }
+        }
+        if carried != indexed {
+            return Err(CacheError::invariant(format!(
+                "{indexed} index entries but {carried} block keys"
+            )));
+        }
+        for runtime in &self.groups {
+            if let GroupRuntime::State { config, pool } = runtime {
+                if let Some(cap) = config.checkpoint_cap {
+                    let n = self.pools[*pool].num_checkpoints();
+                    if n > cap {
+                        return Err(CacheError::invariant(format!(
+                            "{n} checkpoint blocks exceed the cap {cap}"
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_steps(&self) -> Result<()> {
+        let in_flight: &[usize] = self.in_flight.as_ref().map_or(&[], |f| f.slots.as_slice());
+        for (slot, seq) in self.seqs.iter().enumerate() {
+            let Some(seq) = seq else { continue };
+            let listed = self.scheduled.contains(&slot) || in_flight.contains(&slot);
+            if listed != seq.step.is_some() {
+                return Err(CacheError::invariant(format!(
+                    "sequence {}: has a step {} but listed {listed}",
+                    seq.id,
+                    seq.step.is_some()
+                )));
+            }
+            let Some(step) = &seq.step else { continue };
+            if step.start >= step.end || step.end > seq.num_tokens() {
+                return Err(CacheError::invariant(format!(
+                    "sequence {}: step [{}, {}) outside its {} tokens",
+                    seq.id,
+                    step.start,
+                    step.end,
+                    seq.num_tokens()
+                )));
+            }
+            for (g, group_step) in step.groups.iter().enumerate() {
+                let (GroupStep::State { interior, snapshot }, GroupRuntime::State { config, .. }) =
+                    (group_step, &self.groups[g])
+                else {
+                    continue;
+                };
+                for c in interior {
+                    if c.position <= step.start
+                        || c.position >= step.end
+                        || (c.position - step.start) % config.alignment != 0
+                    {
+                        return Err(CacheError::invariant(format!(
+                            "sequence {}: interior checkpoint at {} off the grid of step \
+                             [{}, {}) with alignment {}",
+                            seq.id, c.position, step.start, step.end, config.alignment
+                        )));
+                    }
+                }
+                if let Some(c) = snapshot {
+                    if c.position != step.end {
+                        return Err(CacheError::invariant(format!(
+                            "sequence {}: snapshot at {} but the step ends at {}",
+                            seq.id, c.position, step.end
+                        )));
+                    }
+                }
+                let limit = config.max_checkpoints_per_step.unwrap_or(u32::MAX) as usize;
+                if interior.len() > limit {
+                    return Err(CacheError::invariant(format!(
+                        "sequence {}: {} interior checkpoints exceed C = {limit}",
+                        seq.id,
+                        interior.len()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}

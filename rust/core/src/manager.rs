@@ -1,0 +1,557 @@
+//! `CacheManager`: the step protocol's entry points and the state they share.
+//!
+//! Lifecycle of a step (the contract with the engine):
+//! `add` -> `lookup` -> `schedule` (per sequence) -> `build_plan` -> kernels -> `commit` | `abort`
+//! -> `append` (decode) -> ... -> `finish` | `preempt`.
+//!
+//! This file owns sequence bookkeeping (`add`, `append`, `finish`, `preempt`, `reset`) and
+//! statistics; `schedule.rs` admits and extends sequences, `plan.rs` builds the step plan and
+//! selects checkpoints, `commit.rs` publishes or undoes a step, `invariants.rs` checks it all.
+//! Invariants kept between calls: nothing is reachable through the index before the commit of
+//! the step that wrote it; one plan at most is in flight; every block is free, owned or cached
+//! (see `pool.rs`); a started sequence holds exactly the blocks of its tables, its running
+//! buffers, its resume pin, its decode-tail snapshot and the blocks of its pending step.
+
+use rustc_hash::FxHashMap;
+
+use crate::config::{CacheConfig, GroupKind, StateGroupConfig};
+use crate::error::{CacheError, Result};
+use crate::events::{CacheEvent, EventLog, EventRecord};
+use crate::hashing::{ExtraKeys, Hasher};
+use crate::hit::Hit;
+use crate::index::HashIndex;
+use crate::pool::{BlockId, BlockKey, BlockKind, BlockPool, LruEnd, NULL_BLOCK};
+use crate::sequence::{
+    shared_units, FinishedCache, FinishedSequence, PagedSeq, SeqGroup, Sequence, StateSeq,
+};
+use crate::stats::{GroupStats, Stats};
+
+/// Longest sequence accepted: positions and plan offsets are `i32` in the step plan.
+pub const MAX_SEQUENCE_TOKENS: usize = i32::MAX as usize;
+
+/// A group as the manager uses it (validated, flattened).
+#[derive(Clone, Debug)]
+pub(crate) enum GroupRuntime {
+    FullAttention { block_size: u32, pool: usize },
+    SlidingWindow { block_size: u32, window: u32, pool: usize },
+    State { config: StateGroupConfig, pool: usize },
+}
+
+impl GroupRuntime {
+    pub fn pool(&self) -> usize {
+        match self {
+            Self::FullAttention { pool, .. }
+            | Self::SlidingWindow { pool, .. }
+            | Self::State { pool, .. } => *pool,
+        }
+    }
+
+    pub fn block_size(&self) -> Option<u32> {
+        match self {
+            Self::FullAttention { block_size, .. } | Self::SlidingWindow { block_size, .. } => {
+                Some(*block_size)
+            }
+            Self::State { .. } => None,
+        }
+    }
+}
+
+/// The plan in flight.
+#[derive(Clone, Debug)]
+pub(crate) struct InFlight {
+    pub step_id: u64,
+    pub slots: Vec<usize>,
+}
+
+/// What `add` did with the prompt's hashes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Added {
+    /// Tokens whose unit hashes were reused from the `extends` sequence.
+    pub reused_tokens: u32,
+    /// Units hashed by this call.
+    pub hashed_units: u32,
+    /// Whether the `extends` sequence was found (running or in the finished cache).
+    pub extends_found: bool,
+}
+
+/// Blocks of one pool: what a user sees of memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub num_blocks: u32,
+    pub free: u32,
+    pub cached: u32,
+    pub owned: u32,
+    pub checkpoints: u32,
+}
+
+/// The prefix-cache manager. Single-threaded (`&mut self`); the bindings wrap it in a mutex.
+#[derive(Debug)]
+pub struct CacheManager {
+    pub(crate) config: CacheConfig,
+    pub(crate) unit: u32,
+    pub(crate) chunk_alignment: u32,
+    pub(crate) groups: Vec<GroupRuntime>,
+    pub(crate) pools: Vec<BlockPool>,
+    pub(crate) index: HashIndex,
+    pub(crate) hasher: Hasher,
+    pub(crate) seqs: Vec<Option<Sequence>>,
+    pub(crate) free_slots: Vec<usize>,
+    pub(crate) by_id: FxHashMap<u64, usize>,
+    pub(crate) finished: FinishedCache,
+    /// Slots scheduled since the last plan, in schedule order.
+    pub(crate) scheduled: Vec<usize>,
+    pub(crate) in_flight: Option<InFlight>,
+    pub(crate) next_step: u64,
+    /// Started sequences (holding blocks).
+    pub(crate) started: usize,
+    pub(crate) events: EventLog,
+    pub(crate) stats: Stats,
+    pub(crate) evicted: Vec<BlockKey>,
+}
+
+impl CacheManager {
+    /// Builds a manager; the configuration is validated first.
+    pub fn new(config: CacheConfig) -> Result<Self> {
+        config.validate()?;
+        let groups = config
+            .groups
+            .iter()
+            .map(|g| match &g.kind {
+                GroupKind::FullAttention { block_size } => {
+                    GroupRuntime::FullAttention { block_size: *block_size, pool: g.pool }
+                }
+                GroupKind::SlidingWindow { block_size, window } => GroupRuntime::SlidingWindow {
+                    block_size: *block_size,
+                    window: *window,
+                    pool: g.pool,
+                },
+                GroupKind::State(s) => GroupRuntime::State { config: s.clone(), pool: g.pool },
+            })
+            .collect::<Vec<_>>();
+        let stats = Stats { groups: vec![GroupStats::default(); groups.len()], ..Stats::default() };
+        Ok(Self {
+            unit: config.hash.unit,
+            chunk_alignment: config.chunk_alignment(),
+            pools: config.pools.iter().map(|p| BlockPool::new(p.num_blocks)).collect(),
+            index: HashIndex::new(config.recently_evicted_capacity, config.hash.verify_tokens),
+            hasher: Hasher::new(config.hash.algorithm, config.hash.seed),
+            seqs: Vec::new(),
+            free_slots: Vec::new(),
+            by_id: FxHashMap::default(),
+            finished: FinishedCache::new(config.finished_cache_bytes),
+            scheduled: Vec::new(),
+            in_flight: None,
+            next_step: 1,
+            started: 0,
+            events: EventLog::new(config.enable_events, config.max_pending_events),
+            stats,
+            evicted: Vec::new(),
+            groups,
+            config,
+        })
+    }
+
+    #[must_use]
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    /// The grid non-final prefill chunks end on (lcm of the state groups' alignments).
+    #[must_use]
+    pub fn chunk_alignment(&self) -> u32 {
+        self.chunk_alignment
+    }
+
+    pub(crate) fn slot(&self, seq_id: u64) -> Result<usize> {
+        self.by_id.get(&seq_id).copied().ok_or(CacheError::UnknownSequence { seq_id })
+    }
+
+    pub(crate) fn seq(&self, slot: usize) -> &Sequence {
+        // Slots come from `by_id` or the step lists, which only name live sequences.
+        self.seqs[slot].as_ref().unwrap_or_else(|| unreachable!("slot {slot} is not live"))
+    }
+
+    pub(crate) fn seq_mut(&mut self, slot: usize) -> &mut Sequence {
+        self.seqs[slot].as_mut().unwrap_or_else(|| unreachable!("slot {slot} is not live"))
+    }
+
+    pub(crate) fn refuse_in_flight(&self, call: &str) -> Result<()> {
+        match &self.in_flight {
+            Some(f) => Err(CacheError::step(format!(
+                "{call} is not allowed while the plan of step {} is in flight: commit or abort \
+                 it first",
+                f.step_id
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn validate_tokens(tokens_len: usize, extra: &ExtraKeys) -> Result<()> {
+        if tokens_len > MAX_SEQUENCE_TOKENS {
+            return Err(CacheError::invalid(format!(
+                "sequence of {tokens_len} tokens is longer than the supported \
+                 {MAX_SEQUENCE_TOKENS}"
+            )));
+        }
+        extra.validate().map_err(CacheError::invalid)?;
+        if let Some(m) = extra.multimodal.iter().find(|m| m.end as usize > tokens_len) {
+            return Err(CacheError::invalid(format!(
+                "multimodal input [{}, {}) ends beyond the {tokens_len} prompt tokens",
+                m.start, m.end
+            )));
+        }
+        Ok(())
+    }
+
+    /// Registers a sequence and hashes its full units. `extends` names a live or recently
+    /// finished sequence whose hashes are reused for the common token prefix.
+    pub fn add(
+        &mut self,
+        seq_id: u64,
+        tokens: &[u32],
+        extra: ExtraKeys,
+        extends: Option<u64>,
+    ) -> Result<Added> {
+        if self.by_id.contains_key(&seq_id) {
+            return Err(CacheError::DuplicateSequence { seq_id });
+        }
+        if tokens.is_empty() {
+            return Err(CacheError::invalid(format!(
+                "sequence {seq_id} has no tokens: a prompt needs at least one token"
+            )));
+        }
+        Self::validate_tokens(tokens.len(), &extra)?;
+        let unit = self.unit;
+        let mut hashes = Vec::with_capacity(tokens.len() / unit as usize);
+        let mut extends_found = false;
+        if let Some(other) = extends {
+            let source = match self.by_id.get(&other) {
+                Some(&slot) => {
+                    let s = self.seq(slot);
+                    Some((&s.tokens, &s.extra, &s.hashes))
+                }
+                None => self.finished.get(other).map(|f| (&f.tokens, &f.extra, &f.hashes)),
+            };
+            if let Some((other_tokens, other_extra, other_hashes)) = source {
+                extends_found = true;
+                let n = shared_units(
+                    unit,
+                    tokens,
+                    &extra,
+                    other_tokens,
+                    other_extra,
+                    other_hashes.len(),
+                );
+                hashes.extend_from_slice(&other_hashes[..n]);
+            }
+        }
+        let reused = hashes.len();
+        self.hasher.extend(tokens, unit, &extra, &mut hashes);
+        let hashed_units = (hashes.len() - reused) as u32;
+        self.finished.remove(seq_id);
+        let seq = Sequence {
+            id: seq_id,
+            tokens: tokens.to_vec(),
+            extra,
+            hashes,
+            num_computed: 0,
+            started: false,
+            prefill_target: 0,
+            junction: None,
+            groups: self.empty_seq_groups(),
+            step: None,
+        };
+        let slot = if let Some(slot) = self.free_slots.pop() {
+            self.seqs[slot] = Some(seq);
+            slot
+        } else {
+            self.seqs.push(Some(seq));
+            self.seqs.len() - 1
+        };
+        self.by_id.insert(seq_id, slot);
+        Ok(Added { reused_tokens: reused as u32 * unit, hashed_units, extends_found })
+    }
+
+    pub(crate) fn empty_seq_groups(&self) -> Vec<SeqGroup> {
+        self.groups
+            .iter()
+            .map(|g| match g {
+                GroupRuntime::State { .. } => SeqGroup::State(StateSeq::default()),
+                _ => SeqGroup::Paged(PagedSeq::default()),
+            })
+            .collect()
+    }
+
+    /// The reconciled hit of a live sequence now. Changes no cache state (counts a statistic).
+    pub fn lookup(&mut self, seq_id: u64) -> Result<Hit> {
+        let slot = self.slot(seq_id)?;
+        let hit = self.compute_hit(self.seq(slot));
+        self.stats.lookups += 1;
+        self.stats.lookup_hit_tokens += u64::from(hit.tokens);
+        Ok(hit)
+    }
+
+    /// Appends sampled (or new user) tokens; new full units are hashed incrementally.
+    pub fn append(&mut self, seq_id: u64, tokens: &[u32]) -> Result<()> {
+        self.refuse_in_flight("append")?;
+        let slot = self.slot(seq_id)?;
+        self.append_slot(slot, tokens)
+    }
+
+    /// `append` for many sequences, one token each (a decode step): one crossing from Python.
+    /// Every id is checked before anything changes.
+    pub fn append_batch(&mut self, seq_ids: &[u64], tokens: &[u32]) -> Result<()> {
+        self.refuse_in_flight("append")?;
+        if seq_ids.len() != tokens.len() {
+            return Err(CacheError::invalid(format!(
+                "append_batch got {} sequence ids but {} tokens: give one token per sequence",
+                seq_ids.len(),
+                tokens.len()
+            )));
+        }
+        let slots = seq_ids.iter().map(|&id| self.slot(id)).collect::<Result<Vec<_>>>()?;
+        for (&slot, token) in slots.iter().zip(tokens) {
+            self.append_slot(slot, std::slice::from_ref(token))?;
+        }
+        Ok(())
+    }
+
+    fn append_slot(&mut self, slot: usize, tokens: &[u32]) -> Result<()> {
+        let unit = self.unit;
+        let seq = self.seqs[slot].as_mut().ok_or(CacheError::invalid("stale slot"))?;
+        if seq.tokens.len() + tokens.len() > MAX_SEQUENCE_TOKENS {
+            return Err(CacheError::invalid(format!(
+                "appending {} tokens to sequence {} would exceed {MAX_SEQUENCE_TOKENS} tokens",
+                tokens.len(),
+                seq.id
+            )));
+        }
+        seq.tokens.extend_from_slice(tokens);
+        self.hasher.extend(&seq.tokens, unit, &seq.extra, &mut seq.hashes);
+        Ok(())
+    }
+
+    /// Releases a sequence's blocks (tail first), publishes its decode-tail checkpoint, and
+    /// keeps its tokens and hashes for `extends`. A sequence scheduled for a step not yet built
+    /// is dropped from that step.
+    pub fn finish(&mut self, seq_id: u64) -> Result<()> {
+        self.refuse_in_flight("finish")?;
+        let slot = self.slot(seq_id)?;
+        self.drop_scheduled(slot);
+        self.release_all(slot, true);
+        self.by_id.remove(&seq_id);
+        if let Some(seq) = self.seqs[slot].take() {
+            self.finished.insert(
+                seq_id,
+                FinishedSequence { tokens: seq.tokens, extra: seq.extra, hashes: seq.hashes },
+            );
+        }
+        self.free_slots.push(slot);
+        Ok(())
+    }
+
+    /// Releases a sequence's blocks (publishing nothing new); it stays live and is recomputed
+    /// from a fresh lookup at its next `schedule`.
+    pub fn preempt(&mut self, seq_id: u64) -> Result<()> {
+        self.refuse_in_flight("preempt")?;
+        let slot = self.slot(seq_id)?;
+        self.drop_scheduled(slot);
+        self.release_all(slot, false);
+        Ok(())
+    }
+
+    fn drop_scheduled(&mut self, slot: usize) {
+        if self.seq(slot).step.is_some() {
+            self.scheduled.retain(|&s| s != slot);
+            self.undo_step(slot);
+        }
+    }
+
+    /// Releases every block a started sequence holds, tail first.
+    fn release_all(&mut self, slot: usize, publish_decode_tail: bool) {
+        let Some(mut seq) = self.seqs[slot].take() else { return };
+        if seq.started {
+            self.started -= 1;
+        }
+        let mut groups = std::mem::take(&mut seq.groups);
+        for (g, group) in groups.iter_mut().enumerate() {
+            let pool = self.groups[g].pool();
+            match group {
+                SeqGroup::Paged(paged) => {
+                    for &block in paged.table.iter().rev() {
+                        self.pools[pool].decref(block, LruEnd::MostRecent);
+                    }
+                    *paged = PagedSeq::default();
+                }
+                SeqGroup::State(state) => {
+                    for block in [state.running[1], state.running[0], state.resume] {
+                        self.pools[pool].decref(block, LruEnd::MostRecent);
+                    }
+                    if let Some((block, position)) = state.decode_tail.take() {
+                        if publish_decode_tail {
+                            self.publish_decode_tail(g, &seq, block, position);
+                        } else {
+                            self.pools[pool].decref(block, LruEnd::MostRecent);
+                        }
+                    }
+                    *state = StateSeq::default();
+                }
+            }
+        }
+        seq.groups = groups;
+        seq.started = false;
+        seq.num_computed = 0;
+        seq.junction = None;
+        seq.prefill_target = 0;
+        self.seqs[slot] = Some(seq);
+    }
+
+    /// Drops every cached block and key. Refused while any sequence holds blocks or a plan is
+    /// in flight.
+    pub fn reset(&mut self) -> Result<()> {
+        self.refuse_in_flight("reset")?;
+        if self.started > 0 {
+            return Err(CacheError::ResetRefused { live: self.started });
+        }
+        for slot in std::mem::take(&mut self.scheduled) {
+            self.undo_step(slot);
+        }
+        let mut removed = Vec::new();
+        for pool in &mut self.pools {
+            pool.clear(&mut removed);
+        }
+        self.index.clear();
+        self.events.push(CacheEvent::AllBlocksCleared);
+        Ok(())
+    }
+
+    /// Takes the pending block events, oldest first.
+    pub fn drain_events(&mut self) -> Vec<EventRecord> {
+        self.events.drain()
+    }
+
+    /// A snapshot of the counters.
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        let mut stats = self.stats.clone();
+        stats.events_dropped = self.events.dropped();
+        stats
+    }
+
+    /// Block usage per pool.
+    #[must_use]
+    pub fn pool_usage(&self) -> Vec<PoolUsage> {
+        self.pools
+            .iter()
+            .map(|p| PoolUsage {
+                num_blocks: p.num_blocks(),
+                free: p.num_free(),
+                cached: p.num_cached(),
+                owned: p.num_blocks() - 1 - p.num_free() - p.num_cached(),
+                checkpoints: p.num_checkpoints(),
+            })
+            .collect()
+    }
+
+    /// Number of live sequences.
+    #[must_use]
+    pub fn num_sequences(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// Number of finished sequences kept for `extends`.
+    #[must_use]
+    pub fn num_finished_cached(&self) -> usize {
+        self.finished.len()
+    }
+
+    /// Tokens of a live sequence computed and committed so far.
+    pub fn num_computed(&self, seq_id: u64) -> Result<u32> {
+        Ok(self.seq(self.slot(seq_id)?).num_computed)
+    }
+
+    /// Tokens of a live sequence (prompt plus appended).
+    pub fn num_tokens(&self, seq_id: u64) -> Result<u32> {
+        Ok(self.seq(self.slot(seq_id)?).num_tokens())
+    }
+
+    /// Whether a plan is in flight.
+    #[must_use]
+    pub fn plan_in_flight(&self) -> Option<u64> {
+        self.in_flight.as_ref().map(|f| f.step_id)
+    }
+
+    /// Full block-table rows of a paged group for the given sequences, padded with the null
+    /// block: `(flat row-major table, rows, columns)`. For the first step or debugging; steps
+    /// use the plan's incremental updates.
+    pub fn block_table(&self, group: u32, seq_ids: &[u64]) -> Result<(Vec<i32>, usize, usize)> {
+        let g = group as usize;
+        if self.groups.get(g).and_then(GroupRuntime::block_size).is_none() {
+            return Err(CacheError::invalid(format!(
+                "group {group} is not a paged group (there are {} groups)",
+                self.groups.len()
+            )));
+        }
+        let mut rows = Vec::with_capacity(seq_ids.len());
+        for &id in seq_ids {
+            let seq = self.seq(self.slot(id)?);
+            if let SeqGroup::Paged(p) = &seq.groups[g] {
+                rows.push(p.table.as_slice());
+            }
+        }
+        let cols = rows.iter().map(|r| r.len()).max().unwrap_or(0);
+        let mut flat = vec![NULL_BLOCK as i32; rows.len() * cols];
+        for (r, row) in rows.iter().enumerate() {
+            for (c, &block) in row.iter().enumerate() {
+                flat[r * cols + c] = block as i32;
+            }
+        }
+        Ok((flat, rows.len(), cols))
+    }
+
+    /// Allocates one block of `pool`, unindexing whatever the eviction removed.
+    pub(crate) fn allocate(&mut self, pool: usize, kind: BlockKind) -> Option<BlockId> {
+        let mut evicted = std::mem::take(&mut self.evicted);
+        let block = self.pools[pool].allocate(kind, &mut evicted);
+        if let Some(block) = block {
+            self.unindex_evicted(block, &mut evicted);
+        }
+        self.evicted = evicted;
+        block
+    }
+
+    /// Takes a specific cached block (the checkpoint cap's victim).
+    pub(crate) fn allocate_cached(
+        &mut self,
+        pool: usize,
+        block: BlockId,
+        kind: BlockKind,
+    ) -> Option<BlockId> {
+        let mut evicted = std::mem::take(&mut self.evicted);
+        let ok = self.pools[pool].allocate_cached(block, kind, &mut evicted);
+        if ok {
+            self.unindex_evicted(block, &mut evicted);
+        }
+        self.evicted = evicted;
+        ok.then_some(block)
+    }
+
+    fn unindex_evicted(&mut self, block: BlockId, evicted: &mut Vec<BlockKey>) {
+        if evicted.is_empty() {
+            return;
+        }
+        let group = evicted[0].key.group;
+        for k in evicted.iter() {
+            self.index.remove(&k.key, block, true);
+        }
+        self.stats.evictions += 1;
+        if let Some(g) = self.stats.groups.get_mut(group as usize) {
+            g.evictions += 1;
+        }
+        if self.events.enabled() {
+            let keys = evicted.iter().map(|k| k.key.digest).collect();
+            self.events.push(CacheEvent::BlockRemoved { group, block, keys });
+        }
+        evicted.clear();
+    }
+}

@@ -1,0 +1,389 @@
+//! `build_plan`: everything the kernels need for one step, and the checkpoint selection.
+//!
+//! The plan is plain contiguous vectors (row-major where two-dimensional), ready to be moved
+//! into NumPy without copying. Per paged group it carries only what changed in the block tables
+//! (appended and replaced entries), so a decode step costs O(sequences), not O(context).
+//!
+//! Checkpoints (per state group, per scheduled sequence, chunk `[qs, qe)`): the retained
+//! positions p with `qs < p <= qe` (explicit requests, then tail, junction, intervals latest
+//! first), minus those already published for this prefix. `p == qe` is served by a snapshot
+//! copy after the step (exempt from the alignment A, not counted against C); interior positions
+//! need `(p - qs) % A == 0` and at most C are taken. Decode steps keep only a decode-tail
+//! snapshot at `qe` when it is a unit boundary. Every position not served is counted with its
+//! reason and gets no block and no key.
+
+use crate::config::StateGroupConfig;
+use crate::error::{CacheError, Result};
+use crate::manager::{CacheManager, GroupRuntime, InFlight};
+use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
+use crate::sequence::{GroupStep, PlannedCheckpoint, SeqGroup, Sequence};
+use crate::stats::SkipReason;
+
+/// Per paged group: what changed in the block tables, and where this step's KV goes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PagedGroupPlan {
+    pub group: u32,
+    /// `[M, 3]` rows `(row, column, block)`: entries appended to the sequences' tables.
+    pub appended: Vec<i32>,
+    /// `[M', 3]` rows `(row, column, block)`: entries replaced (sliding-window releases -> 0).
+    pub replaced: Vec<i32>,
+    /// `[T]` slot `block * B + offset` of each scheduled token.
+    pub slot_mapping: Vec<i64>,
+}
+
+/// Per state group: which slots the kernels read and write.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StateGroupPlan {
+    pub group: u32,
+    /// `[R]` the running buffer written by this step.
+    pub running_slot: Vec<i32>,
+    /// `[R]` the state read (-1 = zero state); never equal to `running_slot`.
+    pub initial_slot: Vec<i32>,
+    /// Cmax: the most interior checkpoints any row has this step.
+    pub max_checkpoints: usize,
+    /// `[R, Cmax]` offsets from the row's query start (0 = none).
+    pub checkpoint_offsets: Vec<i32>,
+    /// `[R, Cmax]` destination slots (-1 = none).
+    pub checkpoint_slots: Vec<i32>,
+    /// `[S, 2]` rows `(running block, checkpoint block)` copied after the forward.
+    pub snapshots: Vec<i32>,
+}
+
+/// Everything the kernels need for one step. R = scheduled sequences, T = scheduled tokens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub step_id: u64,
+    pub seq_ids: Vec<u64>,
+    /// `[R + 1]`
+    pub query_start_loc: Vec<i32>,
+    /// `[R]` tokens computed before this step.
+    pub num_computed: Vec<i32>,
+    /// `[R]`
+    pub num_scheduled: Vec<i32>,
+    pub paged: Vec<PagedGroupPlan>,
+    pub state: Vec<StateGroupPlan>,
+    /// `[K, 4]` rows `(group, src_block, dst_block, num_tokens)`, run before the forward.
+    pub copies: Vec<i64>,
+}
+
+impl StepPlan {
+    #[must_use]
+    pub fn num_rows(&self) -> usize {
+        self.seq_ids.len()
+    }
+
+    #[must_use]
+    pub fn num_tokens(&self) -> usize {
+        self.query_start_loc.last().map_or(0, |&t| t as usize)
+    }
+}
+
+/// The retained positions of a prefill chunk, in priority order, without duplicates.
+fn prefill_candidates(
+    config: &StateGroupConfig,
+    seq: &Sequence,
+    requested: &[u32],
+    start: u32,
+    end: u32,
+    unit: u32,
+) -> Vec<u32> {
+    let r = &config.retention;
+    let mut out: Vec<u32> = requested.to_vec();
+    if r.tail && seq.prefill_target > 0 {
+        out.push((seq.prefill_target - 1) / unit * unit);
+    }
+    if r.junction {
+        out.extend(seq.junction);
+    }
+    if let Some(k) = r.interval {
+        let mut p = end / k * k;
+        while p > start {
+            out.push(p);
+            p -= k;
+        }
+    }
+    let mut seen = Vec::with_capacity(out.len());
+    out.retain(|&p| p > start && p <= end && p > 0 && !seen.contains(&p) && {
+        seen.push(p);
+        true
+    });
+    out
+}
+
+impl CacheManager {
+    /// Asks for a checkpoint at `position` in the chunk scheduled for the next plan, on top of
+    /// the retention policy (it is considered first). Raises `Alignment` for a position the
+    /// kernel cannot write.
+    pub fn request_checkpoint(&mut self, seq_id: u64, position: u32) -> Result<()> {
+        self.refuse_in_flight("request_checkpoint")?;
+        let slot = self.slot(seq_id)?;
+        let unit = self.unit;
+        let seq = self.seq(slot);
+        let Some(step) = &seq.step else {
+            return Err(CacheError::step(format!(
+                "sequence {seq_id} is not scheduled: request checkpoints between schedule and \
+                 build_plan"
+            )));
+        };
+        let (start, end) = (step.start, step.end);
+        let Some(alignment) = self.groups.iter().find_map(|g| match g {
+            GroupRuntime::State { config, .. } => Some(config.alignment),
+            _ => None,
+        }) else {
+            return Err(CacheError::invalid("no state group: there is nothing to checkpoint"));
+        };
+        let alignment = self.chunk_alignment.max(alignment);
+        let on_grid = |p: u32| p % unit == 0 && (p == end || (p - start) % alignment == 0);
+        if position > start && position <= end && on_grid(position) {
+            let step = self.seq_mut(slot).step.as_mut().ok_or(CacheError::step("no step"))?;
+            if !step.requested.contains(&position) {
+                step.requested.push(position);
+            }
+            return Ok(());
+        }
+        let valid: Vec<u32> = (start / unit + 1..=end / unit)
+            .map(|i| i * unit)
+            .filter(|&p| on_grid(p))
+            .collect();
+        let describe = |p: u32| {
+            if p == end {
+                format!("{p} (the chunk end, served by a snapshot)")
+            } else {
+                p.to_string()
+            }
+        };
+        let valid = if valid.is_empty() {
+            format!(
+                "no position in chunk [{start}, {end}) can hold a checkpoint: positions must be \
+                 multiples of the hash unit {unit} at offsets that are multiples of {alignment}, \
+                 or the chunk end"
+            )
+        } else if valid.len() == 1 {
+            format!("the only valid position in chunk [{start}, {end}) is {}", describe(valid[0]))
+        } else {
+            let below = valid.iter().rev().find(|&&p| p < position).copied();
+            let above = valid.iter().find(|&&p| p > position).copied();
+            let near: Vec<String> = below.into_iter().chain(above).map(describe).collect();
+            format!("nearest valid positions in chunk [{start}, {end}): {}", near.join(", "))
+        };
+        let offset = position.saturating_sub(start);
+        if position <= start || position > end {
+            return Err(CacheError::Alignment {
+                position,
+                offset,
+                alignment,
+                chunk_start: start,
+                valid: format!("position {position} is outside the chunk; {valid}"),
+            });
+        }
+        Err(CacheError::Alignment { position, offset, alignment, chunk_start: start, valid })
+    }
+
+    /// Builds the plan of every sequence scheduled since the last plan and puts it in flight.
+    pub fn build_plan(&mut self) -> Result<StepPlan> {
+        self.refuse_in_flight("build_plan")?;
+        let slots = std::mem::take(&mut self.scheduled);
+        let step_id = self.next_step;
+        self.next_step += 1;
+        let rows = slots.len();
+        let mut plan = StepPlan {
+            step_id,
+            seq_ids: Vec::with_capacity(rows),
+            query_start_loc: Vec::with_capacity(rows + 1),
+            num_computed: Vec::with_capacity(rows),
+            num_scheduled: Vec::with_capacity(rows),
+            ..StepPlan::default()
+        };
+        plan.query_start_loc.push(0);
+        let mut checkpoints: Vec<Vec<Vec<PlannedCheckpoint>>> = Vec::new();
+        for (g, runtime) in self.groups.iter().enumerate() {
+            if runtime.block_size().is_some() {
+                plan.paged.push(PagedGroupPlan { group: g as u32, ..PagedGroupPlan::default() });
+            } else {
+                plan.state.push(StateGroupPlan {
+                    group: g as u32,
+                    running_slot: Vec::with_capacity(rows),
+                    initial_slot: Vec::with_capacity(rows),
+                    ..StateGroupPlan::default()
+                });
+                checkpoints.push(Vec::with_capacity(rows));
+            }
+        }
+        let mut total = 0i32;
+        for (row, &slot) in slots.iter().enumerate() {
+            self.select_checkpoints(slot);
+            let seq = self.seq(slot);
+            let Some(step) = &seq.step else { continue };
+            let (start, end) = (step.start, step.end);
+            plan.seq_ids.push(seq.id);
+            plan.num_computed.push(start as i32);
+            plan.num_scheduled.push((end - start) as i32);
+            total += (end - start) as i32;
+            plan.query_start_loc.push(total);
+            let (mut p, mut s) = (0, 0);
+            for (g, group_step) in step.groups.iter().enumerate() {
+                match (group_step, &seq.groups[g]) {
+                    (GroupStep::Paged { table_len_before, cow }, SeqGroup::Paged(paged)) => {
+                        let block = self.groups[g].block_size().unwrap_or(1);
+                        let out = &mut plan.paged[p];
+                        p += 1;
+                        for col in *table_len_before..paged.table.len() {
+                            out.appended.extend([row as i32, col as i32, paged.table[col] as i32]);
+                        }
+                        let from = if step.first { paged.window_start } else { paged.window_reported };
+                        for col in from..paged.window_start {
+                            if !step.first {
+                                out.replaced.extend([row as i32, col as i32, NULL_BLOCK as i32]);
+                            }
+                        }
+                        for pos in start..end {
+                            let b = paged.table[(pos / block) as usize];
+                            out.slot_mapping.push(i64::from(b) * i64::from(block) + i64::from(pos % block));
+                        }
+                        if let Some((src, dst, n)) = cow {
+                            plan.copies.extend([g as i64, i64::from(*src), i64::from(*dst), i64::from(*n)]);
+                        }
+                    }
+                    (GroupStep::State { interior, snapshot }, SeqGroup::State(state)) => {
+                        let out = &mut plan.state[s];
+                        out.running_slot.push(state.write_block() as i32);
+                        out.initial_slot.push(state.read_slot());
+                        if let Some(c) = snapshot {
+                            out.snapshots.extend([state.write_block() as i32, c.block as i32]);
+                        }
+                        out.max_checkpoints = out.max_checkpoints.max(interior.len());
+                        checkpoints[s].push(interior.clone());
+                        s += 1;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        for (s, rows_ckpt) in checkpoints.iter().enumerate() {
+            let out = &mut plan.state[s];
+            let cmax = out.max_checkpoints;
+            out.checkpoint_offsets = vec![0; rows_ckpt.len() * cmax];
+            out.checkpoint_slots = vec![-1; rows_ckpt.len() * cmax];
+            for (row, list) in rows_ckpt.iter().enumerate() {
+                let start = plan.num_computed[row] as u32;
+                for (i, c) in list.iter().enumerate() {
+                    out.checkpoint_offsets[row * cmax + i] = (c.position - start) as i32;
+                    out.checkpoint_slots[row * cmax + i] = c.block as i32;
+                }
+            }
+        }
+        for &slot in &slots {
+            let seq = self.seq_mut(slot);
+            for group in &mut seq.groups {
+                if let SeqGroup::Paged(p) = group {
+                    p.window_reported = p.window_start;
+                }
+            }
+        }
+        self.stats.copies += (plan.copies.len() / 4) as u64;
+        self.in_flight = Some(InFlight { step_id, slots });
+        Ok(plan)
+    }
+
+    /// Chooses and allocates the checkpoints of one scheduled sequence, in every state group.
+    fn select_checkpoints(&mut self, slot: usize) {
+        let unit = self.unit;
+        for g in 0..self.groups.len() {
+            let GroupRuntime::State { config, pool } = &self.groups[g] else { continue };
+            let (config, pool) = (config.clone(), *pool);
+            let seq = self.seq(slot);
+            let Some(step) = &seq.step else { return };
+            let (start, end) = (step.start, step.end);
+            let decode = !step.first && start >= seq.prefill_target;
+            let mut interior = Vec::new();
+            let mut snapshot = None;
+            let mut skipped: Vec<SkipReason> = Vec::new();
+            let mut wanted: Vec<(u32, BlockKind)> = Vec::new();
+            if decode {
+                for (p, _) in step.requested.iter().map(|&p| (p, ())) {
+                    wanted.push((p, BlockKind::Checkpoint));
+                }
+                if config.retention.decode_tail {
+                    let first_boundary = start / unit + 1;
+                    for i in first_boundary..=end / unit {
+                        let p = i * unit;
+                        if p < end && !wanted.iter().any(|w| w.0 == p) {
+                            skipped.push(SkipReason::MidStep);
+                        }
+                    }
+                    if end % unit == 0 && !wanted.iter().any(|w| w.0 == end) {
+                        wanted.push((end, BlockKind::DecodeTail));
+                    }
+                }
+            } else {
+                let candidates =
+                    prefill_candidates(&config, seq, &step.requested, start, end, unit);
+                wanted.extend(candidates.into_iter().map(|p| (p, BlockKind::Checkpoint)));
+            }
+            let limit = config.max_checkpoints_per_step.unwrap_or(u32::MAX) as usize;
+            let mut planned: Vec<(u32, BlockKind)> = Vec::new();
+            for (p, kind) in wanted {
+                let seq = self.seq(slot);
+                if self.has_key(seq, g as u32, p) {
+                    skipped.push(SkipReason::AlreadyCached);
+                } else if p != end && (p - start) % config.alignment != 0 {
+                    skipped.push(SkipReason::Unaligned);
+                } else if p != end && planned.iter().filter(|c| c.0 != end).count() >= limit {
+                    skipped.push(SkipReason::Capacity);
+                } else {
+                    planned.push((p, kind));
+                }
+            }
+            for (p, kind) in planned {
+                match self.allocate_checkpoint(pool, &config, kind) {
+                    Some(block) => {
+                        let c = PlannedCheckpoint {
+                            position: p,
+                            block,
+                            decode_tail: kind == BlockKind::DecodeTail,
+                        };
+                        if p == end {
+                            snapshot = Some(c);
+                        } else {
+                            interior.push(c);
+                        }
+                    }
+                    None => skipped.push(SkipReason::Budget),
+                }
+            }
+            interior.sort_by_key(|c| c.position);
+            for reason in skipped {
+                self.stats.groups[g].checkpoints_skipped[reason.index()] += 1;
+            }
+            if let Some(step) = self.seq_mut(slot).step.as_mut() {
+                step.groups[g] = GroupStep::State { interior, snapshot };
+            }
+        }
+    }
+
+    /// A block for a new checkpoint, or `None` (`budget`): the reserve for running sequences
+    /// and the checkpoint cap are honoured; beyond the cap the least recently used evictable
+    /// checkpoint is reused (a decode-tail snapshot may only displace another decode tail).
+    fn allocate_checkpoint(
+        &mut self,
+        pool: usize,
+        config: &StateGroupConfig,
+        kind: BlockKind,
+    ) -> Option<BlockId> {
+        let reserve = u64::from(config.reserve_per_sequence) * self.started as u64;
+        let p = &self.pools[pool];
+        if u64::from(p.num_available()) < reserve + 1 {
+            return None;
+        }
+        if let Some(cap) = config.checkpoint_cap {
+            if p.num_checkpoints() >= cap {
+                let victim = p.lru_iter().find(|&b| match kind {
+                    BlockKind::DecodeTail => p.kind(b) == BlockKind::DecodeTail,
+                    _ => p.kind(b).is_checkpoint(),
+                })?;
+                return self.allocate_cached(pool, victim, kind);
+            }
+        }
+        self.allocate(pool, kind)
+    }
+}

@@ -1,0 +1,354 @@
+//! `schedule`: admitting a sequence at its hit and giving it the blocks of its next chunk.
+//!
+//! The first schedule of a sequence runs the lookup again, pins the hit (reference counts are
+//! taken before anything is allocated, so this call cannot evict its own hit) and starts from
+//! it. Every schedule is atomic: when a pool cannot supply the blocks the sequence itself needs
+//! (paged blocks, copy-on-write destination, running-state buffers) it returns `None` and
+//! changes nothing but a counter. Checkpoint blocks are chosen later, by `build_plan`, and never
+//! make a schedule fail.
+
+use crate::error::{CacheError, Result};
+use crate::hit::Hit;
+use crate::manager::{CacheManager, GroupRuntime};
+use crate::pool::{BlockKind, NULL_BLOCK};
+use crate::sequence::{GroupStep, PagedSeq, SeqGroup, StateSeq, StepRecord};
+
+/// What `schedule` gave a sequence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scheduled {
+    pub seq_id: u64,
+    /// Tokens already computed before this chunk (the hit, on a first schedule).
+    pub num_computed: u32,
+    /// Tokens scheduled (0: the budget was below the alignment grid; nothing was pinned).
+    pub num_tokens: u32,
+    /// The hit this schedule started from (`Some` only on a sequence's first schedule).
+    pub hit: Option<Hit>,
+}
+
+/// How a sequence's first step uses its hit in one group.
+struct GroupAdmission {
+    /// Table entries (null outside a sliding window).
+    table: Vec<u32>,
+    /// Copy-on-write source and tokens to copy.
+    cow: Option<(u32, u32)>,
+    /// The checkpoint resumed from (state groups).
+    resume: u32,
+}
+
+impl CacheManager {
+    /// Schedules up to `max_tokens` tokens of a sequence for the next plan.
+    ///
+    /// Returns `Ok(None)` when the pool cannot supply the sequence's own blocks (nothing
+    /// changed). A non-final prefill chunk is trimmed to end on a multiple of the chunk
+    /// alignment unless `exact`; when nothing is left after trimming, 0 tokens are scheduled.
+    pub fn schedule(
+        &mut self,
+        seq_id: u64,
+        max_tokens: u32,
+        lookahead: u32,
+        exact: bool,
+    ) -> Result<Option<Scheduled>> {
+        self.refuse_in_flight("schedule")?;
+        let slot = self.slot(seq_id)?;
+        self.check_schedulable(slot, lookahead)?;
+        Ok(self.schedule_slot(slot, max_tokens, lookahead, exact))
+    }
+
+    /// `schedule` for many sequences (one crossing from Python). Every id is checked before
+    /// anything is scheduled; results are in input order.
+    pub fn schedule_batch(
+        &mut self,
+        seq_ids: &[u64],
+        max_tokens: &[u32],
+        exact: bool,
+    ) -> Result<Vec<Option<Scheduled>>> {
+        self.refuse_in_flight("schedule")?;
+        if seq_ids.len() != max_tokens.len() {
+            return Err(CacheError::invalid(format!(
+                "schedule_batch got {} sequence ids but {} token budgets",
+                seq_ids.len(),
+                max_tokens.len()
+            )));
+        }
+        let mut slots = Vec::with_capacity(seq_ids.len());
+        for &id in seq_ids {
+            let slot = self.slot(id)?;
+            self.check_schedulable(slot, 0)?;
+            if slots.contains(&slot) {
+                return Err(CacheError::step(format!(
+                    "sequence {id} appears twice in one schedule_batch"
+                )));
+            }
+            slots.push(slot);
+        }
+        Ok(slots
+            .into_iter()
+            .zip(max_tokens)
+            .map(|(slot, &budget)| self.schedule_slot(slot, budget, 0, exact))
+            .collect())
+    }
+
+    fn check_schedulable(&self, slot: usize, lookahead: u32) -> Result<()> {
+        let seq = self.seq(slot);
+        if seq.step.is_some() {
+            return Err(CacheError::step(format!(
+                "sequence {} is already scheduled for the next plan: build and commit it first",
+                seq.id
+            )));
+        }
+        if seq.num_computed >= seq.num_tokens() {
+            return Err(CacheError::NothingToSchedule {
+                seq_id: seq.id,
+                num_computed: seq.num_computed,
+                num_tokens: seq.num_tokens(),
+            });
+        }
+        if lookahead > 0 && self.config.has_state_groups() {
+            return Err(CacheError::invalid(
+                "lookahead (speculative) tokens are not supported with state groups: a \
+                 recurrent state cannot be rolled back past rejected drafts; use lookahead = 0",
+            ));
+        }
+        Ok(())
+    }
+
+    fn schedule_slot(
+        &mut self,
+        slot: usize,
+        max_tokens: u32,
+        lookahead: u32,
+        exact: bool,
+    ) -> Option<Scheduled> {
+        let seq = self.seq(slot);
+        let first = !seq.started;
+        let hit = first.then(|| self.compute_hit(seq));
+        let start = hit.as_ref().map_or(seq.num_computed, |h| h.tokens);
+        let total = seq.num_tokens();
+        let mut end = start.saturating_add(max_tokens).min(total);
+        if end < total && !exact {
+            end = end / self.chunk_alignment * self.chunk_alignment;
+        }
+        let seq_id = seq.id;
+        if end <= start {
+            return Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit });
+        }
+        let admissions = hit.as_ref().map(|h| self.admissions(slot, h.tokens));
+        if !self.blocks_available(slot, start, end + lookahead, admissions.as_deref()) {
+            self.stats.refused_schedules += 1;
+            return None;
+        }
+        let groups = self.take_blocks(slot, end + lookahead, admissions);
+        let seq = self.seq_mut(slot);
+        if first {
+            seq.started = true;
+            seq.num_computed = start;
+            seq.prefill_target = total;
+            seq.junction = hit.as_ref().and_then(|h| h.junction);
+        }
+        seq.step =
+            Some(StepRecord { start, end, lookahead, first, groups, requested: Vec::new() });
+        self.scheduled.push(slot);
+        if first {
+            self.started += 1;
+            self.stats.admissions += 1;
+            self.stats.admitted_hit_tokens += u64::from(start);
+            for (g, stats) in self.stats.groups.iter_mut().enumerate() {
+                stats.hit_tokens += u64::from(start);
+                if start > 0 && matches!(self.groups[g], GroupRuntime::State { .. }) {
+                    stats.checkpoint_hits += 1;
+                }
+            }
+        }
+        self.stats.scheduled_tokens += u64::from(end - start);
+        Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit })
+    }
+
+    /// Which published blocks a first step uses, per group, for a hit of `hit` tokens.
+    fn admissions(&self, slot: usize, hit: u32) -> Vec<GroupAdmission> {
+        let seq = self.seq(slot);
+        self.groups
+            .iter()
+            .enumerate()
+            .map(|(g, runtime)| {
+                let gid = g as u32;
+                match *runtime {
+                    GroupRuntime::FullAttention { block_size, .. }
+                    | GroupRuntime::SlidingWindow { block_size, .. } => {
+                        let first_col = match *runtime {
+                            GroupRuntime::SlidingWindow { window, .. } => {
+                                hit.saturating_sub(window) / block_size
+                            }
+                            _ => 0,
+                        };
+                        let full = hit / block_size;
+                        let table = (0..full)
+                            .map(|c| {
+                                if c < first_col {
+                                    NULL_BLOCK
+                                } else {
+                                    self.choose_block(seq, gid, (c + 1) * block_size)
+                                }
+                            })
+                            .collect();
+                        let cow = (hit % block_size != 0)
+                            .then(|| (self.choose_block(seq, gid, hit), hit % block_size));
+                        GroupAdmission { table, cow, resume: NULL_BLOCK }
+                    }
+                    GroupRuntime::State { .. } => GroupAdmission {
+                        table: Vec::new(),
+                        cow: None,
+                        resume: if hit > 0 { self.choose_block(seq, gid, hit) } else { 0 },
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// Whether every pool can supply the new blocks this chunk needs, counting the cached
+    /// blocks the hit is about to pin as unavailable.
+    fn blocks_available(
+        &self,
+        slot: usize,
+        start: u32,
+        end: u32,
+        admissions: Option<&[GroupAdmission]>,
+    ) -> bool {
+        let seq = self.seq(slot);
+        let mut need = vec![0u64; self.pools.len()];
+        let mut pinned = vec![0u64; self.pools.len()];
+        for (g, runtime) in self.groups.iter().enumerate() {
+            let pool = runtime.pool();
+            let admission = admissions.map(|a| &a[g]);
+            if let Some(a) = admission {
+                let p = &self.pools[pool];
+                let cached = a
+                    .table
+                    .iter()
+                    .chain(a.cow.as_ref().map(|(src, _)| src))
+                    .chain(std::iter::once(&a.resume))
+                    .filter(|&&b| b != NULL_BLOCK && p.is_cached(b))
+                    .count();
+                pinned[pool] += cached as u64;
+            }
+            match (runtime.block_size(), &seq.groups[g]) {
+                (Some(block), SeqGroup::Paged(paged)) => {
+                    let cols = end.div_ceil(block) as usize;
+                    let have = admission.map_or(paged.table.len(), |a| a.table.len());
+                    need[pool] += cols.saturating_sub(have) as u64;
+                }
+                _ if admission.is_some() => need[pool] += 2,
+                _ => {}
+            }
+        }
+        let _ = start;
+        self.pools
+            .iter()
+            .enumerate()
+            .all(|(i, p)| need[i] + pinned[i] <= u64::from(p.num_available()))
+    }
+
+    /// Pins the hit and allocates the chunk's blocks; only called once `blocks_available`.
+    fn take_blocks(
+        &mut self,
+        slot: usize,
+        end: u32,
+        admissions: Option<Vec<GroupAdmission>>,
+    ) -> Vec<GroupStep> {
+        let mut steps = Vec::with_capacity(self.groups.len());
+        let mut admissions = admissions.map(Vec::into_iter);
+        for g in 0..self.groups.len() {
+            let pool = self.groups[g].pool();
+            let admission = admissions.as_mut().and_then(Iterator::next);
+            if let Some(a) = &admission {
+                for &b in a.table.iter().chain(std::iter::once(&a.resume)) {
+                    self.pools[pool].incref(b);
+                    self.pools[pool].touch(b);
+                }
+                if let Some((src, _)) = a.cow {
+                    self.pools[pool].incref(src);
+                    self.pools[pool].touch(src);
+                }
+            }
+            let step = match self.groups[g].block_size() {
+                Some(block) => {
+                    let mut paged = match (&admission, &mut self.seq_mut(slot).groups[g]) {
+                        (Some(a), _) => PagedSeq {
+                            window_start: a.table.iter().take_while(|&&b| b == 0).count(),
+                            table: a.table.clone(),
+                            window_reported: 0,
+                        },
+                        (None, SeqGroup::Paged(p)) => std::mem::take(p),
+                        (None, SeqGroup::State(_)) => PagedSeq::default(),
+                    };
+                    let table_len_before = if admission.is_some() { 0 } else { paged.table.len() };
+                    let mut cow = None;
+                    if let Some((src, tokens)) = admission.as_ref().and_then(|a| a.cow) {
+                        let dst = self.allocate(pool, BlockKind::Paged).unwrap_or(NULL_BLOCK);
+                        paged.table.push(dst);
+                        cow = Some((src, dst, tokens));
+                    }
+                    while paged.table.len() < end.div_ceil(block) as usize {
+                        let b = self.allocate(pool, BlockKind::Paged).unwrap_or(NULL_BLOCK);
+                        paged.table.push(b);
+                    }
+                    self.seq_mut(slot).groups[g] = SeqGroup::Paged(paged);
+                    GroupStep::Paged { table_len_before, cow }
+                }
+                None => {
+                    if let Some(a) = &admission {
+                        let r0 = self.allocate(pool, BlockKind::Running).unwrap_or(NULL_BLOCK);
+                        let r1 = self.allocate(pool, BlockKind::Running).unwrap_or(NULL_BLOCK);
+                        self.seq_mut(slot).groups[g] = SeqGroup::State(StateSeq {
+                            running: [r0, r1],
+                            current: None,
+                            resume: a.resume,
+                            decode_tail: None,
+                        });
+                    }
+                    GroupStep::State { interior: Vec::new(), snapshot: None }
+                }
+            };
+            steps.push(step);
+        }
+        steps
+    }
+
+    /// `suggest_chunk` for backends that cannot export interior states (C = 0): how many tokens
+    /// to schedule so the chunk ends on the next retained position within `token_budget`, where
+    /// a snapshot after the step keeps the state. Without a retained position in reach, the
+    /// budget itself.
+    pub fn suggest_chunk(&self, seq_id: u64, token_budget: u32) -> Result<u32> {
+        let slot = self.slot(seq_id)?;
+        let seq = self.seq(slot);
+        let (start, target, junction) = if seq.started {
+            (seq.num_computed, seq.prefill_target, seq.junction)
+        } else {
+            let hit = self.compute_hit(seq);
+            (hit.tokens, seq.num_tokens(), hit.junction)
+        };
+        let remaining = seq.num_tokens().saturating_sub(start);
+        let budget = token_budget.min(remaining);
+        let reach = start + budget;
+        let mut best: Option<u32> = None;
+        for runtime in &self.groups {
+            let GroupRuntime::State { config, .. } = runtime else { continue };
+            let r = &config.retention;
+            let mut candidates = Vec::new();
+            if r.tail && target > 0 {
+                candidates.push((target - 1) / self.unit * self.unit);
+            }
+            if r.junction {
+                candidates.extend(junction);
+            }
+            if let Some(k) = r.interval {
+                candidates.push((start / k + 1) * k);
+            }
+            for p in candidates {
+                if p > start && p <= reach && best.is_none_or(|b| p < b) {
+                    best = Some(p);
+                }
+            }
+        }
+        Ok(best.map_or(budget, |p| p - start))
+    }
+}

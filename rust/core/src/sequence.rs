@@ -1,0 +1,216 @@
+//! Per-sequence state owned by the manager, and the bounded cache of finished sequences that
+//! `add(.., extends)` reuses hashes from.
+//!
+//! A sequence is *started* once its first `schedule` pinned its hit; from then on it holds, per
+//! paged group, a block table (null entries where a sliding window released blocks) and, per
+//! state group, two private running-state buffers. Its `step` is the work scheduled for the
+//! next plan or in flight; the sequence's committed position `num_computed` moves only at
+//! `commit`.
+
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
+
+use crate::hashing::{Digest, ExtraKeys};
+use crate::pool::BlockId;
+
+/// A paged group's view of one sequence.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct PagedSeq {
+    /// Block per column; `NULL_BLOCK` for columns a sliding window released (or never held).
+    pub table: Vec<BlockId>,
+    /// Columns below this were released by the sliding window (or were outside the hit).
+    pub window_start: usize,
+    /// Columns below this have been reported as replaced in a plan.
+    pub window_reported: usize,
+}
+
+/// A state group's view of one sequence.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StateSeq {
+    /// The two private running buffers (0 before the first schedule).
+    pub running: [BlockId; 2],
+    /// Which buffer holds the committed state; `None` before the first commit.
+    pub current: Option<usize>,
+    /// The published checkpoint the sequence resumes from, pinned until its first commit.
+    pub resume: BlockId,
+    /// The latest decode-tail snapshot and its position, private until `finish`.
+    pub decode_tail: Option<(BlockId, u32)>,
+}
+
+impl StateSeq {
+    /// The buffer the next step writes.
+    pub fn write_block(&self) -> BlockId {
+        match self.current {
+            Some(c) => self.running[1 - c],
+            None => self.running[0],
+        }
+    }
+
+    /// The slot the next step reads (-1 = zero state).
+    pub fn read_slot(&self) -> i32 {
+        match self.current {
+            Some(c) => self.running[c] as i32,
+            None if self.resume != 0 => self.resume as i32,
+            None => -1,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) enum SeqGroup {
+    Paged(PagedSeq),
+    State(StateSeq),
+}
+
+/// A checkpoint planned for a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PlannedCheckpoint {
+    pub position: u32,
+    pub block: BlockId,
+    /// Decode-tail snapshot (kept private until finish) rather than a prefill checkpoint.
+    pub decode_tail: bool,
+}
+
+/// What one step does to one group of a sequence (enough to commit or undo it).
+#[derive(Clone, Debug)]
+pub(crate) enum GroupStep {
+    Paged {
+        /// Table length before the step: columns from here on were added by it.
+        table_len_before: usize,
+        /// Copy-on-write: (source, destination, tokens copied).
+        cow: Option<(BlockId, BlockId, u32)>,
+    },
+    State {
+        /// Interior checkpoints, written by the kernel.
+        interior: Vec<PlannedCheckpoint>,
+        /// The checkpoint at the chunk end, filled by a snapshot copy after the step.
+        snapshot: Option<PlannedCheckpoint>,
+    },
+}
+
+/// A scheduled (or in-flight) step of one sequence.
+#[derive(Clone, Debug)]
+pub(crate) struct StepRecord {
+    pub start: u32,
+    pub end: u32,
+    pub lookahead: u32,
+    /// The sequence's first step: its hit was pinned by this schedule.
+    pub first: bool,
+    pub groups: Vec<GroupStep>,
+    /// Explicitly requested checkpoint positions (validated on request).
+    pub requested: Vec<u32>,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Sequence {
+    pub id: u64,
+    pub tokens: Vec<u32>,
+    pub extra: ExtraKeys,
+    /// `hashes[i]` fingerprints `tokens[..(i + 1) * U]`.
+    pub hashes: Vec<Digest>,
+    pub num_computed: u32,
+    pub started: bool,
+    /// Tokens known at the first schedule (the tail checkpoint's basis).
+    pub prefill_target: u32,
+    /// Junction position of the first schedule's lookup.
+    pub junction: Option<u32>,
+    pub groups: Vec<SeqGroup>,
+    pub step: Option<StepRecord>,
+}
+
+impl Sequence {
+    pub fn num_tokens(&self) -> u32 {
+        self.tokens.len() as u32
+    }
+}
+
+/// Tokens and hashes of a finished sequence, for `extends`.
+#[derive(Clone, Debug)]
+pub(crate) struct FinishedSequence {
+    pub tokens: Vec<u32>,
+    pub extra: ExtraKeys,
+    pub hashes: Vec<Digest>,
+}
+
+impl FinishedSequence {
+    fn bytes(&self) -> usize {
+        self.tokens.len() * 4 + self.hashes.len() * std::mem::size_of::<Digest>() + 64
+    }
+}
+
+/// Finished sequences, oldest dropped first once over the byte budget.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct FinishedCache {
+    entries: FxHashMap<u64, FinishedSequence>,
+    order: VecDeque<u64>,
+    bytes: usize,
+    capacity: usize,
+}
+
+impl FinishedCache {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, ..Self::default() }
+    }
+
+    pub fn insert(&mut self, id: u64, entry: FinishedSequence) {
+        self.remove(id);
+        let size = entry.bytes();
+        if size > self.capacity {
+            return;
+        }
+        self.bytes += size;
+        self.entries.insert(id, entry);
+        self.order.push_back(id);
+        while self.bytes > self.capacity {
+            let Some(old) = self.order.pop_front() else { break };
+            if let Some(e) = self.entries.remove(&old) {
+                self.bytes -= e.bytes();
+            }
+        }
+    }
+
+    pub fn get(&self, id: u64) -> Option<&FinishedSequence> {
+        self.entries.get(&id)
+    }
+
+    pub fn remove(&mut self, id: u64) -> Option<FinishedSequence> {
+        let entry = self.entries.remove(&id)?;
+        self.bytes -= entry.bytes();
+        self.order.retain(|&x| x != id);
+        Some(entry)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+/// How many leading units two sequences share, hashes included: the common token prefix,
+/// cut before the first unit whose extra keys could differ.
+pub(crate) fn shared_units(
+    unit: u32,
+    tokens: &[u32],
+    extra: &ExtraKeys,
+    other_tokens: &[u32],
+    other_extra: &ExtraKeys,
+    other_units: usize,
+) -> usize {
+    if extra.cache_salt != other_extra.cache_salt || extra.lora_id != other_extra.lora_id {
+        return 0;
+    }
+    let common = tokens.iter().zip(other_tokens).take_while(|(a, b)| a == b).count();
+    let mut limit = common;
+    let (a, b) = (&extra.multimodal, &other_extra.multimodal);
+    for i in 0..a.len().max(b.len()) {
+        match (a.get(i), b.get(i)) {
+            (Some(x), Some(y)) if x == y => {}
+            (x, y) => {
+                let start = x.map_or(u32::MAX, |m| m.start).min(y.map_or(u32::MAX, |m| m.start));
+                limit = limit.min(start as usize);
+                break;
+            }
+        }
+    }
+    (limit / unit as usize).min(other_units)
+}
