@@ -1,0 +1,56 @@
+"""Conversions of plan arrays (NumPy, torch or lists) into index tensors and Python lists.
+
+Plan arrays come from the Rust core as NumPy arrays on the host. Validation reads them on the
+host; kernels need them as int64 tensors on the cache's device, copied without stalling the GPU
+(pinned memory, non-blocking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["ArrayLike", "as_host_tensor", "as_index_tensor", "to_device"]
+
+ArrayLike = torch.Tensor | np.ndarray | Sequence[int] | Sequence[Sequence[int]]
+
+
+def as_host_tensor(array: ArrayLike, name: str) -> torch.Tensor:
+    """``array`` as an integer tensor on the CPU (NumPy arrays are shared, not copied).
+
+    Raises ``TypeError`` when the array is not of an integer dtype.
+    """
+    if isinstance(array, torch.Tensor):
+        tensor = array.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+    elif isinstance(array, np.ndarray):
+        if not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(f"{name} must have an integer dtype, got {array.dtype}")
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+    else:
+        tensor = torch.as_tensor(array, dtype=torch.int64)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must have an integer dtype, got {tensor.dtype}")
+    return tensor
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move a host tensor to ``device``; to a GPU through pinned memory, without a host stall."""
+    if device.type == "cpu":
+        return tensor
+    if device.type == "cuda" and torch.cuda.is_available():
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def as_index_tensor(array: ArrayLike, name: str, *, device: torch.device) -> torch.Tensor:
+    """``array`` as a 1-D int64 tensor on ``device``."""
+    if isinstance(array, torch.Tensor) and array.device == device:
+        if array.dtype.is_floating_point or array.dtype == torch.bool:
+            raise TypeError(f"{name} must have an integer dtype, got {array.dtype}")
+        return array.reshape(-1).to(torch.int64)
+    tensor = as_host_tensor(array, name).reshape(-1).to(torch.int64)
+    return to_device(tensor, device)

@@ -1,0 +1,295 @@
+"""The FlashKDA backends: ``flashkda`` (``flash_kda.fwd``) and ``flashkda-op`` (vLLM's build).
+
+FlashKDA (MoonshotAI, CUTLASS, SM90+) runs the bounded gate only, with K = V = 128, bf16 inputs
+and a ``[N, H, V, K]`` state (fp32 here). Its chunk is 16 tokens, so A = 16.
+
+- ``flashkda``: ``flash_kda.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
+  initial_state, final_state, cu_seqlens)`` has no checkpoint argument. Checkpoints come from
+  chaining segments: every segment round of the plan is one packed varlen call whose fp32 final
+  states go to their slots (``chaining``). Any callable with that signature can be passed as
+  ``fwd``; :meth:`FlashKDAOpBackend.fwd_without_checkpoints` provides one built on vLLM's op,
+  which is how this path is exercised where the ``flash_kda`` package cannot load.
+- ``flashkda-op``: ``torch.ops._flashkda_C.fwd`` from the ``_flashkda_C.abi3.so`` shipped inside
+  the vLLM wheel, loaded from ``library`` or the ``PREFIXCACHE_FLASHKDA_LIB`` environment
+  variable. It takes ``checkpoint_state`` ``[N, H, V, K]`` and ``checkpoint_offsets`` ``[N]``: one
+  checkpoint per sequence per call, written to a dense staging tensor that this backend then
+  copies into the slots. Rows with more checkpoints are chained, each call exporting one interior
+  checkpoint and ending at the next. The op silently skips an offset off its 16-grid; the plan
+  check refuses such offsets first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backend import KDABackend, require_cuda
+from .chaining import SegmentBatch, plan_rounds, run_rounds
+from .errors import BackendUnavailableError, UnsupportedLayerError
+from .params import KDALayerParams
+from .plan import StatePlan
+
+__all__ = [
+    "LIBRARY_ENV",
+    "FlashKDABackend",
+    "FlashKDAFwd",
+    "FlashKDAOpBackend",
+    "load_flashkda_op",
+]
+
+LIBRARY_ENV = "PREFIXCACHE_FLASHKDA_LIB"
+FLASHKDA_CHUNK = 16
+SM90 = (9, 0)
+
+# flash_kda.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
+#               initial_state=None, final_state=None, cu_seqlens=None) -> None
+FlashKDAFwd = Callable[..., None]
+
+
+def _check_flashkda_layer(
+    backend: str, params: KDALayerParams, dtype: torch.dtype, device: torch.device
+) -> None:
+    if device.type != "cuda":
+        raise UnsupportedLayerError(f"backend {backend!r} runs on CUDA tensors, got {device}")
+    if params.lower_bound is None:
+        raise UnsupportedLayerError(
+            f"backend {backend!r} runs the bounded gate only (lower_bound set); this layer "
+            f"uses the softplus gate: use 'fla' or 'torch'"
+        )
+    if not -5.0 <= params.lower_bound <= 0:
+        raise UnsupportedLayerError(
+            f"FlashKDA needs -5 <= lower_bound <= 0, got {params.lower_bound}"
+        )
+    if params.head_dim_k != 128 or params.head_dim_v != 128:
+        raise UnsupportedLayerError(
+            f"FlashKDA needs K = V = 128, got K = {params.head_dim_k}, V = {params.head_dim_v}"
+        )
+    if dtype != torch.bfloat16:
+        raise UnsupportedLayerError(f"FlashKDA takes bf16 inputs, got {dtype}")
+
+
+def _lower_bound(params: KDALayerParams) -> float:
+    if params.lower_bound is None:
+        raise UnsupportedLayerError("FlashKDA runs the bounded gate only (lower_bound set)")
+    return float(params.lower_bound)
+
+
+class FlashKDABackend(KDABackend):
+    """``flash_kda.fwd`` with segment chaining (``get_backend("flashkda", fwd=None)``)."""
+
+    name = "flashkda"
+
+    def __init__(self, fwd: FlashKDAFwd | None = None) -> None:
+        if fwd is None:
+            require_cuda(self.name, SM90)
+            try:
+                import flash_kda
+            except ImportError as error:
+                raise BackendUnavailableError(
+                    f"backend 'flashkda' needs the flash_kda package (PyPI tokenspeed-flashkda, "
+                    f"built for this torch {torch.__version__}): {error}"
+                ) from error
+            fwd = flash_kda.fwd
+        self._fwd: FlashKDAFwd = fwd
+        self.checkpoint_alignment = FLASHKDA_CHUNK
+        self.max_checkpoints_per_step = None
+
+    def check_layer(self, params: KDALayerParams, dtype: torch.dtype, device: torch.device) -> None:
+        """Bounded gate, K = V = 128, bf16, CUDA."""
+        _check_flashkda_layer(self.name, params, dtype, device)
+
+    def _call(
+        self, params: KDALayerParams, batch: SegmentBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        out = torch.empty_like(batch.v)
+        final = torch.empty_like(batch.initial_state)
+        self._fwd(
+            batch.q,
+            batch.k,
+            batch.v,
+            batch.g,
+            batch.beta,
+            batch.q.shape[-1] ** -0.5,
+            out,
+            params.A_log.float(),
+            params.dt_bias.float(),
+            _lower_bound(params),
+            initial_state=batch.initial_state,
+            final_state=final,
+            cu_seqlens=batch.cu_seqlens,
+        )
+        return out, final, None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        params: KDALayerParams,
+        recurrent: torch.Tensor,
+        plan: StatePlan,
+    ) -> torch.Tensor:
+        """See :meth:`KDABackend.forward`; one varlen call per segment round."""
+        g = g.to(q.dtype).contiguous()
+        beta = beta.to(q.dtype).contiguous()
+        rounds = plan_rounds(plan, per_call=0)
+        return run_rounds(
+            plan, rounds, q, k, v, g, beta, recurrent, lambda batch: self._call(params, batch)
+        )
+
+
+def load_flashkda_op(library: str | os.PathLike[str] | None = None) -> Any:
+    """Load vLLM's ``_flashkda_C`` library and return ``torch.ops._flashkda_C``.
+
+    ``library`` defaults to ``$PREFIXCACHE_FLASHKDA_LIB``. Raises ``BackendUnavailableError``
+    naming what is missing.
+    """
+    namespace = torch.ops._flashkda_C
+    try:
+        namespace.fwd  # noqa: B018 - already registered (loaded once per process)
+        return namespace
+    except (AttributeError, RuntimeError):
+        pass
+    path = library if library is not None else os.environ.get(LIBRARY_ENV)
+    if not path:
+        raise BackendUnavailableError(
+            f"backend 'flashkda-op' needs vLLM's _flashkda_C.abi3.so: pass library=... or set "
+            f"{LIBRARY_ENV} (the file is inside the vllm==0.33.0 wheel, vllm/_flashkda_C.abi3.so)"
+        )
+    if not Path(path).is_file():
+        raise BackendUnavailableError(f"{LIBRARY_ENV} / library points to no file: {path}")
+    try:
+        torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
+        namespace.fwd  # noqa: B018
+    except (OSError, AttributeError, RuntimeError) as error:
+        raise BackendUnavailableError(
+            f"could not load the FlashKDA op from {path} with torch {torch.__version__}: {error}"
+        ) from error
+    schema = str(namespace.fwd.default._schema)
+    if "checkpoint_offsets" not in schema:
+        raise BackendUnavailableError(
+            f"the FlashKDA op in {path} has no checkpoint arguments (schema: {schema})"
+        )
+    return namespace
+
+
+class FlashKDAOpBackend(KDABackend):
+    """vLLM's FlashKDA op with one checkpoint per call (``get_backend("flashkda-op")``)."""
+
+    name = "flashkda-op"
+
+    def __init__(self, library: str | os.PathLike[str] | None = None) -> None:
+        device = require_cuda(self.name, SM90)
+        if torch.cuda.get_device_capability(device)[0] != 9:
+            raise BackendUnavailableError(
+                "backend 'flashkda-op' is vLLM's sm_90a build: it runs on SM90 (H100/H200) only"
+            )
+        self._ops = load_flashkda_op(library)
+        self.checkpoint_alignment = FLASHKDA_CHUNK
+        self.max_checkpoints_per_step = None
+
+    def check_layer(self, params: KDALayerParams, dtype: torch.dtype, device: torch.device) -> None:
+        """Bounded gate, K = V = 128, bf16, CUDA."""
+        _check_flashkda_layer(self.name, params, dtype, device)
+
+    def _run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        lower_bound: float,
+        initial_state: torch.Tensor | None,
+        final_state: torch.Tensor | None,
+        cu_seqlens: torch.Tensor,
+        checkpoint_state: torch.Tensor | None = None,
+        checkpoint_offsets: torch.Tensor | None = None,
+    ) -> None:
+        sequences = cu_seqlens.shape[0] - 1
+        size = int(self._ops.get_workspace_size(q.shape[0] * q.shape[1], q.shape[2], sequences))
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+        self._ops.fwd(
+            q, k, v, g, beta, float(scale), out, workspace, A_log, dt_bias, float(lower_bound),
+            initial_state, final_state, cu_seqlens, checkpoint_state, checkpoint_offsets,
+        )  # fmt: skip
+
+    def fwd_without_checkpoints(self) -> FlashKDAFwd:
+        """A callable with ``flash_kda.fwd``'s signature, running this op without checkpoints.
+
+        Use it as ``FlashKDABackend(fwd=...)`` to exercise the segment-chaining path where the
+        ``flash_kda`` package cannot load.
+        """
+
+        def fwd(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            g: torch.Tensor,
+            beta: torch.Tensor,
+            scale: float,
+            out: torch.Tensor,
+            A_log: torch.Tensor,
+            dt_bias: torch.Tensor,
+            lower_bound: float,
+            initial_state: torch.Tensor | None = None,
+            final_state: torch.Tensor | None = None,
+            cu_seqlens: torch.Tensor | None = None,
+        ) -> None:
+            if cu_seqlens is None:
+                cu_seqlens = torch.arange(
+                    0, (q.shape[0] + 1) * q.shape[1], q.shape[1], device=q.device
+                )
+                q, k, v, g, beta, out = (
+                    x.reshape(1, -1, *x.shape[2:]) for x in (q, k, v, g, beta, out)
+                )
+            self._run(
+                q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
+                initial_state, final_state, cu_seqlens,
+            )  # fmt: skip
+
+        return fwd
+
+    def _call(
+        self, params: KDALayerParams, batch: SegmentBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        out = torch.empty_like(batch.v)
+        final = torch.empty_like(batch.initial_state)
+        staging = None
+        if batch.checkpoint_offsets is not None:
+            staging = torch.empty_like(batch.initial_state)
+        self._run(
+            batch.q, batch.k, batch.v, batch.g, batch.beta, batch.q.shape[-1] ** -0.5, out,
+            params.A_log.float(), params.dt_bias.float(), _lower_bound(params),
+            batch.initial_state, final, batch.cu_seqlens, staging, batch.checkpoint_offsets,
+        )  # fmt: skip
+        return out, final, staging
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        params: KDALayerParams,
+        recurrent: torch.Tensor,
+        plan: StatePlan,
+    ) -> torch.Tensor:
+        """See :meth:`KDABackend.forward`; one interior checkpoint per row per call."""
+        g = g.to(q.dtype).contiguous()
+        beta = beta.to(q.dtype).contiguous()
+        rounds = plan_rounds(plan, per_call=1)
+        return run_rounds(
+            plan, rounds, q, k, v, g, beta, recurrent, lambda batch: self._call(params, batch)
+        )

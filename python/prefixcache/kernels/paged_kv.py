@@ -1,0 +1,130 @@
+"""A paged KV cache for the attention layers of a reference model.
+
+Blocks of ``block_size`` token slots; block ids come from the Rust core's paged group. A token's
+*slot* is ``block * block_size + offset`` (the step plan's ``slot_mapping``, int64, ``-1`` =
+padding, skipped, as in vLLM). A sequence's *block table row* lists its blocks in order, so its
+token ``i`` lives in ``block_table_row[i // block_size]`` at offset ``i % block_size``.
+
+Layout: ``key`` and ``value`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``. This is a
+reference (correctness, CPU tests, the tiny model), not a fast attention kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ._convert import as_index_tensor
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache:
+    """Key and value blocks of one attention layer."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1 or num_kv_heads < 1 or head_dim < 1:
+            raise ValueError(
+                "num_blocks, block_size, num_kv_heads and head_dim must all be >= 1, got "
+                f"{num_blocks}, {block_size}, {num_kv_heads}, {head_dim}"
+            )
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key = torch.zeros(shape, dtype=dtype, device=device)
+        self.value = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks."""
+        return int(self.key.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        """Token slots per block."""
+        return int(self.key.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads."""
+        return int(self.key.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        """Head dimension."""
+        return int(self.key.shape[3])
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the blocks."""
+        return self.key.device
+
+    def write(
+        self,
+        slot_mapping: torch.Tensor | np.ndarray,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """Store ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at token slots ``slot_mapping``.
+
+        Slots ``-1`` are skipped. Raises ``IndexError`` on a slot beyond the cache and
+        ``ValueError`` on mismatched shapes.
+        """
+        slots = as_index_tensor(slot_mapping, "slot_mapping", device=self.device)
+        if key.shape != value.shape or key.dim() != 3 or key.shape[0] != slots.shape[0]:
+            raise ValueError(
+                f"key and value must both be [T={slots.shape[0]}, num_kv_heads, head_dim], got "
+                f"{tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        if tuple(key.shape[1:]) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"key heads/dim {tuple(key.shape[1:])} do not match the cache's "
+                f"({self.num_kv_heads}, {self.head_dim})"
+            )
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, key, value = slots[keep], key[keep], value[keep]
+        capacity = self.num_blocks * self.block_size
+        if slots.numel() and int(slots.max()) >= capacity:
+            raise IndexError(f"slot {int(slots.max())} is beyond the cache's {capacity} slots")
+        self.key.view(capacity, self.num_kv_heads, self.head_dim).index_copy_(
+            0, slots, key.to(self.key.dtype)
+        )
+        self.value.view(capacity, self.num_kv_heads, self.head_dim).index_copy_(
+            0, slots, value.to(self.value.dtype)
+        )
+
+    def gather(
+        self, block_table_row: torch.Tensor | np.ndarray | list[int], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` tokens of a sequence: ``(key, value)`` ``[length, heads, dim]``.
+
+        ``block_table_row`` lists the sequence's blocks in order; entries past the last block
+        the sequence needs are ignored (padding may hold any value).
+        """
+        row = as_index_tensor(block_table_row, "block_table_row", device=self.device)
+        needed = -(-length // self.block_size)
+        if length < 0 or needed > row.shape[0]:
+            raise ValueError(
+                f"length {length} needs {needed} blocks but the block table row has {row.shape[0]}"
+            )
+        blocks = row[:needed]
+        if needed and (int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks):
+            raise IndexError(
+                f"block table row {blocks.tolist()} has a block outside [0, {self.num_blocks})"
+            )
+        shape = (needed * self.block_size, self.num_kv_heads, self.head_dim)
+        key = self.key.index_select(0, blocks).reshape(shape)[:length]
+        value = self.value.index_select(0, blocks).reshape(shape)[:length]
+        return key, value
+
+    def copy_prefix(self, src_block: int, dst_block: int, num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` token slots of block ``src_block`` into ``dst_block``."""
+        self.key[dst_block, :num_tokens] = self.key[src_block, :num_tokens]
+        self.value[dst_block, :num_tokens] = self.value[src_block, :num_tokens]
