@@ -1,2 +1,155 @@
-//! Manager benchmarks (filled in below).
-fn main() {}
+//! Manager benchmarks: what the scheduler pays per call, against the project's targets.
+//!
+//! Guards (targets, one core):
+//! - `lookup/164k_b16`: lookup of a fully cached 164K-token prompt, full attention B = 16:
+//!   <= 300 us;
+//! - `lookup/164k_b1536_u128_state`: the same with B = 1536, U = 128 and a state group: <= 60 us;
+//! - `request/4096_half_hit_b16`: one 4,096-token request at 50 % hit, add + lookup + schedule +
+//!   plan + commit + finish: <= 30 us;
+//! - `decode_step/256x164k_*`: a decode step of 256 running sequences at 164K context, append +
+//!   schedule + plan + commit: <= 50 us in total (block tables are incremental).
+//!
+//! Run: `cargo bench -p prefixcache-core --bench manager` (add `-- --quick` for a fast look).
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use prefixcache_core::{
+    CacheConfig, CacheManager, ExtraKeys, GroupConfig, GroupKind, HashConfig, PoolConfig,
+    StateGroupConfig,
+};
+
+const CONTEXT: u32 = 164_000;
+
+fn config(block: u32, unit: u32, state: bool, blocks: u32, state_blocks: u32) -> CacheConfig {
+    let mut groups =
+        vec![GroupConfig { kind: GroupKind::FullAttention { block_size: block }, pool: 0 }];
+    let mut pools = vec![PoolConfig { num_blocks: blocks }];
+    if state {
+        groups.push(GroupConfig {
+            kind: GroupKind::State(StateGroupConfig { alignment: 16, ..StateGroupConfig::default() }),
+            pool: 1,
+        });
+        pools.push(PoolConfig { num_blocks: state_blocks });
+    }
+    CacheConfig {
+        hash: HashConfig { unit, ..HashConfig::default() },
+        pools,
+        groups,
+        enable_events: false,
+        ..CacheConfig::default()
+    }
+}
+
+fn tokens(seed: u32, n: u32) -> Vec<u32> {
+    (0..n).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) % 150_000).collect()
+}
+
+/// Runs one prompt through a whole prefill (one chunk) and finishes it.
+fn prefill(m: &mut CacheManager, id: u64, prompt: &[u32]) {
+    m.add(id, prompt, ExtraKeys::default(), None).unwrap();
+    m.schedule(id, u32::MAX, 0, false).unwrap().unwrap();
+    let plan = m.build_plan().unwrap();
+    m.commit(&plan).unwrap();
+    m.finish(id).unwrap();
+}
+
+fn bench_lookup(c: &mut Criterion) {
+    let mut group = c.benchmark_group("lookup");
+    let prompt = tokens(1, CONTEXT);
+    let mut m = CacheManager::new(config(16, 16, false, CONTEXT / 16 + 64, 0)).unwrap();
+    prefill(&mut m, 1, &prompt);
+    m.add(2, &prompt, ExtraKeys::default(), None).unwrap();
+    assert_eq!(m.lookup(2).unwrap().tokens, (CONTEXT - 1) / 16 * 16);
+    group.bench_function("164k_b16", |b| b.iter(|| m.lookup(2).unwrap()));
+
+    let mut m = CacheManager::new(config(1536, 128, true, CONTEXT / 1536 + 8, 64)).unwrap();
+    prefill(&mut m, 1, &prompt);
+    m.add(2, &prompt, ExtraKeys::default(), None).unwrap();
+    assert_eq!(m.lookup(2).unwrap().tokens, (CONTEXT - 1) / 128 * 128);
+    group.bench_function("164k_b1536_u128_state", |b| b.iter(|| m.lookup(2).unwrap()));
+    group.finish();
+}
+
+fn bench_request(c: &mut Criterion) {
+    let prompt = tokens(7, 4096);
+    let mut m = CacheManager::new(config(16, 16, false, 4096, 0)).unwrap();
+    prefill(&mut m, 1, &prompt[..2048]);
+    let mut id = 10u64;
+    c.bench_function("request/4096_half_hit_b16", |b| {
+        b.iter_batched(
+            || {
+                // The second half is new every time: exactly 2,048 tokens hit.
+                id += 1;
+                let mut request = prompt.clone();
+                for t in &mut request[2048..] {
+                    *t ^= (id as u32) << 18;
+                }
+                (id, request)
+            },
+            |(id, request)| {
+                m.add(id, &request, ExtraKeys::default(), None).unwrap();
+                let hit = m.lookup(id).unwrap();
+                assert_eq!(hit.tokens, 2048);
+                m.schedule(id, u32::MAX, 0, false).unwrap().unwrap();
+                let plan = m.build_plan().unwrap();
+                m.commit(&plan).unwrap();
+                m.finish(id).unwrap();
+            },
+            BatchSize::SmallInput,
+        );
+    });
+}
+
+/// 256 sequences sharing a 164K-token context (each with its own last token), all decoding.
+fn decode_setup(state: bool) -> (CacheManager, Vec<u64>) {
+    let rows = 256u32;
+    let blocks = CONTEXT / 16 + rows * (2048 / 16 + 4);
+    let mut m = CacheManager::new(config(16, 16, state, blocks, rows * 8)).unwrap();
+    let mut prompt = tokens(3, CONTEXT);
+    prefill(&mut m, 0, &prompt);
+    let ids: Vec<u64> = (1..=u64::from(rows)).collect();
+    for &id in &ids {
+        *prompt.last_mut().unwrap() = id as u32;
+        m.add(id, &prompt, ExtraKeys::default(), Some(0)).unwrap();
+        m.schedule(id, u32::MAX, 0, false).unwrap().unwrap();
+    }
+    let plan = m.build_plan().unwrap();
+    m.commit(&plan).unwrap();
+    (m, ids)
+}
+
+fn bench_decode(c: &mut Criterion) {
+    // Each sequence may decode this many tokens before the setup is rebuilt (untimed).
+    const MAX_STEPS: u64 = 2048;
+    let mut group = c.benchmark_group("decode_step");
+    for (name, state) in [("256x164k_b16", false), ("256x164k_b16_state", true)] {
+        let (mut m, mut ids) = decode_setup(state);
+        let mut steps = 0u64;
+        let budgets = vec![1u32; ids.len()];
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    if steps == MAX_STEPS {
+                        (m, ids) = decode_setup(state);
+                        steps = 0;
+                    }
+                    steps += 1;
+                    let sampled: Vec<u32> = ids.iter().map(|&i| (i + steps) as u32).collect();
+                    let start = Instant::now();
+                    m.append_batch(&ids, &sampled).unwrap();
+                    let scheduled = m.schedule_batch(&ids, &budgets, false).unwrap();
+                    let plan = m.build_plan().unwrap();
+                    m.commit(&plan).unwrap();
+                    total += start.elapsed();
+                    assert!(scheduled.iter().all(|s| s.as_ref().is_some_and(|s| s.num_tokens == 1)));
+                }
+                total
+            });
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_lookup, bench_request, bench_decode);
+criterion_main!(benches);
