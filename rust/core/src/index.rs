@@ -7,6 +7,7 @@
 //! `recently_evicted` instead of `not_cached`, and, with `verify_tokens`, the tokens and parent
 //! digest behind every published digest, so hits can be checked token by token.
 
+use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
 
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -45,6 +46,8 @@ pub struct HashIndex {
     recent_order: VecDeque<Key>,
     recent_capacity: usize,
     units: Option<FxHashMap<Digest, StoredUnit>>,
+    /// Changes whenever a key is inserted or removed (lets a lookup's result be reused).
+    generation: u64,
 }
 
 impl HashIndex {
@@ -68,29 +71,21 @@ impl HashIndex {
         self.map.contains_key(key)
     }
 
-    /// Number of distinct keys.
-    #[must_use]
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
     /// Publishes `block` under `key`. `unit` carries (parent digest, unit tokens) when tokens
     /// are verified.
     pub fn insert(&mut self, key: Key, block: BlockId, unit: Option<(&Digest, &[u32])>) {
-        match self.map.get_mut(&key) {
-            None => {
-                self.map.insert(key, Holders::One(block));
+        self.generation += 1;
+        match self.map.entry(key) {
+            Entry::Vacant(v) => {
+                v.insert(Holders::One(block));
             }
-            Some(Holders::One(first)) => {
-                let first = *first;
-                self.map.insert(key, Holders::Many(vec![first, block]));
+            Entry::Occupied(mut o) => {
+                let holders = o.get_mut();
+                match holders {
+                    Holders::One(first) => *holders = Holders::Many(vec![*first, block]),
+                    Holders::Many(v) => v.push(block),
+                }
             }
-            Some(Holders::Many(v)) => v.push(block),
         }
         if let (Some(units), Some((parent, tokens))) = (self.units.as_mut(), unit) {
             units
@@ -107,20 +102,21 @@ impl HashIndex {
     /// Unpublishes `block` from `key`; `evicted` records the key as recently evicted when no
     /// block is left under it.
     pub fn remove(&mut self, key: &Key, block: BlockId, evicted: bool) {
-        let now_empty = match self.map.get_mut(key) {
-            None => return,
-            Some(Holders::One(b)) => *b == block,
-            Some(Holders::Many(v)) => {
+        let Entry::Occupied(mut o) = self.map.entry(*key) else { return };
+        self.generation += 1;
+        let holders = o.get_mut();
+        let now_empty = match holders {
+            Holders::One(b) => *b == block,
+            Holders::Many(v) => {
                 v.retain(|&b| b != block);
-                if v.len() == 1 {
-                    let last = v[0];
-                    self.map.insert(*key, Holders::One(last));
+                if let [last] = v.as_slice() {
+                    *holders = Holders::One(*last);
                 }
                 false
             }
         };
         if now_empty {
-            self.map.remove(key);
+            o.remove();
             if evicted {
                 self.remember_evicted(*key);
             }
@@ -175,8 +171,15 @@ impl HashIndex {
         self.map.iter().flat_map(|(k, h)| h.as_slice().iter().map(move |&b| (k, b)))
     }
 
+    /// A counter that changes with every insertion or removal.
+    #[must_use]
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     /// Forgets every key (reset). Recently evicted keys are forgotten too.
     pub fn clear(&mut self) {
+        self.generation += 1;
         self.map.clear();
         self.recent.clear();
         self.recent_order.clear();

@@ -260,6 +260,7 @@ impl CacheManager {
             junction: None,
             groups: self.empty_seq_groups(),
             step: None,
+            last_hit: None,
         };
         let slot = if let Some(slot) = self.free_slots.pop() {
             self.seqs[slot] = Some(seq);
@@ -288,6 +289,8 @@ impl CacheManager {
         let hit = self.compute_hit(self.seq(slot));
         self.stats.lookups += 1;
         self.stats.lookup_hit_tokens += u64::from(hit.tokens);
+        let generation = self.index.generation();
+        self.seq_mut(slot).last_hit = Some((generation, hit.clone()));
         Ok(hit)
     }
 
@@ -327,6 +330,7 @@ impl CacheManager {
             )));
         }
         seq.tokens.extend_from_slice(tokens);
+        seq.last_hit = None;
         self.hasher.extend(&seq.tokens, unit, &seq.extra, &mut seq.hashes);
         Ok(())
     }

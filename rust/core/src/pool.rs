@@ -24,10 +24,20 @@ pub const NULL_BLOCK: BlockId = 0;
 const NIL: u32 = u32::MAX;
 
 /// A cache key: group and prefix digest. A block may carry several (one per unit boundary).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct Key {
     pub group: u32,
     pub digest: Digest,
+}
+
+impl std::hash::Hash for Key {
+    /// The digest is already uniformly distributed: its first eight bytes, mixed with the
+    /// group, are a good map hash and much cheaper than feeding all 32 bytes to the hasher.
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        let mut head = [0u8; 8];
+        head.copy_from_slice(&self.digest.0[..8]);
+        state.write_u64(u64::from_le_bytes(head) ^ u64::from(self.group).rotate_left(40));
+    }
 }
 
 /// A key held by a block, with the token position it stands for (a multiple of U).

@@ -119,9 +119,15 @@ impl CacheManager {
         lookahead: u32,
         exact: bool,
     ) -> Option<Scheduled> {
-        let seq = self.seq(slot);
+        let generation = self.index.generation();
+        let seq = self.seq_mut(slot);
         let first = !seq.started;
-        let hit = first.then(|| self.compute_hit(seq));
+        let cached = match seq.last_hit.take() {
+            Some((at, hit)) if first && at == generation => Some(hit),
+            _ => None,
+        };
+        let seq = self.seq(slot);
+        let hit = first.then(|| cached.unwrap_or_else(|| self.compute_hit(seq)));
         let start = hit.as_ref().map_or(seq.num_computed, |h| h.tokens);
         let total = seq.num_tokens();
         let mut end = start.saturating_add(max_tokens).min(total);
@@ -146,7 +152,7 @@ impl CacheManager {
             seq.junction = hit.as_ref().and_then(|h| h.junction);
         }
         seq.step =
-            Some(StepRecord { start, end, lookahead, first, groups, requested: Vec::new() });
+            Some(StepRecord { start, end, first, groups, requested: Vec::new() });
         self.scheduled.push(slot);
         if first {
             self.started += 1;

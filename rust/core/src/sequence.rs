@@ -12,6 +12,7 @@ use std::collections::VecDeque;
 use rustc_hash::FxHashMap;
 
 use crate::hashing::{Digest, ExtraKeys};
+use crate::hit::Hit;
 use crate::pool::BlockId;
 
 /// A paged group's view of one sequence.
@@ -94,7 +95,6 @@ pub(crate) enum GroupStep {
 pub(crate) struct StepRecord {
     pub start: u32,
     pub end: u32,
-    pub lookahead: u32,
     /// The sequence's first step: its hit was pinned by this schedule.
     pub first: bool,
     pub groups: Vec<GroupStep>,
@@ -117,6 +117,9 @@ pub(crate) struct Sequence {
     pub junction: Option<u32>,
     pub groups: Vec<SeqGroup>,
     pub step: Option<StepRecord>,
+    /// The last lookup's result and the index generation it was computed at: the first
+    /// schedule reuses it when nothing was published or evicted since.
+    pub last_hit: Option<(u64, Hit)>,
 }
 
 impl Sequence {
