@@ -53,6 +53,7 @@ def paged_attention(
         positions = torch.arange(context - query_len, context, device=query.device)
         mask = torch.arange(context, device=query.device)[None, :] > positions[:, None]
         scores = scores.masked_fill(mask[None], float("-inf"))
-        weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+        precise = torch.promote_types(scores.dtype, torch.float32)
+        weights = torch.softmax(scores.to(precise), dim=-1).to(query.dtype)
         out[first:last] = torch.einsum("hqk,khd->qhd", weights, value)
     return out

@@ -62,7 +62,7 @@ class SegmentBatch:
     beta: torch.Tensor
     cu_seqlens: torch.Tensor  # int64 [N+1], on the device
     cu_seqlens_host: torch.Tensor  # the same on the CPU
-    initial_state: torch.Tensor  # float32 [N, H, V, K]
+    initial_state: torch.Tensor  # [N, H, V, K], fp32 for the GPU kernels
     checkpoint_offsets: torch.Tensor | None  # int64 [N] (0 = none), with per_call = 1
 
 
@@ -114,10 +114,12 @@ def run_rounds(
     beta: torch.Tensor,
     recurrent: torch.Tensor,
     call: KernelCall,
+    state_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Execute ``rounds`` with ``call``, storing every state in the cache; returns ``o [T, H, V]``.
 
-    Inputs are the backend-facing ``[T, H, *]`` tensors (``beta`` ``[T, H]``).
+    Inputs are the backend-facing ``[T, H, *]`` tensors (``beta`` ``[T, H]``); initial states
+    reach the kernel in ``state_dtype`` (fp32 for the GPU kernels).
     """
     device = q.device
     total = plan.num_tokens
@@ -157,7 +159,7 @@ def run_rounds(
             beta=parts[4].unsqueeze(0),
             cu_seqlens=to_device(cu_host, device),
             cu_seqlens_host=cu_host,
-            initial_state=read_states(recurrent, [s.initial_slot for s in segments], torch.float32),
+            initial_state=read_states(recurrent, [s.initial_slot for s in segments], state_dtype),
             checkpoint_offsets=offsets,
         )
         o, final, interior = call(batch)

@@ -2,10 +2,11 @@
 
 It runs every row segment by segment between the plan's cuts (checkpoints, then the end of the
 query), either chunkwise (WY form, chunks counted from each segment's start) or token by token.
-Between segments the state continues *as stored in the cache* (rounded to the cache's dtype), so
-a forward with checkpoints equals forwards split at the same offsets exactly, whatever the
-dtypes. Alignment is 1 by default and can be set (16 and 64 exercise the GPU backends' grids on
-the CPU); checkpoints per step are unbounded.
+Between segments the state continues *as stored in the cache* (rounded to the cache's dtype), and
+each segment is computed on fresh copies of its inputs, so a forward with checkpoints equals
+forwards split at the same offsets, whatever the dtypes and the packing. Alignment is 1 by
+default and can be set (16 and 64 exercise the GPU backends' grids on the CPU); checkpoints per
+step are unbounded.
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ class TorchBackend(KDABackend):
     ) -> torch.Tensor:
         """See :meth:`KDABackend.forward`."""
         compute = self._dtype(v.dtype, recurrent.dtype)
-        q_hat, k_hat, values, decay, beta_s = prepare_inputs(q, k, v, g, beta, params, compute)
         scale = q.shape[-1] ** -0.5
         initial = read_states(recurrent, plan.initial_slot, compute).transpose(-1, -2)
 
         if plan.num_checkpoints == 0 and plan.num_tokens == plan.num_rows:
             # Decode: one token per row, all rows at once.
+            q_hat, k_hat, values, decay, beta_s = prepare_inputs(q, k, v, g, beta, params, compute)
             state = initial * torch.exp(decay)[..., None]
             u = values - torch.einsum("rhk,rhkv->rhv", k_hat, state)
             state = state + (beta_s[..., None] * k_hat)[..., None] * u[..., None, :]
@@ -103,7 +104,12 @@ class TorchBackend(KDABackend):
             done = 0
             for cut in plan.cuts(row):
                 part = slice(start + done, start + cut.offset)
-                args = (q_hat[part], k_hat[part], values[part], decay[part], beta_s[part])
+                # Fresh copies: the segment's arithmetic must not depend on where it sits in the
+                # packed batch (CPU kernels may round differently at other memory alignments).
+                args = prepare_inputs(
+                    q[part].clone(), k[part].clone(), v[part].clone(), g[part].clone(),
+                    beta[part].clone(), params, compute,
+                )  # fmt: skip
                 if self.mode == "chunked":
                     o, state = recurrence_chunked(*args, scale, state, self.chunk_size)
                 else:

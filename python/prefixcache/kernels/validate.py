@@ -50,8 +50,15 @@ def nearest_valid_offsets(offset: int, alignment: int, query_len: int) -> str:
     return "nearest valid offsets: " + ", ".join(str(o) for o in candidates)
 
 
+def _host(array: ArrayLike, name: str) -> torch.Tensor:
+    try:
+        return as_host_tensor(array, name)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise KernelPlanError(f"{name}: {error}") from error
+
+
 def _vector(array: ArrayLike, name: str, length: int | None) -> list[int]:
-    tensor = as_host_tensor(array, name)
+    tensor = _host(array, name)
     if tensor.dim() != 1:
         raise KernelPlanError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
     if length is not None and tensor.shape[0] != length:
@@ -65,7 +72,7 @@ def _vector(array: ArrayLike, name: str, length: int | None) -> list[int]:
 def _matrix(array: ArrayLike | None, name: str, rows: int) -> list[list[int]]:
     if array is None:
         return [[] for _ in range(rows)]
-    tensor = as_host_tensor(array, name)
+    tensor = _host(array, name)
     if tensor.numel() == 0 and (tensor.dim() == 1 or tensor.shape[0] == rows):
         return [[] for _ in range(rows)]
     if tensor.dim() != 2 or tensor.shape[0] != rows:
@@ -75,7 +82,7 @@ def _matrix(array: ArrayLike | None, name: str, rows: int) -> list[list[int]]:
 
 
 def _check_query_start_loc(array: ArrayLike, num_tokens: int | None) -> list[int]:
-    tensor = as_host_tensor(array, "query_start_loc")
+    tensor = _host(array, "query_start_loc")
     if tensor.dtype not in (torch.int32, torch.int64):
         raise KernelPlanError(f"query_start_loc must be int32 or int64, got {tensor.dtype}")
     if tensor.dim() != 1 or tensor.shape[0] < 1:
@@ -216,7 +223,7 @@ def check_snapshots(snapshots: ArrayLike, num_slots: int) -> list[tuple[int, int
 
     Both in ``[0, num_slots)``, ``src != dst``, each ``dst`` once and never a source.
     """
-    tensor = as_host_tensor(snapshots, "snapshots")
+    tensor = _host(snapshots, "snapshots")
     if tensor.numel() == 0:
         return []
     if tensor.dim() != 2 or tensor.shape[1] != 2:
@@ -251,7 +258,7 @@ def check_copies(
     ``src != dst``, ``0 <= num_tokens <= block_size``, and a destination is written once per group
     and is no source of the same group.
     """
-    tensor = as_host_tensor(copies, "copies")
+    tensor = _host(copies, "copies")
     if tensor.numel() == 0:
         return []
     if tensor.dim() != 2 or tensor.shape[1] != 4:

@@ -1,0 +1,155 @@
+"""Shared helpers of the kernel tests: importing the kernels, random layers, plans and naive math.
+
+The kernel layer is tested with ``PYTHONPATH=python`` and must not need the Rust extension:
+``import_kernels`` imports ``prefixcache.kernels`` and, when ``prefixcache/__init__`` cannot be
+imported (no ``_core`` built), loads the ``kernels`` folder on its own as a package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+
+def import_kernels() -> ModuleType:
+    """``prefixcache.kernels``, or the same package loaded without ``prefixcache/__init__``."""
+    try:
+        return importlib.import_module("prefixcache.kernels")
+    except ImportError:
+        folder = Path(__file__).resolve().parents[1] / "python" / "prefixcache" / "kernels"
+        name = "prefixcache_kernels"
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+kernels = import_kernels()
+F64 = torch.float64
+
+
+@dataclass
+class Batch:
+    """Random inputs of one packed step."""
+
+    x: torch.Tensor  # [T, C]
+    g: torch.Tensor  # [T, H, K]
+    beta: torch.Tensor  # [T, H]
+
+
+def make_params(
+    heads: int = 2,
+    key_dim: int = 8,
+    value_dim: int | None = None,
+    gate: str = "bounded",
+    seed: int = 0,
+):
+    generator = torch.Generator().manual_seed(seed)
+    return kernels.KDALayerParams.random(
+        heads, key_dim, head_dim_v=value_dim, gate=gate, dtype=F64, generator=generator
+    )
+
+
+def make_batch(params, num_tokens: int, seed: int = 1, dtype: torch.dtype = F64) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    heads, key_dim = params.num_heads, params.head_dim_k
+    return Batch(
+        x=torch.randn(num_tokens, params.conv_channels, generator=generator, dtype=F64).to(dtype),
+        g=torch.randn(num_tokens, heads, key_dim, generator=generator, dtype=F64).to(dtype),
+        beta=torch.randn(num_tokens, heads, generator=generator, dtype=F64).to(dtype),
+    )
+
+
+def make_cache(params, num_blocks: int, seed: int = 2, poison: bool = True, dtype=F64):
+    """A cache with NaN in every slot (when ``poison``) except random states in ``fill``."""
+    cache = kernels.StateCache.for_layer(params, num_blocks, conv_dtype=dtype, state_dtype=dtype)
+    if poison:
+        cache.fill_(float("nan"))
+    return cache
+
+
+def fill_slot(cache, slot: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    conv = torch.randn(cache.conv.shape[1:], generator=generator, dtype=F64)
+    state = 0.3 * torch.randn(cache.recurrent.shape[1:], generator=generator, dtype=F64)
+    cache.conv[slot] = conv.to(cache.conv.dtype)
+    cache.recurrent[slot] = state.to(cache.recurrent.dtype)
+
+
+def pad_checkpoints(rows: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Rows of ``(offset, slot)`` -> padded ``checkpoint_offsets`` / ``checkpoint_slots``."""
+    width = max((len(r) for r in rows), default=0)
+    offsets = [[o for o, _ in r] + [0] * (width - len(r)) for r in rows]
+    slots = [[s for _, s in r] + [-1] * (width - len(r)) for r in rows]
+    return offsets, slots
+
+
+def naive_kda(params, batch: Batch, lengths, initial_conv, initial_state):
+    """KERNELS.md's math, written out independently: per sequence, per head, per token.
+
+    ``initial_conv[r]`` is ``[C, W-1]`` or None, ``initial_state[r]`` ``[H, V, K]`` or None.
+    Returns ``(outputs [T, H, V], final conv windows, final states [H, V, K])`` per row.
+    """
+    heads, key_dim, value_dim = params.num_heads, params.head_dim_k, params.head_dim_v
+    width = params.conv_width
+    outputs, conv_windows, states = [], [], []
+    start = 0
+    for row, length in enumerate(lengths):
+        x = batch.x[start : start + length].to(F64)
+        history = (
+            initial_conv[row].to(F64).T
+            if initial_conv[row] is not None
+            else torch.zeros(width - 1, x.shape[1], dtype=F64)
+        )
+        padded = torch.cat([history, x])  # [W-1+L, C]
+        conv = F.conv1d(padded.T[None], params.conv_weight.to(F64)[:, None, :], groups=x.shape[1])[
+            0
+        ].T
+        if params.conv_activation == "silu":
+            conv = F.silu(conv)
+        q = conv[:, : heads * key_dim].reshape(length, heads, key_dim)
+        k = conv[:, heads * key_dim : 2 * heads * key_dim].reshape(length, heads, key_dim)
+        v = conv[:, 2 * heads * key_dim :].reshape(length, heads, value_dim)
+        g = batch.g[start : start + length].to(F64)
+        b = torch.sigmoid(batch.beta[start : start + length].to(F64))
+        out = torch.zeros(length, heads, value_dim, dtype=F64)
+        final = torch.zeros(heads, value_dim, key_dim, dtype=F64)
+        for h in range(heads):
+            a_log = float(params.A_log[h])
+            s = (
+                initial_state[row][h].to(F64).T.clone()
+                if initial_state[row] is not None
+                else torch.zeros(key_dim, value_dim, dtype=F64)
+            )
+            for t in range(length):
+                pre = g[t, h] + params.dt_bias[h].to(F64)
+                if params.lower_bound is None:
+                    a = -math.exp(a_log) * F.softplus(pre)
+                else:
+                    a = params.lower_bound * torch.sigmoid(math.exp(a_log) * pre)
+                qh = q[t, h] / torch.sqrt((q[t, h] ** 2).sum() + 1e-6)
+                kh = k[t, h] / torch.sqrt((k[t, h] ** 2).sum() + 1e-6)
+                s = torch.diag(torch.exp(a)) @ s
+                u = v[t, h] - s.T @ kh
+                s = s + b[t, h] * torch.outer(kh, u)
+                out[t, h] = s.T @ (key_dim**-0.5 * qh)
+            final[h] = s.T
+        outputs.append(out)
+        conv_windows.append(padded[-(width - 1) :].T)
+        states.append(final)
+        start += length
+    return torch.cat(outputs), conv_windows, states
