@@ -222,7 +222,7 @@ impl CacheManager {
         }
         Self::validate_tokens(tokens.len(), &extra)?;
         let unit = self.unit;
-        let mut hashes = Vec::with_capacity(tokens.len() / unit as usize);
+        let mut hashes = Vec::with_capacity((tokens.len() + tokens.len() / 16 + 256) / unit as usize);
         let mut extends_found = false;
         if let Some(other) = extends {
             let source = match self.by_id.get(&other) {
@@ -249,9 +249,12 @@ impl CacheManager {
         self.hasher.extend(tokens, unit, &extra, &mut hashes);
         let hashed_units = (hashes.len() - reused) as u32;
         self.finished.remove(seq_id);
+        // Headroom for decoded tokens, so the first appends do not copy a long prompt.
+        let mut owned = Vec::with_capacity(tokens.len() + tokens.len() / 16 + 256);
+        owned.extend_from_slice(tokens);
         let seq = Sequence {
             id: seq_id,
-            tokens: tokens.to_vec(),
+            tokens: owned,
             extra,
             hashes,
             num_computed: 0,

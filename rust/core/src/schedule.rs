@@ -74,12 +74,15 @@ impl CacheManager {
         for &id in seq_ids {
             let slot = self.slot(id)?;
             self.check_schedulable(slot, 0)?;
-            if slots.contains(&slot) {
-                return Err(CacheError::step(format!(
-                    "sequence {id} appears twice in one schedule_batch"
-                )));
-            }
             slots.push(slot);
+        }
+        let mut sorted = slots.clone();
+        sorted.sort_unstable();
+        if let Some(pair) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            let id = self.seq(pair[0]).id;
+            return Err(CacheError::step(format!(
+                "sequence {id} appears twice in one schedule_batch"
+            )));
         }
         Ok(slots
             .into_iter()
@@ -139,7 +142,7 @@ impl CacheManager {
             return Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit });
         }
         let admissions = hit.as_ref().map(|h| self.admissions(slot, h.tokens));
-        if !self.blocks_available(slot, start, end + lookahead, admissions.as_deref()) {
+        if !self.blocks_available(slot, end + lookahead, admissions.as_deref()) {
             self.stats.refused_schedules += 1;
             return None;
         }
@@ -215,42 +218,41 @@ impl CacheManager {
     fn blocks_available(
         &self,
         slot: usize,
-        start: u32,
         end: u32,
         admissions: Option<&[GroupAdmission]>,
     ) -> bool {
         let seq = self.seq(slot);
-        let mut need = vec![0u64; self.pools.len()];
-        let mut pinned = vec![0u64; self.pools.len()];
-        for (g, runtime) in self.groups.iter().enumerate() {
-            let pool = runtime.pool();
-            let admission = admissions.map(|a| &a[g]);
-            if let Some(a) = admission {
-                let p = &self.pools[pool];
-                let cached = a
-                    .table
-                    .iter()
-                    .chain(a.cow.as_ref().map(|(src, _)| src))
-                    .chain(std::iter::once(&a.resume))
-                    .filter(|&&b| b != NULL_BLOCK && p.is_cached(b))
-                    .count();
-                pinned[pool] += cached as u64;
-            }
-            match (runtime.block_size(), &seq.groups[g]) {
-                (Some(block), SeqGroup::Paged(paged)) => {
-                    let cols = end.div_ceil(block) as usize;
-                    let have = admission.map_or(paged.table.len(), |a| a.table.len());
-                    need[pool] += cols.saturating_sub(have) as u64;
+        (0..self.pools.len()).all(|pool| {
+            let mut need = 0u64;
+            for (g, runtime) in self.groups.iter().enumerate() {
+                if runtime.pool() != pool {
+                    continue;
                 }
-                _ if admission.is_some() => need[pool] += 2,
-                _ => {}
+                let admission = admissions.map(|a| &a[g]);
+                if let Some(a) = admission {
+                    let p = &self.pools[pool];
+                    let cached = a
+                        .table
+                        .iter()
+                        .chain(a.cow.as_ref().map(|(src, _)| src))
+                        .chain(std::iter::once(&a.resume))
+                        .filter(|&&b| b != NULL_BLOCK && p.is_cached(b))
+                        .count();
+                    // Pinning takes these out of the evictable set.
+                    need += cached as u64;
+                }
+                match (runtime.block_size(), &seq.groups[g]) {
+                    (Some(block), SeqGroup::Paged(paged)) => {
+                        let cols = end.div_ceil(block) as usize;
+                        let have = admission.map_or(paged.table.len(), |a| a.table.len());
+                        need += cols.saturating_sub(have) as u64;
+                    }
+                    _ if admission.is_some() => need += 2,
+                    _ => {}
+                }
             }
-        }
-        let _ = start;
-        self.pools
-            .iter()
-            .enumerate()
-            .all(|(i, p)| need[i] + pinned[i] <= u64::from(p.num_available()))
+            need <= u64::from(self.pools[pool].num_available())
+        })
     }
 
     /// Pins the hit and allocates the chunk's blocks; only called once `blocks_available`.
