@@ -153,3 +153,53 @@ def naive_kda(params, batch: Batch, lengths, initial_conv, initial_state):
         states.append(final)
         start += length
     return torch.cat(outputs), conv_windows, states
+
+
+def reference_kernel(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                     interior_offsets=None, chunk=None):  # fmt: skip
+    """A float64 stand-in for the GPU kernels' common contract, on the CPU.
+
+    Packed ``[1, T, H, *]`` inputs with raw gate and beta, ``initial_state`` ``[N, H, V, K]`` or
+    None, ``cu_seqlens`` int64 ``[N+1]``. Returns ``(o [1, T, H, V], final [N, H, V, K],
+    interior [N, H, V, K] (the state at ``interior_offsets[i]``, NaN where none or 0),
+    h [NT, H, V, K]`` (with ``chunk``: the state before each chunk of each sequence, fla's
+    ``h``, flattened over sequences) ``)``.
+    """
+    heads, key_dim = q.shape[2], q.shape[3]
+    value_dim = v.shape[3]
+    params = kernels.KDALayerParams(
+        A_log=A_log.to(F64),
+        dt_bias=dt_bias.reshape(heads, key_dim).to(F64),
+        conv_weight=torch.zeros(2 * heads * key_dim + heads * value_dim, 4, dtype=F64),
+        lower_bound=lower_bound,
+    )
+    cu = cu_seqlens.tolist()
+    sequences = len(cu) - 1
+    out = torch.empty(v.shape, dtype=v.dtype)
+    final = torch.empty(sequences, heads, value_dim, key_dim, dtype=F64)
+    interior = torch.full_like(final, float("nan"))
+    chunk_states = []
+    scale = key_dim**-0.5
+    for i in range(sequences):
+        a, b = cu[i], cu[i + 1]
+        inputs = kernels.reference.prepare_inputs(
+            q[0, a:b], k[0, a:b], v[0, a:b], g[0, a:b], beta[0, a:b], params, F64
+        )
+        state = (
+            torch.zeros(heads, key_dim, value_dim, dtype=F64)
+            if initial_state is None
+            else initial_state[i].to(F64).transpose(-1, -2)
+        )
+        cuts = set(range(0, b - a, chunk)) if chunk else set()
+        stop = 0 if interior_offsets is None else int(interior_offsets[i])
+        for t in range(b - a):
+            if t in cuts:
+                chunk_states.append(state.transpose(-1, -2).clone())
+            if t == stop and stop > 0:
+                interior[i] = state.transpose(-1, -2)
+            step = tuple(x[t : t + 1] for x in inputs)
+            o, state = kernels.reference.recurrence_loop(*step, scale, state)
+            out[0, a + t] = o[0].to(out.dtype)
+        final[i] = state.transpose(-1, -2)
+    h = torch.stack(chunk_states) if chunk_states else None
+    return out, final, interior, h

@@ -1,10 +1,15 @@
-"""Segment chaining (how ``fla`` exact mode and both FlashKDA backends export checkpoints),
-checked on the CPU with a stand-in kernel built on the float64 reference.
+"""The GPU backends' host-side logic, on the CPU, with stand-in kernels.
 
-The stand-in has the GPU kernels' contract: packed ``[1, n, H, *]`` inputs, ``cu_seqlens``, an
+Segment chaining (how ``fla`` exact mode and both FlashKDA backends export checkpoints) with a
+stand-in kernel built on the float64 reference: packed ``[1, n, H, *]`` inputs, ``cu_seqlens``, an
 initial state per sequence, the final state per sequence, and (with ``per_call = 1``) one interior
 state per sequence at ``checkpoint_offsets`` (0 = none). Chained through ``run_rounds`` it must
 give exactly what the torch backend gives for the same plan.
+
+Then the real ``FlaBackend``, ``FlashKDABackend`` and ``FlashKDAOpBackend`` classes with their
+kernel replaced by stand-ins that check the kernels' documented argument contract (names, order,
+shapes, dtypes) and compute with the reference, so the argument plumbing and the ``h`` indexing
+are tested without a GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +21,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernels_support import F64, fill_slot, kernels, make_batch, make_cache, make_params
+from kernels_support import (
+    F64,
+    fill_slot,
+    kernels,
+    make_batch,
+    make_cache,
+    make_params,
+    reference_kernel,
+)
 from test_kernels import max_difference, prefill, scenario
 
 chaining = kernels.chaining
@@ -159,3 +172,161 @@ def test_interior_offsets_reach_the_kernel_as_int64(dtype):
         np.array([-1]), np.array([0]), np.array([[8]], dtype=dtype), np.array([[1]], dtype=dtype),
     )  # fmt: skip
     assert bool(torch.isfinite(cache.recurrent[:2]).all())
+
+
+# --- the real GPU backend classes with stand-in kernels ------------------------------------------
+
+
+def fake_chunk_kda(**kw):
+    """fla's ``chunk_kda`` contract (the keywords FlaBackend passes), computed by the reference."""
+    assert kw["use_qk_l2norm_in_kernel"] and kw["use_gate_in_kernel"]
+    assert kw["use_beta_sigmoid_in_kernel"] and kw["state_v_first"] and kw["output_final_state"]
+    assert kw["safe_gate"] == (kw["lower_bound"] is not None)
+    q, v = kw["q"], kw["v"]
+    heads, key_dim = q.shape[2], q.shape[3]
+    assert kw["dt_bias"].shape == (heads * key_dim,) and kw["A_log"].shape == (heads,)
+    assert kw["initial_state"].dtype == torch.float32
+    assert kw["cu_seqlens"].dtype == torch.int64 and kw["cu_seqlens_cpu"].device.type == "cpu"
+    assert kw["scale"] == key_dim**-0.5
+    out, final, _, h = reference_kernel(
+        q, kw["k"], v, kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], kw["lower_bound"],
+        kw["initial_state"], kw["cu_seqlens"], chunk=64,
+    )  # fmt: skip
+    if kw["return_intermediate_states"]:
+        return out, final.float(), h.to(q.dtype)[None]
+    return out, final.float()
+
+
+class FakeFlashKDAOps:
+    """``torch.ops._flashkda_C`` as vLLM's build documents it, computed by the reference."""
+
+    def get_workspace_size(self, tokens, heads, sequences):
+        return 64 * tokens * heads + sequences
+
+    def fwd(self, q, k, v, g, beta, scale, out, workspace, A_log, dt_bias, lower_bound,
+            initial_state=None, final_state=None, cu_seqlens=None, checkpoint_state=None,
+            checkpoint_offsets=None):  # fmt: skip
+        for x in (q, k, v, g):
+            assert x.dim() == 4 and x.shape[0] == 1 and x.is_contiguous()
+        assert beta.shape == q.shape[:3] and out.shape == v.shape
+        assert workspace.dtype == torch.uint8
+        assert workspace.numel() == self.get_workspace_size(
+            q.shape[1], q.shape[2], len(cu_seqlens) - 1
+        )
+        assert dt_bias.shape == q.shape[2:] and A_log.shape == q.shape[2:3]
+        assert isinstance(scale, float) and isinstance(lower_bound, float)
+        assert cu_seqlens.dtype == torch.int64
+        assert initial_state.dtype == final_state.dtype == torch.float32
+        if checkpoint_offsets is not None:
+            assert checkpoint_offsets.dtype == cu_seqlens.dtype
+            assert checkpoint_state.shape == final_state.shape
+            assert checkpoint_state.dtype == final_state.dtype
+        offsets = None if checkpoint_offsets is None else checkpoint_offsets.tolist()
+        o, final, interior, _ = reference_kernel(
+            q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, offsets
+        )
+        out.copy_(o)
+        final_state.copy_(final)
+        if offsets is not None:
+            for i, offset in enumerate(offsets):
+                if offset > 0 and offset % 16 == 0:  # off the grid: silently not written
+                    checkpoint_state[i] = interior[i]
+
+
+def fake_backend(cls, **attributes):
+    backend = object.__new__(cls)
+    for name, value in attributes.items():
+        setattr(backend, name, value)
+    backend.check_layer = lambda params, dtype, device: None
+    return backend
+
+
+GPU_BACKENDS = {
+    "fla-h": lambda: fake_backend(
+        kernels.FlaBackend, _chunk_kda=fake_chunk_kda, checkpoint_mode="h",
+        checkpoint_alignment=64, max_checkpoints_per_step=None,
+    ),
+    "fla-chain": lambda: fake_backend(
+        kernels.FlaBackend, _chunk_kda=fake_chunk_kda, checkpoint_mode="chain",
+        checkpoint_alignment=64, max_checkpoints_per_step=None,
+    ),
+    "flashkda-op": lambda: fake_backend(
+        kernels.FlashKDAOpBackend, _ops=FakeFlashKDAOps(), checkpoint_alignment=16,
+        max_checkpoints_per_step=None,
+    ),
+    "flashkda": lambda: fake_backend(
+        kernels.FlashKDABackend,
+        _fwd=GPU_BACKENDS["flashkda-op"]().fwd_without_checkpoints(),
+        checkpoint_alignment=16, max_checkpoints_per_step=None,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_gpu_backend_classes_execute_plans_like_the_reference(name, gate):
+    if gate == "softplus" and name.startswith("flashkda"):
+        pytest.skip("FlashKDA runs the bounded gate only")
+    backend = GPU_BACKENDS[name]()
+    grid = backend.checkpoint_alignment
+    params = make_params(heads=2, key_dim=8, gate=gate, seed=31)
+    lengths = [3 * grid + 5, 2 * grid, 4 * grid + 1, 7]
+    checkpoints = [[3 * grid, grid], [grid], [grid, 2 * grid, 3 * grid], []]
+    initial, running, planned, num_blocks = scenario(
+        lengths, checkpoints, [True, False, True, False], params
+    )
+    batch = make_batch(params, sum(lengths), seed=32)
+
+    def cache():
+        c = make_cache(params, num_blocks)
+        for slot in initial:
+            if slot >= 0:
+                fill_slot(c, slot, seed=300 + slot)
+        return c
+
+    got, expected = cache(), cache()
+    out = prefill(backend, params, got, batch, lengths, initial, running, planned)
+    out_ref = prefill(
+        kernels.TorchBackend(grid, mode="loop"), params, expected, batch, lengths, initial,
+        running, planned,
+    )  # fmt: skip
+    # The GPU paths stage states in fp32 (and fla's h in the inputs' dtype, float64 here).
+    assert max_difference(out, out_ref) <= 1e-5
+    assert max_difference(got.recurrent, expected.recurrent) <= 1e-5
+    assert max_difference(got.conv, expected.conv) == 0.0
+
+
+def test_flashkda_op_skips_an_unaligned_offset_silently_so_the_plan_check_refuses_it():
+    ops = FakeFlashKDAOps()
+    batch = make_batch(make_params(heads=2, key_dim=8), 40)
+    q = batch.g[None].contiguous()
+    v = torch.randn(1, 40, 2, 8, dtype=F64)
+    staging = torch.full((1, 2, 8, 8), float("nan"))
+    ops.fwd(
+        q, q.clone(), v, q.clone(), batch.beta[None], 8**-0.5, torch.empty_like(v),
+        torch.empty(ops.get_workspace_size(40, 2, 1), dtype=torch.uint8), torch.zeros(2),
+        torch.zeros(2, 8), -5.0, torch.zeros(1, 2, 8, 8), torch.empty(1, 2, 8, 8),
+        torch.tensor([0, 40]), staging, torch.tensor([8]),
+    )  # fmt: skip
+    assert bool(torch.isnan(staging).all())
+    backend = GPU_BACKENDS["flashkda-op"]()
+    with pytest.raises(kernels.KernelPlanError, match="not a multiple of backend 'flashkda-op'"):
+        backend.check_plan(
+            query_start_loc=[0, 40], initial_slot=[-1], running_slot=[0],
+            checkpoint_offsets=[[8]], checkpoint_slots=[[1]], num_slots=2,
+        )  # fmt: skip
+
+
+def test_flashkda_layers_must_use_the_bounded_gate_and_128_wide_heads():
+    backend = GPU_BACKENDS["flashkda-op"]()
+    del backend.check_layer  # the real check
+    cuda = torch.device("cuda")
+    with pytest.raises(kernels.UnsupportedLayerError, match="bounded gate only"):
+        backend.check_layer(make_params(gate="softplus"), torch.bfloat16, cuda)
+    with pytest.raises(kernels.UnsupportedLayerError, match="K = V = 128"):
+        backend.check_layer(make_params(key_dim=64), torch.bfloat16, cuda)
+    with pytest.raises(kernels.UnsupportedLayerError, match="bf16 inputs"):
+        backend.check_layer(make_params(key_dim=128), torch.float32, cuda)
+    with pytest.raises(kernels.UnsupportedLayerError, match="runs on CUDA"):
+        backend.check_layer(make_params(key_dim=128), torch.bfloat16, torch.device("cpu"))
+    backend.check_layer(make_params(key_dim=128), torch.bfloat16, cuda)
