@@ -72,7 +72,9 @@ impl CacheManager {
     }
 
     fn commit_slot(&mut self, slot: usize) {
-        let Some(mut seq) = self.seqs[slot].take() else { return };
+        let Some(mut seq) = self.seqs[slot].take() else {
+            return;
+        };
         let Some(step) = seq.step.take() else {
             self.seqs[slot] = Some(seq);
             return;
@@ -217,7 +219,9 @@ impl CacheManager {
 
     /// Undoes a scheduled or in-flight step of one sequence.
     pub(crate) fn undo_step(&mut self, slot: usize) {
-        let Some(mut seq) = self.seqs[slot].take() else { return };
+        let Some(mut seq) = self.seqs[slot].take() else {
+            return;
+        };
         let Some(step) = seq.step.take() else {
             self.seqs[slot] = Some(seq);
             return;

@@ -66,7 +66,10 @@ pub struct Hit {
 enum Probe {
     Ok,
     /// Missing key at this position; whether it is the candidate's last key.
-    Missing { position: u32, last: bool },
+    Missing {
+        position: u32,
+        last: bool,
+    },
 }
 
 impl CacheManager {
@@ -199,12 +202,11 @@ impl CacheManager {
                     while l > 0 && !self.has_key(seq, gid, l) {
                         l -= unit;
                     }
-                    let stop = (l < max_tokens).then(|| {
-                        match self.miss_reason(seq, gid, l + unit) {
+                    let stop =
+                        (l < max_tokens).then(|| match self.miss_reason(seq, gid, l + unit) {
                             MissReason::RecentlyEvicted => MissReason::RecentlyEvicted,
                             _ => MissReason::NoStateAtPosition,
-                        }
-                    });
+                        });
                     (l, stop)
                 }
             };

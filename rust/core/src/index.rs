@@ -53,11 +53,7 @@ pub struct HashIndex {
 impl HashIndex {
     #[must_use]
     pub fn new(recent_capacity: usize, verify_tokens: bool) -> Self {
-        Self {
-            recent_capacity,
-            units: verify_tokens.then(FxHashMap::default),
-            ..Self::default()
-        }
+        Self { recent_capacity, units: verify_tokens.then(FxHashMap::default), ..Self::default() }
     }
 
     /// Blocks published under `key` (empty if none).
@@ -102,7 +98,9 @@ impl HashIndex {
     /// Unpublishes `block` from `key`; `evicted` records the key as recently evicted when no
     /// block is left under it.
     pub fn remove(&mut self, key: &Key, block: BlockId, evicted: bool) {
-        let Entry::Occupied(mut o) = self.map.entry(*key) else { return };
+        let Entry::Occupied(mut o) = self.map.entry(*key) else {
+            return;
+        };
         self.generation += 1;
         let holders = o.get_mut();
         let now_empty = match holders {
@@ -155,9 +153,9 @@ impl HashIndex {
     pub fn verify(&self, digest: &Digest, parent: &Digest, tokens: &[u32]) -> bool {
         match &self.units {
             None => true,
-            Some(units) => units
-                .get(digest)
-                .is_some_and(|u| u.parent == *parent && *u.tokens == *tokens),
+            Some(units) => {
+                units.get(digest).is_some_and(|u| u.parent == *parent && *u.tokens == *tokens)
+            }
         }
     }
 

@@ -109,7 +109,8 @@ impl CacheManager {
                             k.position
                         )));
                     }
-                    let state = matches!(self.groups[k.key.group as usize], GroupRuntime::State { .. });
+                    let state =
+                        matches!(self.groups[k.key.group as usize], GroupRuntime::State { .. });
                     if state && (keys.len() != 1 || !pool.kind(b).is_checkpoint()) {
                         return Err(CacheError::invariant(format!(
                             "pool {i} block {b}: a state key on a block labelled {:?} with {} \

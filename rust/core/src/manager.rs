@@ -222,7 +222,8 @@ impl CacheManager {
         }
         Self::validate_tokens(tokens.len(), &extra)?;
         let unit = self.unit;
-        let mut hashes = Vec::with_capacity((tokens.len() + tokens.len() / 16 + 256) / unit as usize);
+        let mut hashes =
+            Vec::with_capacity((tokens.len() + tokens.len() / 16 + 256) / unit as usize);
         let mut extends_found = false;
         if let Some(other) = extends {
             let source = match self.by_id.get(&other) {
@@ -376,7 +377,9 @@ impl CacheManager {
 
     /// Releases every block a started sequence holds, tail first.
     fn release_all(&mut self, slot: usize, publish_decode_tail: bool) {
-        let Some(mut seq) = self.seqs[slot].take() else { return };
+        let Some(mut seq) = self.seqs[slot].take() else {
+            return;
+        };
         if seq.started {
             self.started -= 1;
         }

@@ -1,7 +1,7 @@
 //! `build_plan`: everything the kernels need for one step, and the checkpoint selection.
 //!
 //! The plan is plain contiguous vectors (row-major where two-dimensional), ready to be moved
-//! into NumPy without copying. Per paged group it carries only what changed in the block tables
+//! into `NumPy` without copying. Per paged group it carries only what changed in the block tables
 //! (appended and replaced entries), so a decode step costs O(sequences), not O(context).
 //!
 //! Checkpoints (per state group, per scheduled sequence, chunk `[qs, qe)`): the retained
@@ -16,7 +16,7 @@ use crate::config::StateGroupConfig;
 use crate::error::{CacheError, Result};
 use crate::manager::{CacheManager, GroupRuntime, InFlight};
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
-use crate::sequence::{GroupStep, PlannedCheckpoint, SeqGroup, Sequence};
+use crate::sequence::{GroupStep, PagedSeq, PlannedCheckpoint, SeqGroup, Sequence};
 use crate::stats::SkipReason;
 
 /// Per paged group: what changed in the block tables, and where this step's KV goes.
@@ -103,11 +103,45 @@ fn prefill_candidates(
         }
     }
     let mut seen = Vec::with_capacity(out.len());
-    out.retain(|&p| p > start && p <= end && p > 0 && !seen.contains(&p) && {
-        seen.push(p);
-        true
+    out.retain(|&p| {
+        p > start && p <= end && p > 0 && !seen.contains(&p) && {
+            seen.push(p);
+            true
+        }
     });
     out
+}
+
+/// Where one row of a paged group sits in the plan.
+struct PagedRows {
+    row: usize,
+    start: u32,
+    end: u32,
+    first: bool,
+}
+
+/// Appends one sequence's table changes and slot mapping to a paged group's plan.
+fn emit_paged(
+    out: &mut PagedGroupPlan,
+    paged: &PagedSeq,
+    table_len_before: usize,
+    block: u32,
+    rows: &PagedRows,
+) {
+    let row = rows.row as i32;
+    for (col, &b) in paged.table.iter().enumerate().skip(table_len_before) {
+        out.appended.extend([row, col as i32, b as i32]);
+    }
+    if !rows.first {
+        // Sliding-window releases since the last plan (a first step appends them as nulls).
+        for col in paged.window_reported..paged.window_start {
+            out.replaced.extend([row, col as i32, NULL_BLOCK as i32]);
+        }
+    }
+    out.slot_mapping.extend((rows.start..rows.end).map(|pos| {
+        let b = paged.table[(pos / block) as usize];
+        i64::from(b) * i64::from(block) + i64::from(pos % block)
+    }));
 }
 
 impl CacheManager {
@@ -141,10 +175,8 @@ impl CacheManager {
             }
             return Ok(());
         }
-        let valid: Vec<u32> = (start / unit + 1..=end / unit)
-            .map(|i| i * unit)
-            .filter(|&p| on_grid(p))
-            .collect();
+        let valid: Vec<u32> =
+            (start / unit + 1..=end / unit).map(|i| i * unit).filter(|&p| on_grid(p)).collect();
         let describe = |p: u32| {
             if p == end {
                 format!("{p} (the chunk end, served by a snapshot)")
@@ -225,23 +257,16 @@ impl CacheManager {
                 match (group_step, &seq.groups[g]) {
                     (GroupStep::Paged { table_len_before, cow }, SeqGroup::Paged(paged)) => {
                         let block = self.groups[g].block_size().unwrap_or(1);
-                        let out = &mut plan.paged[p];
+                        let rows = PagedRows { row, start, end, first: step.first };
+                        emit_paged(&mut plan.paged[p], paged, *table_len_before, block, &rows);
                         p += 1;
-                        for col in *table_len_before..paged.table.len() {
-                            out.appended.extend([row as i32, col as i32, paged.table[col] as i32]);
-                        }
-                        let from = if step.first { paged.window_start } else { paged.window_reported };
-                        for col in from..paged.window_start {
-                            if !step.first {
-                                out.replaced.extend([row as i32, col as i32, NULL_BLOCK as i32]);
-                            }
-                        }
-                        for pos in start..end {
-                            let b = paged.table[(pos / block) as usize];
-                            out.slot_mapping.push(i64::from(b) * i64::from(block) + i64::from(pos % block));
-                        }
                         if let Some((src, dst, n)) = cow {
-                            plan.copies.extend([g as i64, i64::from(*src), i64::from(*dst), i64::from(*n)]);
+                            plan.copies.extend([
+                                g as i64,
+                                i64::from(*src),
+                                i64::from(*dst),
+                                i64::from(*n),
+                            ]);
                         }
                     }
                     (GroupStep::State { interior, snapshot }, SeqGroup::State(state)) => {
@@ -289,7 +314,9 @@ impl CacheManager {
     fn select_checkpoints(&mut self, slot: usize) {
         let unit = self.unit;
         for g in 0..self.groups.len() {
-            let GroupRuntime::State { config, pool } = &self.groups[g] else { continue };
+            let GroupRuntime::State { config, pool } = &self.groups[g] else {
+                continue;
+            };
             let (config, pool) = (config.clone(), *pool);
             let seq = self.seq(slot);
             let Some(step) = &seq.step else { return };
@@ -300,9 +327,7 @@ impl CacheManager {
             let mut skipped: Vec<SkipReason> = Vec::new();
             let mut wanted: Vec<(u32, BlockKind)> = Vec::new();
             if decode {
-                for (p, _) in step.requested.iter().map(|&p| (p, ())) {
-                    wanted.push((p, BlockKind::Checkpoint));
-                }
+                wanted.extend(step.requested.iter().map(|&p| (p, BlockKind::Checkpoint)));
                 if config.retention.decode_tail {
                     let first_boundary = start / unit + 1;
                     for i in first_boundary..=end / unit {

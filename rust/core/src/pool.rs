@@ -272,7 +272,9 @@ impl BlockPool {
 
     /// Adds a key to a block; false if the block already carries it.
     pub fn add_key(&mut self, block: BlockId, key: BlockKey) -> bool {
-        let Some(keys) = self.keys.get_mut(block as usize) else { return false };
+        let Some(keys) = self.keys.get_mut(block as usize) else {
+            return false;
+        };
         if block == NULL_BLOCK || keys.iter().any(|k| k.key == key.key) {
             return false;
         }
@@ -391,6 +393,7 @@ impl BlockPool {
             return Err(format!("LRU length {} but {seen} linked", self.lru_len));
         }
         let mut checkpoints = 0;
+        #[allow(clippy::needless_range_loop)] // b indexes five parallel vectors
         for b in 1..n {
             let (rc, keyed, cached) = (self.ref_count[b], !self.keys[b].is_empty(), self.in_lru[b]);
             let state_ok = if rc > 0 {

@@ -154,8 +154,7 @@ impl CacheManager {
             seq.prefill_target = total;
             seq.junction = hit.as_ref().and_then(|h| h.junction);
         }
-        seq.step =
-            Some(StepRecord { start, end, first, groups, requested: Vec::new() });
+        seq.step = Some(StepRecord { start, end, first, groups, requested: Vec::new() });
         self.scheduled.push(slot);
         if first {
             self.started += 1;
@@ -277,8 +276,8 @@ impl CacheManager {
                     self.pools[pool].touch(src);
                 }
             }
-            let step = match self.groups[g].block_size() {
-                Some(block) => {
+            let step = if let Some(block) = self.groups[g].block_size() {
+                {
                     let mut paged = match (&admission, &mut self.seq_mut(slot).groups[g]) {
                         (Some(a), _) => PagedSeq {
                             window_start: a.table.iter().take_while(|&&b| b == 0).count(),
@@ -302,7 +301,8 @@ impl CacheManager {
                     self.seq_mut(slot).groups[g] = SeqGroup::Paged(paged);
                     GroupStep::Paged { table_len_before, cow }
                 }
-                None => {
+            } else {
+                {
                     if let Some(a) = &admission {
                         let r0 = self.allocate(pool, BlockKind::Running).unwrap_or(NULL_BLOCK);
                         let r1 = self.allocate(pool, BlockKind::Running).unwrap_or(NULL_BLOCK);
@@ -339,7 +339,9 @@ impl CacheManager {
         let reach = start + budget;
         let mut best: Option<u32> = None;
         for runtime in &self.groups {
-            let GroupRuntime::State { config, .. } = runtime else { continue };
+            let GroupRuntime::State { config, .. } = runtime else {
+                continue;
+            };
             let r = &config.retention;
             let mut candidates = Vec::new();
             if r.tail && target > 0 {

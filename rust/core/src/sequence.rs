@@ -166,7 +166,9 @@ impl FinishedCache {
         self.entries.insert(id, entry);
         self.order.push_back(id);
         while self.bytes > self.capacity {
-            let Some(old) = self.order.pop_front() else { break };
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
             if let Some(e) = self.entries.remove(&old) {
                 self.bytes -= e.bytes();
             }
