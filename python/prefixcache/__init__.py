@@ -1,1 +1,117 @@
-"""prefixcache: a prefix-cache manager for hybrid attention / recurrent-state LLM serving engines."""
+"""prefixcache: a prefix-cache manager for hybrid attention / recurrent-state LLM serving engines.
+
+A Rust core owns block lifecycle, prefix hashing, eviction and checkpoint planning; this package
+is its typed Python face. An engine drives a :class:`CacheManager` through a two-phase step
+protocol::
+
+    mgr = CacheManager(CacheConfig(pools=[PoolConfig(1024)], groups=[FullAttention(16)]))
+    mgr.add(seq_id, prompt_tokens)
+    scheduled = mgr.schedule(seq_id, max_tokens=512)  # None: out of blocks, preempt something
+    plan = mgr.build_plan()                           # NumPy arrays for the kernels
+    ...                                               # copies, forward, snapshots
+    mgr.commit(plan)                                  # or mgr.abort(plan) if the forward failed
+    mgr.append(seq_id, [sampled_token])
+    mgr.finish(seq_id)
+
+Errors derive from :class:`PrefixCacheError`, one class per failure; argument type problems
+are ``TypeError`` and out-of-range values ``InvalidRequestError`` / ``ConfigError`` (both
+``ValueError``). Running out of blocks is not an error: ``schedule`` returns ``None``.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+from prefixcache._core import (
+    ENCODING_VERSION,
+    MAX_SEQUENCE_TOKENS,
+    Added,
+    AlignmentError,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheManager,
+    ConfigError,
+    DuplicateSequenceError,
+    GroupHit,
+    GroupStats,
+    Hit,
+    InvalidRequestError,
+    InvariantError,
+    NothingToScheduleError,
+    PagedGroupPlan,
+    PoolUsage,
+    PrefixCacheError,
+    ResetRefusedError,
+    Scheduled,
+    StalePlanError,
+    StateGroupPlan,
+    Stats,
+    StepError,
+    StepPlan,
+    UnknownSequenceError,
+    __version__,
+    hash_prefix,
+)
+from prefixcache.config import (
+    CacheConfig,
+    CheckpointBackend,
+    ExtraKeys,
+    FullAttention,
+    Group,
+    HashAlgorithm,
+    HashConfig,
+    MultimodalInput,
+    PoolConfig,
+    Retention,
+    SlidingWindow,
+    StateGroup,
+)
+
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+"""Any event returned by :meth:`CacheManager.drain_events`."""
+
+__all__ = [
+    "ENCODING_VERSION",
+    "MAX_SEQUENCE_TOKENS",
+    "Added",
+    "AlignmentError",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheConfig",
+    "CacheManager",
+    "CheckpointBackend",
+    "ConfigError",
+    "DuplicateSequenceError",
+    "Event",
+    "ExtraKeys",
+    "FullAttention",
+    "Group",
+    "GroupHit",
+    "GroupStats",
+    "HashAlgorithm",
+    "HashConfig",
+    "Hit",
+    "InvalidRequestError",
+    "InvariantError",
+    "MultimodalInput",
+    "NothingToScheduleError",
+    "PagedGroupPlan",
+    "PoolConfig",
+    "PoolUsage",
+    "PrefixCacheError",
+    "ResetRefusedError",
+    "Retention",
+    "Scheduled",
+    "SlidingWindow",
+    "StalePlanError",
+    "StateGroup",
+    "StateGroupPlan",
+    "Stats",
+    "StepError",
+    "StepPlan",
+    "UnknownSequenceError",
+    "__version__",
+    "hash_prefix",
+]

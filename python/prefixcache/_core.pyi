@@ -1,0 +1,488 @@
+"""Type stubs of the native module ``prefixcache._core`` (import ``prefixcache`` instead).
+
+Checked against the built module by ``python -m mypy.stubtest prefixcache._core``.
+"""
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol, TypeAlias, final
+
+import numpy as np
+import numpy.typing as npt
+
+from prefixcache.config import CacheConfig, ExtraKeys
+
+class _SupportsArray(Protocol):
+    def __array__(self) -> npt.NDArray[Any]: ...
+
+_IntArray: TypeAlias = npt.NDArray[np.integer[Any]]
+# A list of ints, a 1-D NumPy integer array, or a torch CPU tensor (anything exposing __array__).
+_Ints: TypeAlias = Sequence[int] | _IntArray | _SupportsArray
+
+__all__ = [
+    "ENCODING_VERSION",
+    "MAX_SEQUENCE_TOKENS",
+    "Added",
+    "AlignmentError",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheManager",
+    "ConfigError",
+    "DuplicateSequenceError",
+    "GroupHit",
+    "GroupStats",
+    "Hit",
+    "InvalidRequestError",
+    "InvariantError",
+    "NothingToScheduleError",
+    "PagedGroupPlan",
+    "PoolUsage",
+    "PrefixCacheError",
+    "ResetRefusedError",
+    "Scheduled",
+    "StalePlanError",
+    "StateGroupPlan",
+    "Stats",
+    "StepError",
+    "StepPlan",
+    "UnknownSequenceError",
+    "__version__",
+    "_error_samples",
+    "hash_prefix",
+    "validate_config",
+]
+__version__: str
+ENCODING_VERSION: int
+MAX_SEQUENCE_TOKENS: int
+
+class PrefixCacheError(Exception):
+    """Base class of every error raised by prefixcache; `kind` names the core variant."""
+
+    kind: ClassVar[str | None]
+
+class ConfigError(PrefixCacheError, ValueError):
+    """The configuration is inconsistent; the message names the field to change."""
+
+    kind: ClassVar[str]
+
+class InvalidRequestError(PrefixCacheError, ValueError):
+    """A request argument is out of range or malformed."""
+
+    kind: ClassVar[str]
+
+class UnknownSequenceError(PrefixCacheError):
+    """The sequence id is not live (never added, or already finished)."""
+
+    kind: ClassVar[str]
+
+class DuplicateSequenceError(PrefixCacheError):
+    """`add` of a sequence id that is still live."""
+
+    kind: ClassVar[str]
+
+class NothingToScheduleError(PrefixCacheError):
+    """`schedule` of a sequence whose every token is computed: append a token first."""
+
+    kind: ClassVar[str]
+
+class StepError(PrefixCacheError):
+    """A call the step protocol does not allow now."""
+
+    kind: ClassVar[str]
+
+class StalePlanError(StepError):
+    """`commit` or `abort` of a plan that is not the one in flight."""
+
+class AlignmentError(PrefixCacheError):
+    """A checkpoint position the kernel cannot write."""
+
+    kind: ClassVar[str]
+
+class ResetRefusedError(PrefixCacheError):
+    """`reset` while sequences still hold blocks."""
+
+    kind: ClassVar[str]
+
+class InvariantError(PrefixCacheError):
+    """An internal inconsistency (a bug in prefixcache; please report it)."""
+
+    kind: ClassVar[str]
+
+@final
+class Added:
+    """What `CacheManager.add` did with the prompt's hashes."""
+
+    @property
+    def reused_tokens(self) -> int:
+        """Tokens whose unit hashes were reused from the `extends` sequence."""
+    @property
+    def hashed_units(self) -> int:
+        """Units hashed by this call."""
+    @property
+    def extends_found(self) -> bool:
+        """Whether the `extends` sequence was found (running or in the finished cache)."""
+
+@final
+class GroupHit:
+    """One group's part of a `Hit`: its own longest hit and why it stops there."""
+
+    @property
+    def group(self) -> int:
+        """Index of the group in the configuration."""
+    @property
+    def tokens(self) -> int:
+        """The group's own longest hit in tokens (a multiple of the hash unit)."""
+    @property
+    def stop(self) -> str | None:
+        """`"not_cached"`, `"recently_evicted"`, `"no_state_at_position"`, `"window_gap"`,
+        or `None` when the group reaches `Hit.max_tokens`."""
+
+@final
+class Hit:
+    """The result of a lookup: the prefix every group can resume from, and per-group detail."""
+
+    @property
+    def tokens(self) -> int:
+        """The reconciled hit L in tokens: every group can resume there."""
+    @property
+    def max_tokens(self) -> int:
+        """The largest hit a lookup could return: `((N - 1) // U) * U`."""
+    @property
+    def junction(self) -> int | None:
+        """The largest own hit of any group, when it exceeds `tokens` by two units or more."""
+    @property
+    def groups(self) -> list[GroupHit]:
+        """Each group's own hit and why it stops, in group order."""
+
+@final
+class Scheduled:
+    """What `schedule` gave a sequence for the next plan."""
+
+    @property
+    def seq_id(self) -> int:
+        """The sequence."""
+    @property
+    def num_computed(self) -> int:
+        """Tokens computed before this chunk (the hit used, on a first schedule)."""
+    @property
+    def num_tokens(self) -> int:
+        """Tokens scheduled; 0 when the budget was below the chunk alignment."""
+    @property
+    def hit(self) -> Hit | None:
+        """The hit this schedule started from (only on a sequence's first schedule)."""
+
+@final
+class PoolUsage:
+    """Blocks of one pool."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Block ids including the null block 0."""
+    @property
+    def free(self) -> int:
+        """Blocks never used or freed without a key."""
+    @property
+    def cached(self) -> int:
+        """Published blocks nobody references (evictable)."""
+    @property
+    def owned(self) -> int:
+        """Blocks referenced by sequences or by the step in flight."""
+    @property
+    def checkpoints(self) -> int:
+        """Blocks holding checkpoints."""
+    def to_dict(self) -> dict[str, int]:
+        """The fields as a dict (for JSON output)."""
+
+@final
+class GroupStats:
+    """Per-group counters."""
+
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens of reconciled hits this group served (first schedules)."""
+    @property
+    def evictions(self) -> int:
+        """Blocks of this group evicted for reuse."""
+    @property
+    def checkpoints_published(self) -> int:
+        """State groups: checkpoints published (decode tails included)."""
+    @property
+    def checkpoints_skipped(self) -> dict[str, int]:
+        """State groups: retained positions not exported, by reason."""
+    @property
+    def checkpoint_hits(self) -> int:
+        """State groups: schedules that resumed from a published checkpoint."""
+    @property
+    def decode_tails_published(self) -> int:
+        """State groups: decode-tail snapshots published by `finish`."""
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (for JSON output)."""
+
+@final
+class Stats:
+    """Manager-wide counters (a snapshot)."""
+
+    @property
+    def lookups(self) -> int:
+        """`lookup` calls."""
+    @property
+    def lookup_hit_tokens(self) -> int:
+        """Sum of reconciled hit lengths over lookups."""
+    @property
+    def admissions(self) -> int:
+        """First schedules (admissions)."""
+    @property
+    def admitted_hit_tokens(self) -> int:
+        """Sum of the hits used by admissions."""
+    @property
+    def scheduled_tokens(self) -> int:
+        """Tokens scheduled."""
+    @property
+    def refused_schedules(self) -> int:
+        """`schedule` calls that returned `None`."""
+    @property
+    def copies(self) -> int:
+        """Copy-on-write copies planned."""
+    @property
+    def commits(self) -> int:
+        """Plans committed."""
+    @property
+    def aborts(self) -> int:
+        """Plans aborted."""
+    @property
+    def evictions(self) -> int:
+        """Blocks evicted for reuse, all groups."""
+    @property
+    def events_dropped(self) -> int:
+        """Events dropped because nobody drained them in time."""
+    @property
+    def groups(self) -> list[GroupStats]:
+        """Per-group counters, in group order."""
+    def to_dict(self) -> dict[str, Any]:
+        """The counters as a dict (per-group counters under `"groups"`)."""
+
+@final
+class PagedGroupPlan:
+    """One paged group's part of a plan: block-table updates and KV slots."""
+
+    @property
+    def group(self) -> int:
+        """Index of the group in the configuration."""
+    @property
+    def appended(self) -> npt.NDArray[np.int32]:
+        """`int32 [M, 3]` rows `(row, column, block)` appended to the block tables."""
+    @property
+    def replaced(self) -> npt.NDArray[np.int32]:
+        """`int32 [M', 3]` rows `(row, column, block)` replaced (window releases: 0)."""
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """`int64 [T]` slot `block * block_size + offset` of each scheduled token."""
+
+@final
+class StateGroupPlan:
+    """One state group's part of a plan: which slots the kernels read and write."""
+
+    @property
+    def group(self) -> int:
+        """Index of the group in the configuration."""
+    @property
+    def running_slot(self) -> npt.NDArray[np.int32]:
+        """`int32 [R]` the running-state slot each row writes."""
+    @property
+    def initial_slot(self) -> npt.NDArray[np.int32]:
+        """`int32 [R]` the slot each row reads (-1 = zero state)."""
+    @property
+    def checkpoint_offsets(self) -> npt.NDArray[np.int32]:
+        """`int32 [R, Cmax]` interior checkpoint offsets from the query start (0 = none)."""
+    @property
+    def checkpoint_slots(self) -> npt.NDArray[np.int32]:
+        """`int32 [R, Cmax]` the slot of each interior checkpoint (-1 = none)."""
+    @property
+    def snapshots(self) -> npt.NDArray[np.int32]:
+        """`int32 [S, 2]` rows `(running slot, checkpoint slot)` copied after the forward."""
+
+@final
+class StepPlan:
+    """Everything the kernels need for one step (R sequences, T tokens); arrays are shared,
+    not copied, on every read."""
+
+    @property
+    def step_id(self) -> int:
+        """Identifies the step; `commit` and `abort` use it."""
+    @property
+    def seq_ids(self) -> npt.NDArray[np.int64]:
+        """`int64 [R]` the scheduled sequences, in schedule order."""
+    @property
+    def query_start_loc(self) -> npt.NDArray[np.int32]:
+        """`int32 [R + 1]` where each row's tokens start in the packed batch."""
+    @property
+    def num_computed(self) -> npt.NDArray[np.int32]:
+        """`int32 [R]` tokens of each row computed before this step."""
+    @property
+    def num_scheduled(self) -> npt.NDArray[np.int32]:
+        """`int32 [R]` tokens of each row scheduled in this step."""
+    @property
+    def copies(self) -> npt.NDArray[np.int64]:
+        """`int64 [K, 4]` rows `(group, src_block, dst_block, num_tokens)`."""
+    @property
+    def paged(self) -> list[PagedGroupPlan]:
+        """Per paged group, in group order."""
+    @property
+    def state(self) -> list[StateGroupPlan]:
+        """Per state group, in group order."""
+    @property
+    def num_rows(self) -> int:
+        """R, the scheduled sequences."""
+    @property
+    def num_tokens(self) -> int:
+        """T, the scheduled tokens."""
+    def paged_group(self, group: int) -> PagedGroupPlan:
+        """The part of paged group `group` (its index in the configuration)."""
+    def state_group(self, group: int) -> StateGroupPlan:
+        """The part of state group `group` (its index in the configuration)."""
+
+@final
+class BlockStored:
+    """Keys were added to a block at a commit (or a decode-tail checkpoint at `finish`)."""
+
+    @property
+    def sequence(self) -> int:
+        """Sequence number of the event (strictly increasing)."""
+    @property
+    def group(self) -> int:
+        """The group the block belongs to."""
+    @property
+    def block(self) -> int:
+        """The block id in its group's pool."""
+    @property
+    def keys(self) -> list[bytes]:
+        """The keys added in this commit, in position order (digest bytes)."""
+    @property
+    def parent(self) -> bytes | None:
+        """The key just before the first added one (`None` at the start)."""
+    @property
+    def token_start(self) -> int:
+        """First token covered by the added keys."""
+    @property
+    def token_end(self) -> int:
+        """One past the last token covered by the added keys."""
+    @property
+    def checkpoint(self) -> bool:
+        """Whether the block is a recurrent-state checkpoint."""
+
+@final
+class BlockRemoved:
+    """A block lost every key (it was evicted for reuse)."""
+
+    @property
+    def sequence(self) -> int:
+        """Sequence number of the event."""
+    @property
+    def group(self) -> int:
+        """The group the block belonged to."""
+    @property
+    def block(self) -> int:
+        """The block id in its group's pool."""
+    @property
+    def keys(self) -> list[bytes]:
+        """Every key the block lost (digest bytes)."""
+
+@final
+class AllBlocksCleared:
+    """`reset` dropped every cached block and key."""
+
+    @property
+    def sequence(self) -> int:
+        """Sequence number of the event."""
+
+@final
+class CacheManager:
+    """The prefix-cache manager: block pools, prefix hashing, eviction, checkpoint planning.
+
+    Thread-safe; long work (hashing, lookups, plan building) runs without the GIL.
+    """
+
+    def __new__(cls, config: CacheConfig) -> CacheManager:
+        """Builds a manager from a validated `CacheConfig`."""
+    @property
+    def config(self) -> CacheConfig:
+        """The configuration this manager was built from."""
+    @property
+    def chunk_alignment(self) -> int:
+        """The grid non-final prefill chunks end on (lcm of the state alignments)."""
+    @property
+    def num_sequences(self) -> int:
+        """Number of live sequences."""
+    @property
+    def num_finished_cached(self) -> int:
+        """Number of finished sequences kept for `add(..., extends=...)`."""
+    @property
+    def plan_in_flight(self) -> int | None:
+        """The step id of the plan in flight, or `None`."""
+    def add(
+        self,
+        seq_id: int,
+        tokens: _Ints,
+        extra_keys: ExtraKeys | None = None,
+        extends: int | None = None,
+    ) -> Added:
+        """Registers a sequence and hashes its full units."""
+    def lookup(self, seq_id: int) -> Hit:
+        """The hit the sequence would get now (changes no cache state)."""
+    def schedule(
+        self, seq_id: int, max_tokens: int, lookahead: int = 0, exact: bool = False
+    ) -> Scheduled | None:
+        """Schedules up to `max_tokens` tokens; `None` when out of blocks."""
+    def schedule_batch(
+        self, seq_ids: _Ints, max_tokens: int | _Ints, exact: bool = False
+    ) -> list[Scheduled | None]:
+        """`schedule` for many sequences in one call (results in input order)."""
+    def request_checkpoint(self, seq_id: int, position: int) -> None:
+        """Asks for a checkpoint at `position` in the chunk scheduled for the next plan."""
+    def suggest_chunk(self, seq_id: int, token_budget: int) -> int:
+        """Tokens to schedule so the chunk ends on the next retained position."""
+    def build_plan(self) -> StepPlan:
+        """Builds the plan of every sequence scheduled since the last plan."""
+    def commit(self, plan: StepPlan) -> None:
+        """Publishes what the plan's step wrote and advances every sequence in it."""
+    def abort(self, plan: StepPlan) -> None:
+        """Undoes the plan's step: every sequence is back where it was."""
+    def append(self, seq_id: int, tokens: _Ints) -> None:
+        """Appends tokens to a sequence."""
+    def append_batch(self, seq_ids: _Ints, tokens: _Ints) -> None:
+        """One token per sequence (a decode step) in one call."""
+    def finish(self, seq_id: int) -> None:
+        """Releases a sequence's blocks and publishes its decode-tail checkpoint."""
+    def preempt(self, seq_id: int) -> None:
+        """Releases a sequence's blocks; it restarts from a fresh lookup."""
+    def reset(self) -> None:
+        """Drops every cached block and key."""
+    def block_table(self, group: int, seq_ids: _Ints) -> npt.NDArray[np.int32]:
+        """Full block-table rows `int32 [R, C]` of a paged group."""
+    def drain_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """Takes the pending block events, oldest first."""
+    def stats(self) -> Stats:
+        """A snapshot of the counters."""
+    def pool_usage(self) -> list[PoolUsage]:
+        """Block usage per pool, in pool order."""
+    def check_invariants(self) -> None:
+        """Checks every internal invariant; `InvariantError` on a violation."""
+    def num_computed(self, seq_id: int) -> int:
+        """Tokens of a live sequence computed and committed so far."""
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens of a live sequence (prompt plus appended)."""
+
+def hash_prefix(
+    tokens: _Ints,
+    unit: int = 16,
+    algorithm: str = "xxh3_128",
+    seed: int = 0,
+    extra_keys: ExtraKeys | None = None,
+) -> list[bytes]:
+    """The digests of every full unit of `tokens`, as bytes."""
+
+def validate_config(config: CacheConfig) -> None:
+    """Checks a `CacheConfig`; raises what `CacheManager` would."""
+
+def _error_samples() -> list[tuple[str, PrefixCacheError]]:
+    """One exception of every core error variant, as `(kind, exception)` pairs."""

@@ -1,0 +1,248 @@
+"""Configuration of a :class:`prefixcache.CacheManager`: pools, groups, hashing, retention.
+
+Plain frozen dataclasses that only carry values. Every rule (the hash unit divides each paged
+block size, each state alignment divides the unit, ...) lives in the Rust core: a
+:class:`CacheConfig` is checked by it when constructed, and a violated rule raises
+:class:`prefixcache.ConfigError` (a ``ValueError``) whose message names the field and what to
+change. A value of the wrong type raises ``TypeError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Protocol, TypeAlias
+
+from prefixcache import _core
+
+__all__ = [
+    "CacheConfig",
+    "CheckpointBackend",
+    "ExtraKeys",
+    "FullAttention",
+    "Group",
+    "HashAlgorithm",
+    "HashConfig",
+    "MultimodalInput",
+    "PoolConfig",
+    "Retention",
+    "SlidingWindow",
+    "StateGroup",
+]
+
+HashAlgorithm: TypeAlias = Literal["xxh3_128", "sha256"]
+"""Name of a hash function: ``"xxh3_128"`` (fast, the default) or ``"sha256"`` (collision
+resistant, for multi-tenant deployments)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """One block pool: block ids ``0 .. num_blocks - 1``.
+
+    Block 0 is the null block (padding in block tables; never allocated), so a pool holds
+    ``num_blocks - 1`` usable blocks. Several groups may share a pool (one id space, one LRU).
+    """
+
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """Which checkpoint positions a state group keeps (all multiples of the hash unit U).
+
+    Attributes:
+        tail: the last unit boundary strictly before the prompt's end, which an identical
+            resend or the next turn of a conversation resumes from.
+        interval: every ``interval`` tokens (a multiple of U); ``None`` = off. Setting it to
+            the attention block size reproduces block-boundary caching.
+        junction: the position where the prompt diverged from another cached request.
+        decode_tail: after a decode step that ends on a unit boundary, the running state is
+            snapshotted (kept privately, published by ``finish``).
+    """
+
+    tail: bool = True
+    interval: int | None = None
+    junction: bool = True
+    decode_tail: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttention:
+    """A group of full-attention layers: block j holds the KV of tokens ``[jB, (j+1)B)``.
+
+    Attributes:
+        block_size: B, tokens per block; a multiple of the hash unit U.
+        pool: index into :attr:`CacheConfig.pools`.
+    """
+
+    kind: ClassVar[str] = "full_attention"
+    block_size: int
+    pool: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindow:
+    """A group of sliding-window attention layers: only the last ``window`` tokens are needed.
+
+    Blocks that left the window are released while the sequence runs.
+
+    Attributes:
+        block_size: B, tokens per block; a multiple of the hash unit U.
+        window: W, tokens attended to; at least one block.
+        pool: index into :attr:`CacheConfig.pools`.
+    """
+
+    kind: ClassVar[str] = "sliding_window"
+    block_size: int
+    window: int
+    pool: int = 0
+
+
+class CheckpointBackend(Protocol):
+    """What :meth:`StateGroup.from_backend` reads from a kernel backend."""
+
+    @property
+    def checkpoint_alignment(self) -> int:
+        """A: interior checkpoint offsets the kernel writes are multiples of it."""
+        ...
+
+    @property
+    def max_checkpoints_per_step(self) -> int | None:
+        """C: interior checkpoints per sequence per step (``None`` = unbounded)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StateGroup:
+    """A group of recurrent-state layers (KDA, Mamba2, Gated DeltaNet): one state per block.
+
+    Prefer :meth:`from_backend`, so the planner and the kernel share one alignment.
+
+    Attributes:
+        alignment: A, the kernel's checkpoint alignment; must divide the hash unit U.
+        max_checkpoints_per_step: C, interior checkpoints per sequence per step; ``None`` =
+            unbounded, ``0`` = none (chunks then end on retained positions, see
+            :meth:`prefixcache.CacheManager.suggest_chunk`).
+        pool: index into :attr:`CacheConfig.pools` (running states and checkpoints share it).
+        retention: which positions are checkpointed.
+        checkpoint_cap: how many blocks of the pool checkpoints may hold, published ones
+            included; ``None`` = only the pool bounds them.
+        reserve_per_sequence: blocks kept free or evictable per running sequence before a
+            checkpoint may take one, so checkpoints never make a ``schedule`` fail.
+    """
+
+    kind: ClassVar[str] = "state"
+    alignment: int = 1
+    max_checkpoints_per_step: int | None = None
+    pool: int = 0
+    retention: Retention = field(default_factory=Retention)
+    checkpoint_cap: int | None = None
+    reserve_per_sequence: int = 2
+
+    @classmethod
+    def from_backend(
+        cls,
+        backend: CheckpointBackend,
+        pool: int = 0,
+        retention: Retention | None = None,
+        checkpoint_cap: int | None = None,
+        reserve_per_sequence: int = 2,
+    ) -> StateGroup:
+        """A state group whose A and C are the backend's ``checkpoint_alignment`` and
+        ``max_checkpoints_per_step``: the one source of truth shared with the kernel layer."""
+        return cls(
+            alignment=backend.checkpoint_alignment,
+            max_checkpoints_per_step=backend.max_checkpoints_per_step,
+            pool=pool,
+            retention=Retention() if retention is None else retention,
+            checkpoint_cap=checkpoint_cap,
+            reserve_per_sequence=reserve_per_sequence,
+        )
+
+
+Group: TypeAlias = FullAttention | SlidingWindow | StateGroup
+"""Any group configuration."""
+
+
+@dataclass(frozen=True, slots=True)
+class HashConfig:
+    """How sequences are hashed (the encoding is specified in the README).
+
+    Attributes:
+        algorithm: ``"xxh3_128"`` (default) or ``"sha256"``.
+        seed: enters every digest; processes, ranks and routers sharing a cache must share it.
+        unit: U, the hash unit in tokens; every prefix hit is a multiple of it.
+        verify_tokens: a hit also compares the stored tokens (collision-proof, costs memory).
+    """
+
+    algorithm: HashAlgorithm = "xxh3_128"
+    seed: int = 0
+    unit: int = 16
+    verify_tokens: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Everything a :class:`prefixcache.CacheManager` is built from; checked on construction.
+
+    Attributes:
+        pools: the block pools (stored as a tuple).
+        groups: the layer groups, each naming its pool (stored as a tuple).
+        hash: hashing settings.
+        finished_cache_bytes: bytes of finished sequences' tokens and hashes kept for
+            ``add(..., extends=...)``.
+        recently_evicted_capacity: evicted keys remembered to explain misses
+            (``"recently_evicted"``).
+        enable_events: record block events for ``drain_events``.
+        max_pending_events: events kept before the oldest are dropped (and counted).
+
+    Raises:
+        ConfigError: a rule is violated (the message says which field to change).
+        TypeError: a field has the wrong type.
+    """
+
+    pools: Sequence[PoolConfig]
+    groups: Sequence[Group]
+    hash: HashConfig = field(default_factory=HashConfig)
+    finished_cache_bytes: int = 64 << 20
+    recently_evicted_capacity: int = 4096
+    enable_events: bool = True
+    max_pending_events: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pools", tuple(self.pools))
+        object.__setattr__(self, "groups", tuple(self.groups))
+        _core.validate_config(self)
+
+
+@dataclass(frozen=True, slots=True)
+class MultimodalInput:
+    """A multimodal input (image, audio clip) occupying tokens ``[start, end)`` of a sequence.
+
+    Attributes:
+        start: first token of the range.
+        end: one past the last token (exclusive); greater than ``start``.
+        hash: the engine's content hash of the input (non-empty bytes).
+    """
+
+    start: int
+    end: int
+    hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKeys:
+    """What besides the tokens distinguishes two sequences' caches.
+
+    Attributes:
+        cache_salt: isolates tenants (``str`` is encoded as UTF-8); ``None`` = no salt.
+        lora_id: the LoRA adapter the sequence runs with.
+        multimodal: multimodal inputs with their token ranges, in prompt order.
+    """
+
+    cache_salt: bytes | str | None = None
+    lora_id: int | None = None
+    multimodal: Sequence[MultimodalInput] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "multimodal", tuple(self.multimodal))

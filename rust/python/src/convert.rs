@@ -1,0 +1,499 @@
+//! Argument conversion: Python integers, token lists and arrays, configuration objects.
+//!
+//! Owns the one rule of the shell: a value of the wrong *type* is a `TypeError`, a value out
+//! of its documented *range* is the core's `InvalidRequest` (or `Config` inside a
+//! configuration), both of which are `ValueError`s in Python. Token inputs are lists (any
+//! iterable of ints), `NumPy` integer arrays (read without a Python-level loop) or objects that
+//! `NumPy` can view without copying (torch CPU tensors). Nothing here knows a cache rule: the
+//! core validates what the values mean.
+
+use numpy::prelude::*;
+use numpy::{Element, PyArray1, PyUntypedArray};
+use prefixcache_core::{
+    CacheConfig, CacheError, ExtraKeys, GroupConfig, GroupKind, HashAlgorithm, HashConfig,
+    MultimodalInput, PoolConfig, Retention, StateGroupConfig, MAX_SEQUENCE_TOKENS,
+};
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyString};
+
+use crate::errors::to_pyerr;
+
+/// Which core error a range problem becomes.
+#[derive(Clone, Copy)]
+pub enum Domain {
+    /// A request argument: `InvalidRequestError`.
+    Request,
+    /// A configuration field: `ConfigError`.
+    Config,
+}
+
+fn range_error(py: Python<'_>, domain: Domain, message: String) -> PyErr {
+    to_pyerr(
+        py,
+        match domain {
+            Domain::Request => CacheError::InvalidRequest { message },
+            Domain::Config => CacheError::Config { message },
+        },
+    )
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string())
+}
+
+/// An integer in `min..=max` (`what` names it in messages). Bools are refused.
+pub fn int_in(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    min: u64,
+    max: u64,
+    domain: Domain,
+) -> PyResult<u64> {
+    let py = obj.py();
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be an int, not bool"
+        )));
+    }
+    let out_of_range = || {
+        let shown = obj
+            .repr()
+            .map_or_else(|_| "?".to_string(), |r| r.to_string());
+        range_error(
+            py,
+            domain,
+            format!("{what} must be in {min}..={max}, got {shown}"),
+        )
+    };
+    match obj.extract::<u64>() {
+        Ok(v) if (min..=max).contains(&v) => Ok(v),
+        Ok(_) => Err(out_of_range()),
+        Err(e) if e.is_instance_of::<PyOverflowError>(py) => Err(out_of_range()),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "{what} must be an int, got {}",
+            type_name(obj)
+        ))),
+    }
+}
+
+pub fn u32_arg(obj: &Bound<'_, PyAny>, what: &str, domain: Domain) -> PyResult<u32> {
+    int_in(obj, what, 0, u64::from(u32::MAX), domain).map(|v| v as u32)
+}
+
+pub fn u64_arg(obj: &Bound<'_, PyAny>, what: &str, domain: Domain) -> PyResult<u64> {
+    int_in(obj, what, 0, u64::MAX, domain)
+}
+
+fn usize_arg(obj: &Bound<'_, PyAny>, what: &str, domain: Domain) -> PyResult<usize> {
+    int_in(obj, what, 0, usize::MAX as u64, domain).map(|v| v as usize)
+}
+
+fn bool_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
+    obj.cast::<PyBool>()
+        .map(PyBoolMethods::is_true)
+        .map_err(|_| PyTypeError::new_err(format!("{what} must be a bool, got {}", type_name(obj))))
+}
+
+fn optional<T>(
+    obj: &Bound<'_, PyAny>,
+    read: impl FnOnce(&Bound<'_, PyAny>) -> PyResult<T>,
+) -> PyResult<Option<T>> {
+    if obj.is_none() {
+        Ok(None)
+    } else {
+        read(obj).map(Some)
+    }
+}
+
+/// Reads a 1-D integer array into `Vec<T>`, checking `0..=max`; `None` when the dtype is not
+/// `E`.
+fn read_array<E, T>(
+    array: &Bound<'_, PyUntypedArray>,
+    what: &str,
+    max: u64,
+) -> PyResult<Option<Vec<T>>>
+where
+    E: Element + Copy + TryInto<u64>,
+    T: TryFrom<u64>,
+{
+    let Ok(typed) = array.cast::<PyArray1<E>>() else {
+        return Ok(None);
+    };
+    let py = array.py();
+    let view = typed
+        .try_readonly()
+        .map_err(|e| PyTypeError::new_err(format!("{what}: {e}")))?;
+    let values = view.as_array();
+    let mut out = Vec::with_capacity(values.len());
+    for (i, &v) in values.iter().enumerate() {
+        match v
+            .try_into()
+            .ok()
+            .filter(|&x| x <= max)
+            .and_then(|x| T::try_from(x).ok())
+        {
+            Some(x) => out.push(x),
+            None => {
+                return Err(range_error(
+                    py,
+                    Domain::Request,
+                    format!("{what}[{i}] is out of range 0..={max}"),
+                ))
+            }
+        }
+    }
+    Ok(Some(out))
+}
+
+/// Reads a 1-D array of any integer dtype into `Vec<T>` (range `0..=max`).
+fn from_array<T: TryFrom<u64>>(
+    array: &Bound<'_, PyUntypedArray>,
+    what: &str,
+    max: u64,
+) -> PyResult<Vec<T>> {
+    let py = array.py();
+    if array.ndim() != 1 {
+        return Err(range_error(
+            py,
+            Domain::Request,
+            format!(
+                "{what} must be 1-D, got an array of shape {:?}",
+                array.shape()
+            ),
+        ));
+    }
+    if let Some(v) = read_array::<u32, T>(array, what, max)? {
+        return Ok(v);
+    }
+    if let Some(v) = read_array::<i64, T>(array, what, max)? {
+        return Ok(v);
+    }
+    if let Some(v) = read_array::<i32, T>(array, what, max)? {
+        return Ok(v);
+    }
+    if let Some(v) = read_array::<u64, T>(array, what, max)? {
+        return Ok(v);
+    }
+    if let Some(v) = read_array::<u16, T>(array, what, max)? {
+        return Ok(v);
+    }
+    if let Some(v) = read_array::<i16, T>(array, what, max)? {
+        return Ok(v);
+    }
+    if let Some(v) = read_array::<u8, T>(array, what, max)? {
+        return Ok(v);
+    }
+    if let Some(v) = read_array::<i8, T>(array, what, max)? {
+        return Ok(v);
+    }
+    let dtype = array
+        .dtype()
+        .str()
+        .map_or_else(|_| "?".to_string(), |s| s.to_string());
+    Err(PyTypeError::new_err(format!(
+        "{what} must be an integer array, got dtype {dtype}; convert it with .astype(numpy.int64)"
+    )))
+}
+
+/// A list of ints, a 1-D `NumPy` integer array or a torch CPU tensor, as `Vec<T>` in `0..=max`.
+///
+/// `max_len` bounds the length before anything is copied.
+pub fn int_sequence<T: TryFrom<u64>>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    max: u64,
+    max_len: usize,
+) -> PyResult<Vec<T>> {
+    let py = obj.py();
+    let too_long = |len: usize| {
+        range_error(
+            py,
+            Domain::Request,
+            format!("{what} has {len} entries, more than the supported {max_len}"),
+        )
+    };
+    if let Ok(array) = obj.cast::<PyUntypedArray>() {
+        if array.ndim() == 1 && array.len() > max_len {
+            return Err(too_long(array.len()));
+        }
+        return from_array(array, what, max);
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a list of ints or a 1-D integer array, got {}",
+            type_name(obj)
+        )));
+    }
+    if obj.hasattr("__array__").unwrap_or(false) {
+        // torch CPU tensors and other array-likes: a zero-copy `NumPy` view.
+        let array = py
+            .import("numpy")?
+            .call_method1("asarray", (obj,))
+            .map_err(|e| {
+                PyTypeError::new_err(format!(
+                    "{what}: cannot read a {} as a CPU integer array ({e})",
+                    type_name(obj)
+                ))
+            })?;
+        let array = array.cast::<PyUntypedArray>().map_err(|_| {
+            PyTypeError::new_err(format!("{what}: numpy.asarray did not return an array"))
+        })?;
+        if array.ndim() == 1 && array.len() > max_len {
+            return Err(too_long(array.len()));
+        }
+        return from_array(array, what, max);
+    }
+    let Ok(iter) = obj.try_iter() else {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a list of ints or a 1-D integer array, got {}",
+            type_name(obj)
+        )));
+    };
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0).min(max_len));
+    for (i, item) in iter.enumerate() {
+        if i >= max_len {
+            return Err(too_long(obj.len().unwrap_or(i + 1)));
+        }
+        let item = item?;
+        // `None`: not an int; `Some(None)`: an int out of range.
+        let value = if item.is_instance_of::<PyBool>() {
+            None
+        } else {
+            match item.extract::<u64>() {
+                Ok(v) => Some((v <= max).then_some(v).and_then(|v| T::try_from(v).ok())),
+                Err(e) if e.is_instance_of::<PyOverflowError>(py) => Some(None),
+                Err(_) => None,
+            }
+        };
+        match value {
+            Some(Some(v)) => out.push(v),
+            Some(None) => {
+                let shown = item
+                    .repr()
+                    .map_or_else(|_| "?".to_string(), |r| r.to_string());
+                return Err(range_error(
+                    py,
+                    Domain::Request,
+                    format!("{what}[{i}] must be in 0..={max}, got {shown}"),
+                ));
+            }
+            None => {
+                return Err(PyTypeError::new_err(format!(
+                    "{what}[{i}] must be an int, got {}",
+                    type_name(&item)
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Token ids (`u32`), at most `MAX_SEQUENCE_TOKENS` of them.
+pub fn tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+    int_sequence(obj, what, u64::from(u32::MAX), MAX_SEQUENCE_TOKENS)
+}
+
+/// A hash algorithm by name.
+pub fn algorithm(obj: &Bound<'_, PyAny>, what: &str, domain: Domain) -> PyResult<HashAlgorithm> {
+    let name: String = obj.extract().map_err(|_| {
+        PyTypeError::new_err(format!("{what} must be a str, got {}", type_name(obj)))
+    })?;
+    HashAlgorithm::from_name(&name).ok_or_else(|| {
+        range_error(
+            obj.py(),
+            domain,
+            format!("{what} {name:?} is unknown: use \"xxh3_128\" or \"sha256\""),
+        )
+    })
+}
+
+fn attr<'py>(obj: &Bound<'py, PyAny>, name: &str, what: &str) -> PyResult<Bound<'py, PyAny>> {
+    obj.getattr(name).map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must have an attribute {name:?} (got a {})",
+            type_name(obj)
+        ))
+    })
+}
+
+fn bytes_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(s.to_str()?.as_bytes().to_vec());
+    }
+    Err(PyTypeError::new_err(format!(
+        "{what} must be bytes or str, got {}",
+        type_name(obj)
+    )))
+}
+
+/// `ExtraKeys` (or `None`: no extra keys).
+pub fn extra_keys(obj: Option<&Bound<'_, PyAny>>) -> PyResult<ExtraKeys> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(ExtraKeys::default());
+    };
+    let what = "extra_keys";
+    let cache_salt = optional(&attr(obj, "cache_salt", what)?, |s| {
+        bytes_arg(s, "extra_keys.cache_salt")
+    })?;
+    let lora_id = optional(&attr(obj, "lora_id", what)?, |l| {
+        u64_arg(l, "extra_keys.lora_id", Domain::Request)
+    })?;
+    let mut multimodal = Vec::new();
+    let inputs = attr(obj, "multimodal", what)?;
+    let iter = inputs.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "extra_keys.multimodal must be a sequence of MultimodalInput, got {}",
+            type_name(&inputs)
+        ))
+    })?;
+    for (i, input) in iter.enumerate() {
+        let input = input?;
+        let w = format!("extra_keys.multimodal[{i}]");
+        multimodal.push(MultimodalInput {
+            start: u32_arg(
+                &attr(&input, "start", &w)?,
+                &format!("{w}.start"),
+                Domain::Request,
+            )?,
+            end: u32_arg(
+                &attr(&input, "end", &w)?,
+                &format!("{w}.end"),
+                Domain::Request,
+            )?,
+            hash: bytes_arg(&attr(&input, "hash", &w)?, &format!("{w}.hash"))?,
+        });
+    }
+    Ok(ExtraKeys {
+        cache_salt,
+        lora_id,
+        multimodal,
+    })
+}
+
+fn retention(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Retention> {
+    let c = Domain::Config;
+    Ok(Retention {
+        tail: bool_arg(&attr(obj, "tail", what)?, &format!("{what}.tail"))?,
+        interval: optional(&attr(obj, "interval", what)?, |v| {
+            u32_arg(v, &format!("{what}.interval"), c)
+        })?,
+        junction: bool_arg(&attr(obj, "junction", what)?, &format!("{what}.junction"))?,
+        decode_tail: bool_arg(
+            &attr(obj, "decode_tail", what)?,
+            &format!("{what}.decode_tail"),
+        )?,
+    })
+}
+
+fn group(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<GroupConfig> {
+    let c = Domain::Config;
+    let kind: String = obj.getattr("kind").and_then(|k| k.extract()).map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{what} must be a FullAttention, SlidingWindow or StateGroup, got {}",
+            type_name(obj)
+        ))
+    })?;
+    let field = |name: &str| attr(obj, name, what);
+    let name = |f: &str| format!("{what}.{f}");
+    let pool = usize_arg(&field("pool")?, &name("pool"), c)?;
+    let kind = match kind.as_str() {
+        "full_attention" => GroupKind::FullAttention {
+            block_size: u32_arg(&field("block_size")?, &name("block_size"), c)?,
+        },
+        "sliding_window" => GroupKind::SlidingWindow {
+            block_size: u32_arg(&field("block_size")?, &name("block_size"), c)?,
+            window: u32_arg(&field("window")?, &name("window"), c)?,
+        },
+        "state" => GroupKind::State(StateGroupConfig {
+            alignment: u32_arg(&field("alignment")?, &name("alignment"), c)?,
+            max_checkpoints_per_step: optional(&field("max_checkpoints_per_step")?, |v| {
+                u32_arg(v, &name("max_checkpoints_per_step"), c)
+            })?,
+            retention: retention(&field("retention")?, &name("retention"))?,
+            checkpoint_cap: optional(&field("checkpoint_cap")?, |v| {
+                u32_arg(v, &name("checkpoint_cap"), c)
+            })?,
+            reserve_per_sequence: u32_arg(
+                &field("reserve_per_sequence")?,
+                &name("reserve_per_sequence"),
+                c,
+            )?,
+        }),
+        other => {
+            return Err(PyTypeError::new_err(format!(
+                "{what} has unknown kind {other:?}: use FullAttention, SlidingWindow or StateGroup"
+            )))
+        }
+    };
+    Ok(GroupConfig { kind, pool })
+}
+
+fn list_of<'py, T>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    read: impl Fn(&Bound<'py, PyAny>, &str) -> PyResult<T>,
+) -> PyResult<Vec<T>> {
+    if obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a list, got str"
+        )));
+    }
+    let iter = obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!("{what} must be a list, got {}", type_name(obj)))
+    })?;
+    iter.enumerate()
+        .map(|(i, item)| read(&item?, &format!("{what}[{i}]")))
+        .collect()
+}
+
+/// A `CacheConfig` (Python dataclass or any object with the same attributes), validated by
+/// the core.
+pub fn cache_config(obj: &Bound<'_, PyAny>) -> PyResult<CacheConfig> {
+    let c = Domain::Config;
+    let what = "config";
+    let hash_obj = attr(obj, "hash", what)?;
+    let hash = HashConfig {
+        algorithm: algorithm(&attr(&hash_obj, "algorithm", "hash")?, "hash.algorithm", c)?,
+        seed: u64_arg(&attr(&hash_obj, "seed", "hash")?, "hash.seed", c)?,
+        unit: u32_arg(&attr(&hash_obj, "unit", "hash")?, "hash.unit", c)?,
+        verify_tokens: bool_arg(
+            &attr(&hash_obj, "verify_tokens", "hash")?,
+            "hash.verify_tokens",
+        )?,
+    };
+    let pools = list_of(&attr(obj, "pools", what)?, "pools", |p, w| {
+        Ok(PoolConfig {
+            num_blocks: u32_arg(&attr(p, "num_blocks", w)?, &format!("{w}.num_blocks"), c)?,
+        })
+    })?;
+    let groups = list_of(&attr(obj, "groups", what)?, "groups", group)?;
+    let config = CacheConfig {
+        hash,
+        pools,
+        groups,
+        finished_cache_bytes: usize_arg(
+            &attr(obj, "finished_cache_bytes", what)?,
+            "finished_cache_bytes",
+            c,
+        )?,
+        recently_evicted_capacity: usize_arg(
+            &attr(obj, "recently_evicted_capacity", what)?,
+            "recently_evicted_capacity",
+            c,
+        )?,
+        enable_events: bool_arg(&attr(obj, "enable_events", what)?, "enable_events")?,
+        max_pending_events: usize_arg(
+            &attr(obj, "max_pending_events", what)?,
+            "max_pending_events",
+            c,
+        )?,
+    };
+    config.validate().map_err(|e| to_pyerr(obj.py(), e))?;
+    Ok(config)
+}

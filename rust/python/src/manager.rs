@@ -1,0 +1,411 @@
+//! `CacheManager`: the core manager behind a mutex, called from any Python thread.
+//!
+//! Every method converts its arguments with the GIL held, then releases the GIL
+//! (`py.detach`) and takes the lock, runs one core call, and maps the result back. Nothing here
+//! decides anything about the cache. The lock is never held while Python runs, and a panic in the
+//! core never reaches Python: it is caught and raised as `InvariantError`, and the mutex it
+//! poisoned makes every later call raise `InvariantError` too (the manager's state is no longer
+//! trustworthy; build a new one).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray2};
+use prefixcache_core::{CacheError, CacheManager, HashAlgorithm};
+use pyo3::prelude::*;
+use pyo3::types::PyInt;
+
+use crate::convert::{self, u32_arg, Domain};
+use crate::errors::to_pyerr;
+use crate::events;
+use crate::plan::PyStepPlan;
+use crate::results::{PyAdded, PyHit, PyPoolUsage, PyScheduled, PyStats};
+
+/// Identifies managers, so a plan is only committed by the manager that built it.
+static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Sequence ids are `int64` in plans (and torch), so they are limited to its range.
+const MAX_SEQ_ID: u64 = i64::MAX as u64;
+
+enum Failure {
+    Core(CacheError),
+    Poisoned,
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(ToString::to_string)
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
+}
+
+fn seq_id(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    convert::int_in(obj, "seq_id", 0, MAX_SEQ_ID, Domain::Request)
+}
+
+fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    convert::int_sequence(obj, "seq_ids", MAX_SEQ_ID, usize::MAX)
+}
+
+fn u32_or(obj: Option<&Bound<'_, PyAny>>, what: &str, default: u32) -> PyResult<u32> {
+    obj.filter(|o| !o.is_none())
+        .map_or(Ok(default), |o| u32_arg(o, what, Domain::Request))
+}
+
+/// The prefix-cache manager: block pools, prefix hashing, eviction and checkpoint planning.
+///
+/// Thread-safe: any thread may call any method; long work (hashing, lookups, plan building)
+/// runs without the GIL.
+#[pyclass(frozen, name = "CacheManager", module = "prefixcache")]
+pub struct PyCacheManager {
+    inner: Mutex<CacheManager>,
+    id: u64,
+    algorithm: HashAlgorithm,
+    chunk_alignment: u32,
+    config: Py<PyAny>,
+}
+
+impl PyCacheManager {
+    /// Runs `f` on the manager without the GIL, mapping errors and panics.
+    fn run<R, F>(&self, py: Python<'_>, f: F) -> PyResult<R>
+    where
+        R: Send,
+        F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
+    {
+        let outcome = py.detach(|| {
+            catch_unwind(AssertUnwindSafe(|| match self.inner.lock() {
+                Ok(mut manager) => f(&mut manager).map_err(Failure::Core),
+                Err(_) => Err(Failure::Poisoned),
+            }))
+        });
+        match outcome {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(Failure::Core(e))) => Err(to_pyerr(py, e)),
+            Ok(Err(Failure::Poisoned)) => Err(to_pyerr(
+                py,
+                CacheError::Invariant {
+                    message: "an earlier call panicked inside prefixcache-core, so this \
+                              manager's state cannot be trusted; create a new CacheManager \
+                              (and please report the panic message printed on stderr)"
+                        .to_string(),
+                },
+            )),
+            Err(payload) => Err(to_pyerr(
+                py,
+                CacheError::Invariant {
+                    message: format!(
+                        "prefixcache-core panicked: {} (a bug; please report it). This manager \
+                         is unusable from now on; create a new CacheManager",
+                        panic_message(payload.as_ref())
+                    ),
+                },
+            )),
+        }
+    }
+}
+
+#[pymethods]
+impl PyCacheManager {
+    /// Builds a manager from a `CacheConfig` (validated first: `ConfigError` says what to
+    /// change).
+    #[new]
+    fn new(config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = config.py();
+        let core_config = convert::cache_config(config)?;
+        let algorithm = core_config.hash.algorithm;
+        let manager = CacheManager::new(core_config).map_err(|e| to_pyerr(py, e))?;
+        Ok(Self {
+            id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
+            algorithm,
+            chunk_alignment: manager.chunk_alignment(),
+            inner: Mutex::new(manager),
+            config: config.clone().unbind(),
+        })
+    }
+
+    /// The configuration this manager was built from.
+    #[getter]
+    fn config(&self, py: Python<'_>) -> Py<PyAny> {
+        self.config.clone_ref(py)
+    }
+
+    /// The grid non-final prefill chunks end on: the least common multiple of the state
+    /// groups' alignments (1 without state groups).
+    #[getter]
+    fn chunk_alignment(&self) -> u32 {
+        self.chunk_alignment
+    }
+
+    /// Number of live sequences (added, not finished).
+    #[getter]
+    fn num_sequences(&self, py: Python<'_>) -> PyResult<usize> {
+        self.run(py, |m| Ok(m.num_sequences()))
+    }
+
+    /// Number of finished sequences kept for `add(..., extends=...)`.
+    #[getter]
+    fn num_finished_cached(&self, py: Python<'_>) -> PyResult<usize> {
+        self.run(py, |m| Ok(m.num_finished_cached()))
+    }
+
+    /// The step id of the plan in flight (built, not yet committed or aborted), or `None`.
+    #[getter]
+    fn plan_in_flight(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        self.run(py, |m| Ok(m.plan_in_flight()))
+    }
+
+    /// Registers a sequence and hashes its full units (without the GIL).
+    ///
+    /// `tokens`: a list of ints or a 1-D integer `NumPy` array / torch CPU tensor, values in
+    /// `0 .. 2**32 - 1`. `extends` names a live or recently finished sequence whose hashes are
+    /// reused for the common token prefix.
+    #[pyo3(signature = (seq_id, tokens, extra_keys = None, extends = None))]
+    fn add(
+        &self,
+        seq_id: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+        extends: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyAdded> {
+        let py = seq_id.py();
+        let id = self::seq_id(seq_id)?;
+        let tokens = convert::tokens(tokens, "tokens")?;
+        let extra = convert::extra_keys(extra_keys)?;
+        let extends = extends
+            .filter(|e| !e.is_none())
+            .map(|e| self::seq_id(e))
+            .transpose()?;
+        self.run(py, move |m| m.add(id, &tokens, extra, extends))
+            .map(PyAdded::from)
+    }
+
+    /// The hit the sequence would get now. Changes no cache state (counts a statistic).
+    fn lookup(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<PyHit> {
+        let id = self::seq_id(seq_id)?;
+        self.run(seq_id.py(), |m| m.lookup(id)).map(PyHit::from)
+    }
+
+    /// Schedules up to `max_tokens` tokens of a sequence for the next plan.
+    ///
+    /// Returns `None` when the pools cannot supply the sequence's own blocks (nothing
+    /// changed: preempt something and retry). A non-final prefill chunk is trimmed to end on
+    /// `chunk_alignment` unless `exact`; `lookahead` speculative tokens (paged groups only)
+    /// get blocks but are never keyed.
+    #[pyo3(
+        signature = (seq_id, max_tokens, lookahead = None, exact = false),
+        text_signature = "(self, seq_id, max_tokens, lookahead=0, exact=False)"
+    )]
+    fn schedule(
+        &self,
+        seq_id: &Bound<'_, PyAny>,
+        max_tokens: &Bound<'_, PyAny>,
+        lookahead: Option<&Bound<'_, PyAny>>,
+        exact: bool,
+    ) -> PyResult<Option<PyScheduled>> {
+        let id = self::seq_id(seq_id)?;
+        let max_tokens = u32_arg(max_tokens, "max_tokens", Domain::Request)?;
+        let lookahead = u32_or(lookahead, "lookahead", 0)?;
+        self.run(seq_id.py(), move |m| {
+            m.schedule(id, max_tokens, lookahead, exact)
+        })
+        .map(|s| s.map(PyScheduled::from))
+    }
+
+    /// `schedule` for many sequences in one call (results in input order).
+    ///
+    /// `seq_ids`: list or 1-D integer array; `max_tokens`: one int for all, or one per
+    /// sequence. Every id is checked before anything is scheduled.
+    #[pyo3(signature = (seq_ids, max_tokens, exact = false))]
+    fn schedule_batch(
+        &self,
+        seq_ids: &Bound<'_, PyAny>,
+        max_tokens: &Bound<'_, PyAny>,
+        exact: bool,
+    ) -> PyResult<Vec<Option<PyScheduled>>> {
+        let py = seq_ids.py();
+        let ids = self::seq_ids(seq_ids)?;
+        let budgets = if max_tokens.is_instance_of::<PyInt>() {
+            vec![u32_arg(max_tokens, "max_tokens", Domain::Request)?; ids.len()]
+        } else {
+            convert::int_sequence(max_tokens, "max_tokens", u64::from(u32::MAX), usize::MAX)?
+        };
+        let results = self.run(py, move |m| m.schedule_batch(&ids, &budgets, exact))?;
+        Ok(results
+            .into_iter()
+            .map(|s| s.map(PyScheduled::from))
+            .collect())
+    }
+
+    /// Asks for a checkpoint at absolute `position` in the chunk scheduled for the next plan;
+    /// `AlignmentError` (naming the nearest valid positions) when the kernel cannot write it.
+    fn request_checkpoint(
+        &self,
+        seq_id: &Bound<'_, PyAny>,
+        position: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = self::seq_id(seq_id)?;
+        let position = u32_arg(position, "position", Domain::Request)?;
+        self.run(seq_id.py(), move |m| m.request_checkpoint(id, position))
+    }
+
+    /// For backends without interior checkpoints: how many tokens to schedule so the chunk
+    /// ends on the next retained position within `token_budget` (else the budget).
+    fn suggest_chunk(
+        &self,
+        seq_id: &Bound<'_, PyAny>,
+        token_budget: &Bound<'_, PyAny>,
+    ) -> PyResult<u32> {
+        let id = self::seq_id(seq_id)?;
+        let budget = u32_arg(token_budget, "token_budget", Domain::Request)?;
+        self.run(seq_id.py(), move |m| m.suggest_chunk(id, budget))
+    }
+
+    /// Builds the plan of every sequence scheduled since the last plan (by any thread) and
+    /// puts it in flight (without the GIL). Commit or abort it before the next step.
+    fn build_plan(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
+        let plan = self.run(py, CacheManager::build_plan)?;
+        let step_id = plan.step_id;
+        PyStepPlan::new(py, self.id, plan).inspect_err(|_| {
+            // The engine never saw the plan: take it out of flight again.
+            let _ = self.run(py, move |m| m.abort_step(step_id));
+        })
+    }
+
+    /// Publishes what the plan's step wrote and advances every sequence in it.
+    fn commit(&self, plan: &Bound<'_, PyStepPlan>) -> PyResult<()> {
+        let step_id = self.own_plan(plan)?;
+        self.run(plan.py(), move |m| m.commit_step(step_id))
+    }
+
+    /// Undoes the plan's step (the forward failed): nothing is published and every sequence
+    /// is back where it was.
+    fn abort(&self, plan: &Bound<'_, PyStepPlan>) -> PyResult<()> {
+        let step_id = self.own_plan(plan)?;
+        self.run(plan.py(), move |m| m.abort_step(step_id))
+    }
+
+    /// Appends sampled (or new user) tokens to a sequence; new full units are hashed.
+    fn append(&self, seq_id: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = self::seq_id(seq_id)?;
+        let tokens = convert::tokens(tokens, "tokens")?;
+        self.run(seq_id.py(), move |m| m.append(id, &tokens))
+    }
+
+    /// One token per sequence (a decode step) in one call; every id is checked first.
+    fn append_batch(&self, seq_ids: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = self::seq_ids(seq_ids)?;
+        let tokens = convert::tokens(tokens, "tokens")?;
+        self.run(seq_ids.py(), move |m| m.append_batch(&ids, &tokens))
+    }
+
+    /// Releases a sequence's blocks (tail first), publishes its decode-tail checkpoint and
+    /// keeps its tokens and hashes for `extends`. The id may be added again afterwards.
+    fn finish(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = self::seq_id(seq_id)?;
+        self.run(seq_id.py(), move |m| m.finish(id))
+    }
+
+    /// Releases a sequence's blocks; it stays live and restarts from a fresh lookup at its
+    /// next `schedule`.
+    fn preempt(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = self::seq_id(seq_id)?;
+        self.run(seq_id.py(), move |m| m.preempt(id))
+    }
+
+    /// Drops every cached block and key; `ResetRefusedError` while sequences hold blocks.
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, CacheManager::reset)
+    }
+
+    /// Full block-table rows of paged group `group` for `seq_ids`: `int32 [R, C]`, padded
+    /// with the null block 0. For a first step or debugging; steps use the plan's updates.
+    fn block_table<'py>(
+        &self,
+        group: &Bound<'py, PyAny>,
+        seq_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let py = group.py();
+        let group = u32_arg(group, "group", Domain::Request)?;
+        let ids = self::seq_ids(seq_ids)?;
+        let (flat, rows, columns) = self.run(py, move |m| m.block_table(group, &ids))?;
+        Array2::from_shape_vec((rows, columns), flat)
+            .map(|a| a.into_pyarray(py))
+            .map_err(|e| {
+                to_pyerr(
+                    py,
+                    CacheError::Invariant {
+                        message: format!("block table shape: {e}"),
+                    },
+                )
+            })
+    }
+
+    /// Takes the pending block events, oldest first.
+    fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let records = self.run(py, |m| Ok(m.drain_events()))?;
+        records
+            .into_iter()
+            .map(|r| events::to_python(py, r, self.algorithm))
+            .collect()
+    }
+
+    /// A snapshot of the counters.
+    fn stats(&self, py: Python<'_>) -> PyResult<PyStats> {
+        self.run(py, |m| Ok(m.stats())).map(PyStats::from)
+    }
+
+    /// Block usage per pool, in pool order.
+    fn pool_usage(&self, py: Python<'_>) -> PyResult<Vec<PyPoolUsage>> {
+        let usage = self.run(py, |m| Ok(m.pool_usage()))?;
+        Ok(usage.into_iter().map(PyPoolUsage::from).collect())
+    }
+
+    /// Checks every internal invariant; `InvariantError` describes the first violation.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |m| m.check_invariants())
+    }
+
+    /// Tokens of a live sequence computed and committed so far.
+    fn num_computed(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = self::seq_id(seq_id)?;
+        self.run(seq_id.py(), move |m| m.num_computed(id))
+    }
+
+    /// Tokens of a live sequence (prompt plus appended).
+    fn num_tokens(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = self::seq_id(seq_id)?;
+        self.run(seq_id.py(), move |m| m.num_tokens(id))
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let state = self.run(py, |m| Ok((m.num_sequences(), m.plan_in_flight())));
+        match state {
+            Ok((live, plan)) => format!(
+                "CacheManager(sequences={live}, plan_in_flight={})",
+                plan.map_or_else(|| "None".to_string(), |p| p.to_string())
+            ),
+            Err(_) => "CacheManager(<unusable>)".to_string(),
+        }
+    }
+}
+
+impl PyCacheManager {
+    /// The plan's step id, if this manager built it.
+    fn own_plan(&self, bound: &Bound<'_, PyStepPlan>) -> PyResult<u64> {
+        let plan = bound.get();
+        if plan.manager_id == self.id {
+            Ok(plan.step_id())
+        } else {
+            Err(to_pyerr(
+                bound.py(),
+                CacheError::StalePlan {
+                    plan_step: plan.step_id(),
+                    state: "it was built by another CacheManager".to_string(),
+                },
+            ))
+        }
+    }
+}
