@@ -41,6 +41,19 @@ impl CacheManager {
                     SeqGroup::State(s) => {
                         s.running.iter().copied().for_each(&mut hold);
                         hold(s.resume);
+                        let pool = &self.pools[self.groups[g].pool()];
+                        let resumable = pool.kind(s.resume).is_checkpoint()
+                            && pool
+                                .keys(s.resume)
+                                .iter()
+                                .any(|k| k.key.group == g as u32 && k.position == seq.num_computed);
+                        if s.resume != NULL_BLOCK && !resumable {
+                            return Err(CacheError::invariant(format!(
+                                "sequence {}: resumes group {g} at {} from block {}, which is \
+                                 not a checkpoint published at that position",
+                                seq.id, seq.num_computed, s.resume
+                            )));
+                        }
                         if let Some((b, _)) = s.decode_tail {
                             hold(b);
                         }

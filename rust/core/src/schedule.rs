@@ -262,20 +262,20 @@ impl CacheManager {
         admissions: Option<Vec<GroupAdmission>>,
     ) -> Vec<GroupStep> {
         let mut steps = Vec::with_capacity(self.groups.len());
+        // Every group's hit is pinned before any group allocates: groups may share a pool, and
+        // an allocation must not evict a block another group is about to resume from.
+        for (g, a) in admissions.iter().flatten().enumerate() {
+            let pool = self.groups[g].pool();
+            let cow_src = a.cow.map(|(src, _)| src);
+            for &b in a.table.iter().chain([&a.resume]).chain(cow_src.as_ref()) {
+                self.pools[pool].incref(b);
+                self.pools[pool].touch(b);
+            }
+        }
         let mut admissions = admissions.map(Vec::into_iter);
         for g in 0..self.groups.len() {
             let pool = self.groups[g].pool();
             let admission = admissions.as_mut().and_then(Iterator::next);
-            if let Some(a) = &admission {
-                for &b in a.table.iter().chain(std::iter::once(&a.resume)) {
-                    self.pools[pool].incref(b);
-                    self.pools[pool].touch(b);
-                }
-                if let Some((src, _)) = a.cow {
-                    self.pools[pool].incref(src);
-                    self.pools[pool].touch(src);
-                }
-            }
             let step = if let Some(block) = self.groups[g].block_size() {
                 {
                     let mut paged = match (&admission, &mut self.seq_mut(slot).groups[g]) {
