@@ -324,7 +324,8 @@ impl CacheManager {
     /// `suggest_chunk` for backends that cannot export interior states (C = 0): how many tokens
     /// to schedule so the chunk ends on the next retained position within `token_budget`, where
     /// a snapshot after the step keeps the state. Without a retained position in reach, the
-    /// budget itself.
+    /// budget itself; state groups whose kernel exports interior checkpoints (C > 0) do not
+    /// cut chunks (their retained positions are exported wherever the chunk ends).
     pub fn suggest_chunk(&self, seq_id: u64, token_budget: u32) -> Result<u32> {
         let slot = self.slot(seq_id)?;
         let seq = self.seq(slot);
@@ -342,6 +343,9 @@ impl CacheManager {
             let GroupRuntime::State { config, .. } = runtime else {
                 continue;
             };
+            if config.max_checkpoints_per_step != Some(0) {
+                continue;
+            }
             let r = &config.retention;
             let mut candidates = Vec::new();
             if r.tail && target > 0 {
