@@ -46,7 +46,9 @@ pub struct GroupHit {
     pub group: u32,
     /// The group's own longest hit (a multiple of U, at most `Hit::max_tokens`).
     pub tokens: u32,
-    /// Why it does not reach `tokens + U` (`None` when it reaches `Hit::max_tokens`).
+    /// Why it does not reach `tokens + U` (`None` when it reaches `Hit::max_tokens`). Windows
+    /// and states are not downward closed: for them the reason looks at the candidates above
+    /// `tokens` (a state group reports `RecentlyEvicted` when any of them lost its state).
     pub stop: Option<MissReason>,
 }
 
@@ -202,11 +204,18 @@ impl CacheManager {
                     while l > 0 && !self.has_key(seq, gid, l) {
                         l -= unit;
                     }
-                    let stop =
-                        (l < max_tokens).then(|| match self.miss_reason(seq, gid, l + unit) {
-                            MissReason::RecentlyEvicted => MissReason::RecentlyEvicted,
-                            _ => MissReason::NoStateAtPosition,
-                        });
+                    // States are not downward closed: a state evicted at any candidate above
+                    // the own hit (a resend's tail, typically) is why this group stops there.
+                    let stop = (l < max_tokens).then(|| {
+                        let mut above = (l / unit + 1..=limit / unit).map(|i| i * unit);
+                        if above
+                            .any(|p| self.miss_reason(seq, gid, p) == MissReason::RecentlyEvicted)
+                        {
+                            MissReason::RecentlyEvicted
+                        } else {
+                            MissReason::NoStateAtPosition
+                        }
+                    });
                     (l, stop)
                 }
             };
