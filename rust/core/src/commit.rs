@@ -86,18 +86,25 @@ impl CacheManager {
             match (group_step, &mut groups[g]) {
                 (GroupStep::Paged { cow, .. }, SeqGroup::Paged(paged)) => {
                     let block_size = self.groups[g].block_size().unwrap_or(1);
-                    if let Some((src, dst, tokens)) = *cow {
-                        let col_start = start - tokens;
-                        self.publish_range(g, &seq, dst, col_start, start);
-                        self.pools[pool].decref(src, LruEnd::MostRecent);
-                    }
+                    // A copy-on-write destination is keyed for the boundaries the copy gave it
+                    // together with those this step adds (the next boundary is in the same
+                    // block): one `BlockStored` per block per commit.
                     let mut q = (start / self.unit + 1) * self.unit;
+                    let mut from = cow.map_or(q - self.unit, |(_, _, tokens)| start - tokens);
                     while q <= end {
                         let col = ((q - 1) / block_size) as usize;
                         let block_end = ((col as u32 + 1) * block_size).min(end);
                         let block = paged.table[col];
-                        self.publish_range(g, &seq, block, q - self.unit, block_end);
+                        self.publish_range(g, &seq, block, from, block_end);
                         q = (block_end / self.unit + 1) * self.unit;
+                        from = q - self.unit;
+                    }
+                    if let Some((src, dst, _)) = *cow {
+                        if from < start {
+                            // The step ended before the next boundary: only the copied ones.
+                            self.publish_range(g, &seq, dst, from, start);
+                        }
+                        self.pools[pool].decref(src, LruEnd::MostRecent);
                     }
                     if let GroupRuntime::SlidingWindow { window, .. } = self.groups[g] {
                         release_window(&mut self.pools[pool], paged, end, window, block_size);
