@@ -128,7 +128,9 @@ def plans(draw):
     return alignment, lengths, checkpoints, with_initial, mode, chunk, gate
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(plans())
 def test_checkpointed_forward_equals_split_forwards(plan):
     alignment, lengths, checkpoints, with_initial, mode, chunk, gate = plan

@@ -108,7 +108,7 @@ def test_rounds_cut_rows_at_their_checkpoints():
     ]  # fmt: skip
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, database=None)
 @given(
     per_call=st.sampled_from([0, 1]),
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4),

@@ -9,6 +9,7 @@ plan's NumPy arrays and writes recurrent states and KV into the block slots the 
 - Kernels: :func:`kda_prefill` and :func:`kda_decode` (short conv + KDA recurrence, writing every
   planned checkpoint), :func:`apply_copies` (copy-on-write KV blocks, before the forward) and
   :func:`apply_snapshots` (running state -> checkpoint block, after the forward).
+- Checks: :mod:`.parity` runs the correctness contract on any backend (GPU benchmarks, tests).
 - Backends: :func:`get_backend` (``"torch"``, ``"fla"``, ``"flashkda"``, ``"flashkda-op"``,
   ``"auto"``), each declaring ``checkpoint_alignment`` and ``max_checkpoints_per_step`` for the
   core's State group and validating every plan (:class:`KernelPlanError`).
@@ -16,6 +17,8 @@ plan's NumPy arrays and writes recurrent states and KV into the block slots the 
 
 from __future__ import annotations
 
+# Submodules used by name (kernels.parity.check_parity, kernels.reference.kda_gate, ...).
+from . import chaining, conv, parity, reference, validate  # noqa: F401
 from .attention import paged_attention
 from .backend import KDABackend
 from .copies import apply_copies, apply_snapshots

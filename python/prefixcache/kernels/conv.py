@@ -109,9 +109,10 @@ def causal_conv(
     for size in split_sizes:
         part = slice(first, first + size)
         first += size
-        acc = extended[0:valid, part].to(compute) * weight[part, 0]
+        # Type promotion computes in ``compute`` without materialising converted copies.
+        acc = extended[0:valid, part] * weight[part, 0]
         for j in range(1, width):
-            acc.addcmul_(extended[j : j + valid, part].to(compute), weight[part, j])
+            acc.addcmul_(extended[j : j + valid, part], weight[part, j])
         out = acc.index_select(0, output_index_d)
         if params.conv_activation == "silu":
             out = F.silu(out)
