@@ -143,7 +143,9 @@ impl CacheManager {
         }
     }
 
-    /// The longest prefix whose stored unit tokens match (only with `verify_tokens`).
+    /// The longest prefix with no unit whose stored tokens differ (only with `verify_tokens`).
+    /// A unit nobody publishes any more does not stop it: windows and states resume without the
+    /// blocks before them, which may be long evicted.
     fn verified_limit(&self, seq: &Sequence, max_tokens: u32) -> u32 {
         if !self.index.verifies_tokens() {
             return max_tokens;

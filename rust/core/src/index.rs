@@ -147,14 +147,16 @@ impl HashIndex {
         self.recent.contains(key) && !self.map.contains_key(key)
     }
 
-    /// With `verify_tokens`: whether the unit published under `digest` has exactly these tokens
-    /// and parent. Without it: always true.
+    /// With `verify_tokens`: false when the unit stored under `digest` has other tokens or
+    /// another parent (a hash collision). A digest with no stored unit has no published key in
+    /// any group (its blocks were evicted, e.g. behind a sliding window): there is nothing to
+    /// compare, and no hit can use a key of it. Without `verify_tokens`: always true.
     #[must_use]
     pub fn verify(&self, digest: &Digest, parent: &Digest, tokens: &[u32]) -> bool {
         match &self.units {
             None => true,
             Some(units) => {
-                units.get(digest).is_some_and(|u| u.parent == *parent && *u.tokens == *tokens)
+                units.get(digest).is_none_or(|u| u.parent == *parent && *u.tokens == *tokens)
             }
         }
     }
@@ -184,5 +186,30 @@ impl HashIndex {
         if let Some(units) = self.units.as_mut() {
             units.clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn digest(n: u8) -> Digest {
+        let mut d = [0u8; 32];
+        d[0] = n;
+        Digest(d)
+    }
+
+    #[test]
+    fn verify_rejects_other_tokens_but_not_units_nobody_publishes() {
+        let mut index = HashIndex::new(16, true);
+        let key = Key { group: 0, digest: digest(1) };
+        index.insert(key, 7, Some((&digest(0), &[1, 2])));
+        assert!(index.verify(&digest(1), &digest(0), &[1, 2]));
+        assert!(!index.verify(&digest(1), &digest(0), &[1, 3]));
+        assert!(!index.verify(&digest(1), &digest(9), &[1, 2]));
+        // Once evicted, the unit cannot be compared; no key of it is left to hit either.
+        index.remove(&key, 7, true);
+        assert!(index.verify(&digest(1), &digest(0), &[1, 3]));
+        assert!(!index.contains(&key));
     }
 }
