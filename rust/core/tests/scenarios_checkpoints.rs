@@ -635,3 +635,74 @@ fn a_schedule_never_evicts_the_checkpoint_it_resumes_from_in_a_shared_pool() {
     assert!(plan.copies.chunks(4).all(|c| c[2] != i64::from(resumed)));
     h.commit(&plan);
 }
+
+#[test]
+fn the_checkpoint_resumed_from_is_released_before_the_new_ones_are_published() {
+    // Cap 3: x keeps 16 and 36; y resumes from 16 and adds its junction (32) and tail (48).
+    let mut h = Hybrid { checkpoint_cap: Some(3), ..Hybrid::default() }.harness();
+    let x = tokens(1, 40);
+    h.add(1, &x);
+    h.schedule(1, ALL);
+    h.call(|m| m.request_checkpoint(1, 16)).unwrap();
+    let plan = h.plan();
+    h.commit(&plan);
+    h.finish(1);
+    let y = extend(&x[..32], 2, 18);
+    h.add(2, &y);
+    let s = h.schedule(2, ALL);
+    assert_eq!((s.num_computed, s.hit.and_then(|hit| hit.junction)), (16, Some(32)));
+    let plan = h.plan();
+    assert_eq!(state(&plan).checkpoint_offsets, vec![16, 32], "junction 32, tail 48");
+    h.commit(&plan);
+    h.finish(2);
+    // At the cap, a new tail evicts the least recently used checkpoint: the one y resumed
+    // from (released first at y's commit), not y's newer ones.
+    h.events();
+    h.serve(3, &tokens(3, 40));
+    let evicted = removed(&h.events());
+    assert_eq!(evicted.len(), 1);
+    assert_eq!(evicted[0].2, vec![h.digest(&x, 16)]);
+    assert_eq!(h.probe(&y).tokens, 48);
+    assert_eq!(h.probe(&extend(&y[..32], 4, 20)).tokens, 32);
+}
+
+#[test]
+fn beyond_the_cap_a_decode_tail_displaces_only_another_decode_tail() {
+    let mut h = Hybrid { checkpoint_cap: Some(3), ..Hybrid::default() }.harness();
+    let a = tokens(1, 40);
+    h.prefill(1, &a);
+    let a_sampled = tokens(11, 20);
+    h.decode(1, &a_sampled);
+    h.finish(1); // checkpoints: a's tail at 36, a's decode tail at 56
+    let mut a_conversation = a.clone();
+    a_conversation.extend(&a_sampled);
+    assert_eq!(h.probe(&extend(&a_conversation, 12, 10)).tokens, 56);
+
+    let b = tokens(2, 40);
+    h.prefill(2, &b); // b's tail at 36: the third checkpoint
+    h.events();
+    h.decode(2, &tokens(21, 10)); // snapshots due at 44 and 48
+    let evicted = removed(&h.events());
+    assert_eq!(evicted.len(), 1, "{evicted:?}");
+    assert_eq!(evicted[0].2, vec![h.digest(&a_conversation, 56)]);
+    assert!(skipped(&h, SkipReason::Budget) >= 1, "the second snapshot finds nothing to evict");
+    assert_eq!(h.probe(&a).tokens, 36);
+    assert_eq!(h.probe(&b).tokens, 36);
+    assert_eq!(h.probe(&extend(&a_conversation, 12, 10)).tokens, 36);
+}
+
+#[test]
+fn an_explicit_request_in_a_decode_step_is_published_at_commit() {
+    let mut h = Hybrid::default().harness();
+    let p = tokens(1, 40);
+    h.prefill(1, &p);
+    h.decode(1, &[1, 2, 3, 4, 5, 6, 7, 8]); // 47 computed, 48 tokens
+    h.schedule(1, 1);
+    h.call(|m| m.request_checkpoint(1, 48)).expect("the end of a decode step");
+    let plan = h.plan();
+    assert_eq!(state(&plan).snapshots.len(), 2);
+    h.commit(&plan);
+    let mut conversation = p.clone();
+    conversation.extend([1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(h.probe(&extend(&conversation, 2, 4)).tokens, 48, "visible before finish");
+}

@@ -988,3 +988,90 @@ fn a_pool_with_groups_of_both_kinds_is_accepted_and_serves_hits() {
     assert_eq!(h.serve(1, &p), 0);
     assert_eq!(h.serve(2, &p), 36);
 }
+
+#[test]
+fn undrained_events_beyond_the_limit_drop_the_oldest_and_are_counted() {
+    let mut h = Harness::new(CacheConfig { max_pending_events: 2, ..full_attention(B, U, 64) });
+    let p = tokens(1, 40);
+    h.serve(1, &p);
+    let events = h.events();
+    let numbers: Vec<u64> = events.iter().map(|e| e.sequence).collect();
+    assert_eq!(numbers, vec![1, 2], "the newest two of three");
+    assert_eq!(stored(&events)[1].2, h.digests(&p, 32, 40));
+    assert_eq!(h.m.stats().events_dropped, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recency and isolation
+
+#[test]
+fn a_hit_promotes_its_blocks_so_an_unused_chain_is_evicted_first() {
+    let mut h = fa(8); // seven usable blocks
+    let p = tokens(1, 48);
+    let q = tokens(2, 48);
+    h.serve(1, &p);
+    h.serve(2, &q); // q's chain is now the more recently used
+    assert_eq!(h.serve(3, &p), 44); // p's blocks pinned, then released again
+    assert_eq!(h.usage(0).free, 0);
+    h.events();
+    h.serve(4, &tokens(4, 40)); // three blocks, all evicted from q's chain, tail first
+    let evicted = removed(&h.events());
+    let expected: Vec<_> = [(32, 48), (16, 32), (0, 16)]
+        .into_iter()
+        .map(|(from, to)| h.digests(&q, from, to))
+        .collect();
+    assert_eq!(evicted.into_iter().map(|e| e.2).collect::<Vec<_>>(), expected);
+    assert_eq!(h.probe(&p).tokens, 44);
+    assert_eq!(h.probe(&q).tokens, 0);
+}
+
+#[test]
+fn among_cached_duplicates_a_hit_uses_the_most_recently_used_one() {
+    let mut h = fa(16);
+    let p = tokens(1, 40);
+    for order in [[1u64, 2], [2, 1]] {
+        let (first, second) = (order[0] * 10, order[1] * 10);
+        h.add(first, &p);
+        h.add(second, &p);
+        h.schedule(first, ALL);
+        h.schedule(second, ALL);
+        let plan = h.plan();
+        h.commit(&plan);
+        let newest = h.table(0, second);
+        h.finish(first);
+        h.finish(second);
+        h.add(99, &p);
+        h.schedule(99, ALL);
+        let plan = h.plan();
+        assert_eq!(h.table(0, 99)[..2], newest[..2]);
+        assert_eq!(plan.copies[1], i64::from(newest[2]));
+        h.abort(&plan);
+        h.finish(99);
+        h.call(CacheManager::reset).unwrap();
+    }
+}
+
+#[test]
+fn a_cache_salt_or_a_lora_id_isolates_hits() {
+    let mut h = fa(64);
+    let p = tokens(1, 40);
+    let tenant =
+        |salt: &[u8]| ExtraKeys { cache_salt: Some(salt.to_vec()), ..ExtraKeys::default() };
+    h.call(|m| m.add(1, &p, tenant(b"a"), None)).unwrap();
+    h.step(1, ALL);
+    h.finish(1);
+    let lookup = |h: &mut Harness, id: u64, extra: ExtraKeys| {
+        h.call(|m| m.add(id, &p, extra, None)).unwrap();
+        h.lookup(id).tokens
+    };
+    assert_eq!(lookup(&mut h, 2, tenant(b"a")), 36);
+    assert_eq!(lookup(&mut h, 3, tenant(b"b")), 0);
+    assert_eq!(lookup(&mut h, 4, ExtraKeys::default()), 0);
+    let lora = ExtraKeys { lora_id: Some(7), ..tenant(b"a") };
+    assert_eq!(lookup(&mut h, 5, lora), 0);
+    // A multimodal range beyond the prompt is refused.
+    let image = prefixcache_core::MultimodalInput { start: 30, end: 50, hash: vec![1] };
+    let extra = ExtraKeys { multimodal: vec![image], ..ExtraKeys::default() };
+    let err = h.call(|m| m.add(6, &p, extra, None)).unwrap_err();
+    assert!(matches!(err, CacheError::InvalidRequest { .. }), "{err}");
+}
