@@ -9,9 +9,9 @@ change. A value of the wrong type raises ``TypeError``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Protocol, TypeAlias
+from typing import Any, ClassVar, Literal, Protocol, TypeAlias
 
 from prefixcache import _core
 
@@ -29,6 +29,13 @@ __all__ = [
     "SlidingWindow",
     "StateGroup",
 ]
+
+def _as_tuple(value: object, name: str) -> tuple[Any, ...]:
+    """A list-like field as a tuple (``TypeError`` for anything else, a ``str`` included)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a list, got {type(value).__name__}")
+    return tuple(value)
+
 
 HashAlgorithm: TypeAlias = Literal["xxh3_128", "sha256"]
 """Name of a hash function: ``"xxh3_128"`` (fast, the default) or ``"sha256"`` (collision
@@ -210,8 +217,8 @@ class CacheConfig:
     max_pending_events: int = 1 << 20
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "pools", tuple(self.pools))
-        object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "pools", _as_tuple(self.pools, "pools"))
+        object.__setattr__(self, "groups", _as_tuple(self.groups, "groups"))
         _core.validate_config(self)
 
 
@@ -245,4 +252,4 @@ class ExtraKeys:
     multimodal: Sequence[MultimodalInput] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "multimodal", tuple(self.multimodal))
+        object.__setattr__(self, "multimodal", _as_tuple(self.multimodal, "multimodal"))

@@ -380,6 +380,11 @@ impl PyCacheManager {
         self.run(seq_id.py(), move |m| m.num_tokens(id))
     }
 
+    /// Test hook: panics inside the lock, as a core bug would (the manager is unusable after).
+    fn _panic_for_testing(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |_| -> Result<(), CacheError> { panic!("deliberate panic for testing") })
+    }
+
     fn __repr__(&self, py: Python<'_>) -> String {
         let state = self.run(py, |m| Ok((m.num_sequences(), m.plan_in_flight())));
         match state {

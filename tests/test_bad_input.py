@@ -1,0 +1,467 @@
+"""Bad input to every public call: the right typed exception, a helpful message, never a crash.
+
+Argument *type* problems raise ``TypeError``; out-of-range values and bad shapes raise
+``InvalidRequestError`` / ``ConfigError`` (both ``ValueError``); protocol misuse raises its own
+``PrefixCacheError`` subclass. After every failure the manager passes ``check_invariants`` and
+still serves a full step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import prefixcache as pc
+import pytest
+import torch
+from conftest import hybrid_config, paged_config, run_prompt
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+U32_MAX = 2**32 - 1
+
+WRONG_TYPE_INTS = ["7", 1.5, None, True, [1], b"\x01"]
+OUT_OF_RANGE_IDS = [-1, 2**63, 2**64, 2**200]
+OUT_OF_RANGE_U32 = [-1, 2**32, 2**64, -(2**80)]
+
+
+@pytest.fixture
+def mgr() -> pc.CacheManager:
+    """A hybrid manager with sequence 1 computed (decoding) and sequence 2 added."""
+    manager = pc.CacheManager(hybrid_config())
+    run_prompt(manager, 1, list(range(40)), finish=False)
+    manager.append(1, [7])
+    manager.add(2, list(range(100, 164)))
+    return manager
+
+
+def still_usable(manager: pc.CacheManager) -> None:
+    manager.check_invariants()
+    seq = 1000 + manager.num_sequences
+    assert run_prompt(manager, seq, list(range(500, 540))) == 0
+    manager.check_invariants()
+
+
+# Calls that take a sequence id, as (name, call with the id in first position).
+ID_CALLS: list[tuple[str, Callable[[pc.CacheManager, Any], object]]] = [
+    ("add", lambda m, i: m.add(i, [1, 2, 3])),
+    ("lookup", lambda m, i: m.lookup(i)),
+    ("schedule", lambda m, i: m.schedule(i, 16)),
+    ("request_checkpoint", lambda m, i: m.request_checkpoint(i, 16)),
+    ("suggest_chunk", lambda m, i: m.suggest_chunk(i, 16)),
+    ("append", lambda m, i: m.append(i, [1])),
+    ("finish", lambda m, i: m.finish(i)),
+    ("preempt", lambda m, i: m.preempt(i)),
+    ("num_computed", lambda m, i: m.num_computed(i)),
+    ("num_tokens", lambda m, i: m.num_tokens(i)),
+    ("add extends", lambda m, i: m.add(77, [1, 2], extends=i)),
+]
+
+
+@pytest.mark.parametrize(("name", "call"), ID_CALLS, ids=[n for n, _ in ID_CALLS])
+@pytest.mark.parametrize("bad", WRONG_TYPE_INTS, ids=repr)
+def test_a_sequence_id_of_the_wrong_type_is_a_type_error(
+    mgr: pc.CacheManager, name: str, call: Callable[[pc.CacheManager, Any], object], bad: object
+) -> None:
+    if name == "add extends" and bad is None:
+        return  # extends=None means "no extends"
+    with pytest.raises(TypeError, match="must be an int"):
+        call(mgr, bad)
+    still_usable(mgr)
+
+
+@pytest.mark.parametrize(("name", "call"), ID_CALLS, ids=[n for n, _ in ID_CALLS])
+@pytest.mark.parametrize("bad", OUT_OF_RANGE_IDS, ids=repr)
+def test_a_sequence_id_out_of_range_is_an_invalid_request(
+    mgr: pc.CacheManager, name: str, call: Callable[[pc.CacheManager, Any], object], bad: int
+) -> None:
+    with pytest.raises(
+        pc.InvalidRequestError, match=r"seq_id must be in 0\.\.=9223372036854775807"
+    ):
+        call(mgr, bad)
+    still_usable(mgr)
+
+
+@pytest.mark.parametrize(
+    ("name", "call"),
+    [c for c in ID_CALLS if c[0] not in ("add", "add extends")],
+    ids=[n for n, _ in ID_CALLS if n not in ("add", "add extends")],
+)
+def test_an_unknown_sequence_id(
+    mgr: pc.CacheManager, name: str, call: Callable[[pc.CacheManager, Any], object]
+) -> None:
+    with pytest.raises(pc.UnknownSequenceError, match="unknown sequence 424242: add it first"):
+        call(mgr, 424242)
+    still_usable(mgr)
+
+
+BAD_TOKENS: list[tuple[object, type[BaseException], str]] = [
+    ("abc", TypeError, "list of ints or a 1-D integer array"),
+    (b"abc", TypeError, "list of ints or a 1-D integer array"),
+    (5, TypeError, "list of ints or a 1-D integer array"),
+    (None, TypeError, "list of ints or a 1-D integer array"),
+    ([1, "a"], TypeError, r"tokens\[1\] must be an int"),
+    ([1.0], TypeError, r"tokens\[0\] must be an int"),
+    ([None], TypeError, r"tokens\[0\] must be an int"),
+    ([True], TypeError, r"tokens\[0\] must be an int"),
+    ([1, -1], pc.InvalidRequestError, r"tokens\[1\] must be in 0\.\.=4294967295, got -1"),
+    ([2**32], pc.InvalidRequestError, r"tokens\[0\] must be in 0\.\.=4294967295"),
+    ([2**90], pc.InvalidRequestError, r"tokens\[0\] must be in 0\.\.=4294967295"),
+    (np.array([1.0, 2.0]), TypeError, "integer array, got dtype float64"),
+    (np.array([True]), TypeError, "integer array, got dtype"),
+    (np.array(["a"]), TypeError, "integer array, got dtype"),
+    (np.array([[1, 2]]), pc.InvalidRequestError, r"must be 1-D, got an array of shape \[1, 2\]"),
+    (np.array(5), pc.InvalidRequestError, "must be 1-D"),
+    (np.array([3, -2], dtype=np.int64), pc.InvalidRequestError, r"tokens\[1\] is out of range"),
+    (np.array([2**33], dtype=np.int64), pc.InvalidRequestError, r"tokens\[0\] is out of range"),
+    (np.array([2**64 - 1], dtype=np.uint64), pc.InvalidRequestError, "out of range"),
+    (np.array([-1], dtype=np.int8), pc.InvalidRequestError, "out of range"),
+    (torch.tensor([1.5]), TypeError, "integer array, got dtype float32"),
+    (torch.tensor([[1, 2]]), pc.InvalidRequestError, "must be 1-D"),
+    (torch.tensor([1], requires_grad=False).to(torch.bool), TypeError, "integer array"),
+    (object(), TypeError, "got object"),
+]
+
+
+@pytest.mark.parametrize(("tokens", "error", "message"), BAD_TOKENS, ids=repr)
+@pytest.mark.parametrize("call", ["add", "append", "hash_prefix", "append_batch"])
+def test_bad_tokens(
+    mgr: pc.CacheManager,
+    call: str,
+    tokens: object,
+    error: type[BaseException],
+    message: str,
+) -> None:
+    with pytest.raises(error, match=message):
+        if call == "add":
+            mgr.add(3, tokens)  # type: ignore[arg-type]
+        elif call == "append":
+            mgr.append(1, tokens)  # type: ignore[arg-type]
+        elif call == "append_batch":
+            mgr.append_batch([1], tokens)  # type: ignore[arg-type]
+        else:
+            pc.hash_prefix(tokens)  # type: ignore[arg-type]
+    assert mgr.num_tokens(1) == 41
+    with pytest.raises(pc.UnknownSequenceError):
+        mgr.lookup(3)
+    still_usable(mgr)
+
+
+def test_empty_tokens(mgr: pc.CacheManager) -> None:
+    with pytest.raises(pc.InvalidRequestError, match="at least one token"):
+        mgr.add(3, [])
+    with pytest.raises(pc.InvalidRequestError, match="at least one token"):
+        mgr.add(3, np.array([], dtype=np.int64))
+    assert pc.hash_prefix([]) == []
+    still_usable(mgr)
+
+
+def test_oversized_token_inputs_are_refused_before_copying(mgr: pc.CacheManager) -> None:
+    # 2**31 tokens (8 GiB as uint32) that occupy no memory: a broadcast view.
+    huge = np.broadcast_to(np.uint32(1), (pc.MAX_SEQUENCE_TOKENS + 1,))
+    for call in (
+        lambda: mgr.add(3, huge),
+        lambda: mgr.append(1, huge),
+        lambda: pc.hash_prefix(huge),
+    ):
+        with pytest.raises(pc.InvalidRequestError, match="more than the supported 2147483647"):
+            call()
+    still_usable(mgr)
+
+
+@pytest.mark.parametrize("bad", OUT_OF_RANGE_U32, ids=repr)
+def test_counts_out_of_range(mgr: pc.CacheManager, bad: int) -> None:
+    calls: list[tuple[Callable[[], object], str]] = [
+        (lambda: mgr.schedule(2, bad), "max_tokens"),
+        (lambda: mgr.schedule(2, 16, lookahead=bad), "lookahead"),
+        (lambda: mgr.schedule_batch([2], bad), "max_tokens"),
+        (lambda: mgr.schedule_batch([2], [bad]), r"max_tokens\[0\]"),
+        (lambda: mgr.request_checkpoint(1, bad), "position"),
+        (lambda: mgr.suggest_chunk(2, bad), "token_budget"),
+        (lambda: mgr.block_table(bad, [1]), "group"),
+    ]
+    for call, what in calls:
+        with pytest.raises(pc.InvalidRequestError, match=rf"{what} must be in 0\.\.=4294967295"):
+            call()
+    still_usable(mgr)
+
+
+@pytest.mark.parametrize("bad", WRONG_TYPE_INTS, ids=repr)
+def test_counts_of_the_wrong_type(mgr: pc.CacheManager, bad: object) -> None:
+    calls: list[Callable[[], object]] = [
+        lambda: mgr.schedule(2, bad),  # type: ignore[arg-type]
+        lambda: mgr.request_checkpoint(1, bad),  # type: ignore[arg-type]
+        lambda: mgr.suggest_chunk(2, bad),  # type: ignore[arg-type]
+        lambda: mgr.block_table(bad, [1]),  # type: ignore[arg-type]
+    ]
+    if bad is not None:  # lookahead=None means the default
+        calls.append(lambda: mgr.schedule(2, 16, lookahead=bad))  # type: ignore[arg-type]
+    for call in calls:
+        with pytest.raises(TypeError, match="must be an int"):
+            call()
+    if not isinstance(bad, bool):
+        with pytest.raises(TypeError):
+            mgr.schedule(2, 16, exact=bad)  # type: ignore[arg-type]
+    still_usable(mgr)
+
+
+def test_bad_batches(mgr: pc.CacheManager) -> None:
+    mgr.add(3, list(range(32)))
+    with pytest.raises(pc.InvalidRequestError, match="2 sequence ids but 1 token budgets"):
+        mgr.schedule_batch([2, 3], [16])
+    with pytest.raises(pc.StepError, match="appears twice"):
+        mgr.schedule_batch([2, 2], 16)
+    with pytest.raises(pc.UnknownSequenceError, match="unknown sequence 99"):
+        mgr.schedule_batch([2, 99], 16)
+    with pytest.raises(pc.InvalidRequestError, match="must be 1-D"):
+        mgr.schedule_batch(np.array([[2, 3]]), 16)
+    with pytest.raises(pc.InvalidRequestError, match=r"seq_ids\[0\] is out of range"):
+        mgr.schedule_batch(np.array([-2], dtype=np.int64), 16)
+    with pytest.raises(TypeError, match="integer array"):
+        mgr.schedule_batch(np.array([2.0]), 16)
+    with pytest.raises(TypeError, match=r"seq_ids\[0\] must be an int"):
+        mgr.schedule_batch(["2"], 16)
+    with pytest.raises(pc.InvalidRequestError, match="1 sequence ids but 2 tokens"):
+        mgr.append_batch([1], [1, 2])
+    with pytest.raises(pc.UnknownSequenceError):
+        mgr.append_batch([1, 99], [1, 2])
+    assert mgr.num_tokens(1) == 41  # nothing was appended
+    with pytest.raises(pc.InvalidRequestError, match="not a paged group"):
+        mgr.block_table(1, [1])
+    with pytest.raises(pc.InvalidRequestError, match="not a paged group"):
+        mgr.block_table(7, [1])
+    with pytest.raises(pc.UnknownSequenceError):
+        mgr.block_table(0, [1, 99])
+    assert mgr.schedule_batch([], 16) == []
+    assert mgr.block_table(0, []).shape == (0, 0)
+    still_usable(mgr)
+
+
+def test_bad_extra_keys(mgr: pc.CacheManager) -> None:
+    image = pc.MultimodalInput
+    cases: list[tuple[object, type[BaseException], str]] = [
+        ("salt", TypeError, 'must have an attribute "cache_salt"'),
+        (pc.ExtraKeys(cache_salt=5), TypeError, "cache_salt must be bytes or str"),  # type: ignore[arg-type]
+        (pc.ExtraKeys(lora_id=-1), pc.InvalidRequestError, "lora_id must be in"),
+        (pc.ExtraKeys(lora_id="a"), TypeError, "lora_id must be an int"),  # type: ignore[arg-type]
+        (pc.ExtraKeys(multimodal=[image(5, 5, b"x")]), pc.InvalidRequestError, "which is empty"),
+        (pc.ExtraKeys(multimodal=[image(1, 2, b"")]), pc.InvalidRequestError, "empty hash"),
+        (pc.ExtraKeys(multimodal=[image(0, 99, b"x")]), pc.InvalidRequestError, "ends beyond"),
+        (pc.ExtraKeys(multimodal=[image(-1, 2, b"x")]), pc.InvalidRequestError, "start must be"),
+        (pc.ExtraKeys(multimodal=[5]), TypeError, 'must have an attribute "start"'),  # type: ignore[list-item]
+    ]
+    for extra, error, message in cases:
+        with pytest.raises(error, match=message):
+            mgr.add(3, list(range(32)), extra_keys=extra)  # type: ignore[arg-type]
+        with pytest.raises(pc.UnknownSequenceError):
+            mgr.lookup(3)
+    with pytest.raises(TypeError, match="lora_id must be an int"):
+        pc.hash_prefix([1] * 16, extra_keys=pc.ExtraKeys(lora_id=1.0))  # type: ignore[arg-type]
+    still_usable(mgr)
+
+
+def test_bad_hash_prefix_settings() -> None:
+    with pytest.raises(pc.InvalidRequestError, match=r"unit must be in 1\.\.="):
+        pc.hash_prefix([1] * 16, unit=0)
+    with pytest.raises(pc.InvalidRequestError, match="unit must be in"):
+        pc.hash_prefix([1] * 16, unit=-16)
+    with pytest.raises(pc.InvalidRequestError, match='algorithm "md5" is unknown'):
+        pc.hash_prefix([1] * 16, algorithm="md5")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="algorithm must be a str"):
+        pc.hash_prefix([1] * 16, algorithm=5)  # type: ignore[arg-type]
+    with pytest.raises(pc.InvalidRequestError, match="seed must be in"):
+        pc.hash_prefix([1] * 16, seed=-1)
+    with pytest.raises(pc.InvalidRequestError, match="seed must be in"):
+        pc.hash_prefix([1] * 16, seed=2**64)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        pc.hash_prefix([1] * 16, seed="0")  # type: ignore[arg-type]
+
+
+def test_protocol_misuse(mgr: pc.CacheManager) -> None:
+    mgr.finish(1)
+    with pytest.raises(pc.UnknownSequenceError, match="unknown sequence 1"):
+        mgr.finish(1)  # double finish
+    with pytest.raises(pc.DuplicateSequenceError, match="sequence 2 is already live"):
+        mgr.add(2, [1])
+    with pytest.raises(pc.StepError, match="not scheduled"):
+        mgr.request_checkpoint(2, 16)
+    mgr.schedule(2, 32)
+    plan = mgr.build_plan()
+    for call in (
+        lambda: mgr.build_plan(),
+        lambda: mgr.schedule(2, 1),
+        lambda: mgr.schedule_batch([2], 1),
+        lambda: mgr.append(2, [1]),
+        lambda: mgr.append_batch([2], [1]),
+        lambda: mgr.finish(2),
+        lambda: mgr.preempt(2),
+        lambda: mgr.reset(),
+        lambda: mgr.request_checkpoint(2, 16),
+    ):
+        with pytest.raises(pc.StepError, match=f"plan of step {plan.step_id} is in flight"):
+            call()
+    mgr.lookup(2)  # allowed while a plan is in flight
+    mgr.stats()
+    mgr.commit(plan)
+    with pytest.raises(pc.StalePlanError, match="already committed"):
+        mgr.commit(plan)  # twice
+    with pytest.raises(pc.StalePlanError, match="already committed"):
+        mgr.abort(plan)  # abort after commit
+    for bad in (None, 5, "plan", plan.paged[0]):
+        with pytest.raises(TypeError, match="StepPlan"):
+            mgr.commit(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="StepPlan"):
+            mgr.abort(bad)  # type: ignore[arg-type]
+    with pytest.raises(pc.InvalidRequestError, match="lookahead"):
+        mgr.schedule(2, 16, lookahead=2)  # state groups cannot roll back drafts
+    with pytest.raises(pc.InvalidRequestError, match="group must be in"):
+        plan.paged_group(-1)
+    with pytest.raises(TypeError, match="group must be an int"):
+        plan.state_group("1")  # type: ignore[arg-type]
+    still_usable(mgr)
+
+
+def test_finish_or_preempt_drops_a_scheduled_sequence_from_the_next_plan() -> None:
+    mgr = pc.CacheManager(paged_config())
+    mgr.add(1, list(range(32)))
+    mgr.add(2, list(range(32)))
+    mgr.schedule_batch([1, 2], 32)
+    mgr.finish(1)
+    mgr.preempt(2)
+    plan = mgr.build_plan()
+    assert plan.num_rows == 0
+    mgr.commit(plan)
+    still_usable(mgr)
+
+
+def invalid_configs() -> list[tuple[Callable[[], object], type[BaseException], str]]:
+    attention = pc.FullAttention(block_size=32)
+    pools = [pc.PoolConfig(16)]
+
+    def cfg(**kw: Any) -> Callable[[], object]:
+        args: dict[str, Any] = {"pools": pools, "groups": [attention]} | kw
+        return lambda: pc.CacheConfig(**args)
+
+    def state(**kw: Any) -> Callable[[], object]:
+        return cfg(groups=[attention, pc.StateGroup(**kw)])
+
+    return [
+        (cfg(pools=[]), pc.ConfigError, "no pools"),
+        (cfg(groups=[]), pc.ConfigError, "no groups"),
+        (cfg(pools=[pc.PoolConfig(1)]), pc.ConfigError, "at least 2"),
+        (cfg(pools=[pc.PoolConfig(-5)]), pc.ConfigError, r"pools\[0\].num_blocks must be in"),
+        (cfg(pools=[pc.PoolConfig(2**40)]), pc.ConfigError, "num_blocks must be in"),
+        (cfg(pools=[pc.PoolConfig(2**31)]), pc.ConfigError, "block ids are int32"),
+        (cfg(pools=[pc.PoolConfig("8")]), TypeError, "num_blocks must be an int"),  # type: ignore[arg-type]
+        (cfg(pools=5), TypeError, "pools must be a list"),
+        (cfg(groups="full"), TypeError, "groups must be a list, got str"),
+        (lambda: pc.ExtraKeys(multimodal=3), TypeError, "multimodal must be a list"),  # type: ignore[arg-type]
+        (cfg(groups=[object()]), TypeError, "FullAttention, SlidingWindow or StateGroup"),
+        (cfg(groups=[pc.FullAttention(0)]), pc.ConfigError, "block size 0"),
+        (cfg(groups=[pc.FullAttention(24)]), pc.ConfigError, "U must divide"),
+        (cfg(groups=[pc.FullAttention(32, pool=1)]), pc.ConfigError, "uses pool 1"),
+        (cfg(groups=[pc.FullAttention(32, pool=-1)]), pc.ConfigError, "pool must be in"),
+        (cfg(groups=[pc.SlidingWindow(32, 16)]), pc.ConfigError, "smaller than its block"),
+        (state(alignment=0), pc.ConfigError, "alignment A = 0"),
+        (state(alignment=5), pc.ConfigError, "must divide the hash unit"),
+        (state(retention=pc.Retention(interval=20)), pc.ConfigError, "interval K = 20"),
+        (state(checkpoint_cap=0), pc.ConfigError, "checkpoint_cap = 0"),
+        (state(max_checkpoints_per_step=-1), pc.ConfigError, "max_checkpoints_per_step"),
+        (state(retention=pc.Retention(tail="yes")), TypeError, "tail must be a bool"),  # type: ignore[arg-type]
+        (state(retention=None), TypeError, 'must have an attribute "tail"'),  # type: ignore[arg-type]
+        (cfg(hash=pc.HashConfig(unit=0)), pc.ConfigError, "unit U must be at least 1"),
+        (cfg(hash=pc.HashConfig(algorithm="md5")), pc.ConfigError, "unknown"),  # type: ignore[arg-type]
+        (cfg(hash=pc.HashConfig(seed=-1)), pc.ConfigError, "hash.seed must be in"),
+        (cfg(hash=pc.HashConfig(verify_tokens=1)), TypeError, "verify_tokens must be a bool"),  # type: ignore[arg-type]
+        (cfg(hash=None), TypeError, 'must have an attribute "algorithm"'),
+        (cfg(enable_events="yes"), TypeError, "enable_events must be a bool"),
+        (cfg(finished_cache_bytes=-1), pc.ConfigError, "finished_cache_bytes must be in"),
+        (cfg(recently_evicted_capacity=2.5), TypeError, "must be an int"),
+        (lambda: pc.CacheManager(None), TypeError, "must have an attribute"),  # type: ignore[arg-type]
+        (lambda: pc.CacheManager(5), TypeError, "must have an attribute"),  # type: ignore[arg-type]
+    ]
+
+
+@pytest.mark.parametrize(("make", "error", "message"), invalid_configs())
+def test_invalid_configs(
+    make: Callable[[], object], error: type[BaseException], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        make()
+    if issubclass(error, pc.ConfigError):
+        assert issubclass(error, ValueError)
+
+
+# A small random walk over the whole API with good and bad arguments: only typed exceptions,
+# and the invariants hold after every call.
+ARG = st.one_of(
+    st.integers(min_value=-3, max_value=6),
+    st.sampled_from([2**40, 2**70, None, "x", 1.5, True]),
+)
+TOKENS = st.one_of(
+    st.lists(st.integers(min_value=0, max_value=50), max_size=70),
+    st.lists(st.integers(min_value=-1, max_value=2**32), max_size=3),
+    st.sampled_from(["x", None, np.zeros((2, 2), dtype=np.int64), np.array([1.5])]),
+)
+OPS = st.sampled_from(
+    [
+        "add",
+        "lookup",
+        "schedule",
+        "schedule_batch",
+        "request_checkpoint",
+        "suggest_chunk",
+        "build_commit",
+        "build_abort",
+        "append",
+        "append_batch",
+        "finish",
+        "preempt",
+        "reset",
+        "block_table",
+    ]
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(OPS, ARG, ARG, TOKENS), min_size=1, max_size=30))
+def test_random_calls_raise_only_typed_errors(
+    calls: list[tuple[str, object, object, object]],
+) -> None:
+    mgr = pc.CacheManager(hybrid_config(num_blocks=12, state_blocks=10, alignment=8))
+    for op, a, b, tokens in calls:
+        try:
+            if op == "add":
+                mgr.add(a, tokens)  # type: ignore[arg-type]
+            elif op == "lookup":
+                mgr.lookup(a)  # type: ignore[arg-type]
+            elif op == "schedule":
+                mgr.schedule(a, b if isinstance(b, int) else 64)  # type: ignore[arg-type]
+            elif op == "schedule_batch":
+                mgr.schedule_batch([a, b], 32)  # type: ignore[list-item]
+            elif op == "request_checkpoint":
+                mgr.request_checkpoint(a, b)  # type: ignore[arg-type]
+            elif op == "suggest_chunk":
+                mgr.suggest_chunk(a, b)  # type: ignore[arg-type]
+            elif op in ("build_commit", "build_abort"):
+                plan = mgr.build_plan()
+                mgr.check_invariants()
+                (mgr.commit if op == "build_commit" else mgr.abort)(plan)
+            elif op == "append":
+                mgr.append(a, tokens)  # type: ignore[arg-type]
+            elif op == "append_batch":
+                mgr.append_batch([a], [b])  # type: ignore[list-item]
+            elif op == "finish":
+                mgr.finish(a)  # type: ignore[arg-type]
+            elif op == "preempt":
+                mgr.preempt(a)  # type: ignore[arg-type]
+            elif op == "reset":
+                mgr.reset()
+            else:
+                mgr.block_table(a, [b])  # type: ignore[arg-type, list-item]
+        except pc.InvariantError:
+            raise
+        except (pc.PrefixCacheError, TypeError, ValueError):
+            pass
+        mgr.check_invariants()

@@ -1,0 +1,139 @@
+"""One manager driven from several threads; long calls release the GIL."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import prefixcache as pc
+import pytest
+from conftest import hybrid_config, paged_config, run_prompt
+
+THREADS = 8
+PER_THREAD = 6
+
+
+def prompt(seq: int) -> list[int]:
+    """Sequences share a 64-token prefix in families of 4, then diverge."""
+    family = seq % 4
+    return [family * 1000 + t for t in range(64)] + [seq * 7 + t for t in range(30 + seq % 5)]
+
+
+def test_threads_drive_distinct_sequences_through_steps() -> None:
+    mgr = pc.CacheManager(hybrid_config(num_blocks=4096, state_blocks=1024))
+    for family in range(4):  # warm the cache: every family's prefix is computed once
+        run_prompt(mgr, 10_000 + family, [*prompt(family)[:64], 9])
+    ids = [[t * PER_THREAD + i for i in range(PER_THREAD)] for t in range(THREADS)]
+
+    def admit(seqs: list[int]) -> list[int]:
+        hits = []
+        for seq in seqs:
+            mgr.add(seq, np.array(prompt(seq), dtype=np.int64))
+            hits.append(mgr.lookup(seq).tokens)
+            scheduled = mgr.schedule(seq, 1000)
+            assert scheduled is not None and scheduled.num_computed == hits[-1]
+        return hits
+
+    def decode(seqs: list[int], step: int) -> None:
+        mgr.append_batch(seqs, [step] * len(seqs))
+        out = mgr.schedule_batch(np.array(seqs), 1)
+        assert all(s is not None and s.num_tokens == 1 for s in out)
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        hits = list(pool.map(admit, ids))
+        assert all(h == 64 for thread in hits for h in thread)  # every family prefix hits
+        plan = mgr.build_plan()
+        assert sorted(plan.seq_ids.tolist()) == sorted(s for t in ids for s in t)
+        mgr.commit(plan)
+        mgr.check_invariants()
+        for step in range(5):
+            list(pool.map(decode, ids, [step] * THREADS))
+            plan = mgr.build_plan()
+            assert plan.num_tokens == THREADS * PER_THREAD
+            mgr.commit(plan)
+        mgr.check_invariants()
+        list(pool.map(lambda seqs: [mgr.finish(s) for s in seqs], ids))
+    mgr.check_invariants()
+    assert mgr.num_sequences == 0
+    for thread in ids:
+        for seq in thread:  # each sequence's tokens were kept for `extends`
+            added = mgr.add(seq, [*prompt(seq), 0, 1, 2, 3, 4, 5], extends=seq)
+            assert added.extends_found and added.hashed_units == 0
+
+
+def test_concurrent_lookups_and_hashing_agree_with_sequential_results() -> None:
+    mgr = pc.CacheManager(paged_config(num_blocks=4096))
+    for seq in range(16):
+        run_prompt(mgr, seq, prompt(seq))
+    for seq in range(16):
+        mgr.add(100 + seq, prompt(seq))
+    expected = [mgr.lookup(100 + seq) for seq in range(16)]
+    digests = [pc.hash_prefix(prompt(seq)) for seq in range(16)]
+
+    def work(seq: int) -> tuple[pc.Hit, list[bytes]]:
+        return mgr.lookup(100 + seq), pc.hash_prefix(prompt(seq))
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        for _ in range(10):
+            results = list(pool.map(work, range(16)))
+            assert [r[0] for r in results] == expected
+            assert [r[1] for r in results] == digests
+    mgr.check_invariants()
+
+
+@pytest.fixture
+def long_switch_interval() -> Iterator[None]:
+    """A thread holding the GIL keeps it for this long unless it releases it itself."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+def ticks_during(call: Callable[[], object]) -> int:
+    """Runs `call` in a thread; counts the main thread's loop iterations while it is inside.
+
+    With a 30 s switch interval, a call that keeps the GIL lets no other thread run until it
+    returns, so the count is 0; one that releases the GIL lets the main thread run at once.
+    """
+    window: list[float] = []
+
+    def worker() -> None:
+        window.append(time.perf_counter())
+        call()
+        window.append(time.perf_counter())
+
+    ticks: list[float] = []
+    thread = threading.Thread(target=worker)
+    thread.start()
+    while thread.is_alive():
+        ticks.append(time.perf_counter())
+        time.sleep(0)  # hand the GIL over so the worker can start and finish
+    thread.join()
+    start, end = window
+    return sum(start < t < end for t in ticks)
+
+
+def test_long_calls_release_the_gil(long_switch_interval: None) -> None:
+    reversed_list = list(range(1_000_000, 0, -1))
+    assert ticks_during(lambda: sorted(reversed_list)) == 0  # the harness sees a GIL holder
+    tokens = np.arange(1 << 20, dtype=np.uint32) % 50_000  # 1M tokens, 65536 units
+    assert ticks_during(lambda: pc.hash_prefix(tokens, unit=1 << 16, algorithm="sha256")) > 0
+    mgr = pc.CacheManager(paged_config(num_blocks=(1 << 16) + 1, block_size=16, unit=16))
+    assert ticks_during(lambda: mgr.add(1, tokens)) > 0
+    mgr.schedule(1, 1 << 20)
+    plan: list[pc.StepPlan] = []
+    assert ticks_during(lambda: plan.append(mgr.build_plan())) > 0
+    mgr.commit(plan[0])
+    mgr.finish(1)
+    mgr.add(2, tokens)
+    assert mgr.lookup(2).tokens == (1 << 20) - 16
+    # A lookup probes every one of the 65536 cached blocks: repeat it to widen the window.
+    assert ticks_during(lambda: [mgr.lookup(2) for _ in range(20)]) > 0
+    mgr.check_invariants()

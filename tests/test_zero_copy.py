@@ -1,0 +1,91 @@
+"""Plan arrays are moved from Rust into NumPy once: no copy per read, shared with torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import prefixcache as pc
+import pytest
+import torch
+from conftest import hybrid_config
+
+
+@pytest.fixture
+def plan() -> pc.StepPlan:
+    mgr = pc.CacheManager(hybrid_config(max_checkpoints_per_step=2))
+    for seq in range(3):
+        mgr.add(seq, list(range(seq, seq + 100)))
+    mgr.schedule_batch([0, 1, 2], 1000)
+    return mgr.build_plan()
+
+
+def every_array(plan: pc.StepPlan) -> dict[str, np.ndarray]:
+    arrays = {
+        "seq_ids": plan.seq_ids,
+        "query_start_loc": plan.query_start_loc,
+        "num_computed": plan.num_computed,
+        "num_scheduled": plan.num_scheduled,
+        "copies": plan.copies,
+    }
+    for p in plan.paged:
+        arrays |= {
+            f"paged{p.group}.appended": p.appended,
+            f"paged{p.group}.replaced": p.replaced,
+            f"paged{p.group}.slot_mapping": p.slot_mapping,
+        }
+    for s in plan.state:
+        arrays |= {
+            f"state{s.group}.running_slot": s.running_slot,
+            f"state{s.group}.initial_slot": s.initial_slot,
+            f"state{s.group}.checkpoint_offsets": s.checkpoint_offsets,
+            f"state{s.group}.checkpoint_slots": s.checkpoint_slots,
+            f"state{s.group}.snapshots": s.snapshots,
+        }
+    return arrays
+
+
+def test_two_reads_return_the_same_buffer(plan: pc.StepPlan) -> None:
+    first, second = plan.query_start_loc, plan.query_start_loc
+    assert first is second
+    assert first.__array_interface__["data"] == second.__array_interface__["data"]
+    assert np.shares_memory(first, second)
+    again = every_array(plan)
+    for name, array in every_array(plan).items():
+        assert array is again[name], name
+    assert plan.paged[0] is plan.paged_group(0)
+    assert plan.state[0].running_slot is plan.state_group(1).running_slot
+
+
+def test_arrays_own_rust_memory_not_a_copy(plan: pc.StepPlan) -> None:
+    for name, array in every_array(plan).items():
+        # The buffer belongs to a Rust vector kept alive by the array's base object; a NumPy
+        # copy would own its data instead.
+        assert not array.flags.owndata, name
+        assert array.base is not None, name
+        assert array.flags.c_contiguous and array.flags.writeable, name
+
+
+def test_torch_from_numpy_shares_the_plan_memory(plan: pc.StepPlan) -> None:
+    qsl = torch.from_numpy(plan.query_start_loc)
+    assert qsl.dtype == torch.int32 and qsl.tolist() == plan.query_start_loc.tolist()
+    assert qsl.data_ptr() == plan.query_start_loc.__array_interface__["data"][0]
+    slots = torch.from_numpy(plan.paged[0].slot_mapping)
+    assert slots.dtype == torch.int64 and slots.shape == (300,)
+    offsets = torch.from_numpy(plan.state[0].checkpoint_offsets)
+    assert offsets.shape == plan.state[0].checkpoint_offsets.shape
+    # Writes through torch are visible through NumPy: one buffer.
+    qsl[0] = 5
+    assert plan.query_start_loc[0] == 5
+
+
+def test_arrays_outlive_the_plan_and_the_manager() -> None:
+    mgr = pc.CacheManager(hybrid_config())
+    mgr.add(1, list(range(50)))
+    mgr.schedule(1, 50)
+    plan = mgr.build_plan()
+    slots = plan.paged[0].slot_mapping
+    tensor = torch.from_numpy(plan.state[0].running_slot)
+    expected = slots.tolist()
+    mgr.commit(plan)
+    del plan, mgr
+    assert slots.tolist() == expected
+    assert tensor.shape == (1,)
