@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{extend, removed, stored, tokens, Harness, Hybrid, ALL, U};
+use common::{extend, removed, rows, stored, tokens, Harness, Hybrid, ALL, U};
 use prefixcache_core::{CacheError, MissReason, Retention, SkipReason, StateGroupPlan, StepPlan};
 
 const STATE: usize = 1;
@@ -705,4 +705,42 @@ fn an_explicit_request_in_a_decode_step_is_published_at_commit() {
     let mut conversation = p.clone();
     conversation.extend([1, 2, 3, 4, 5, 6, 7, 8]);
     assert_eq!(h.probe(&extend(&conversation, 2, 4)).tokens, 48, "visible before finish");
+}
+
+#[test]
+fn checkpoint_arrays_are_padded_to_the_row_with_the_most_checkpoints() {
+    let mut h = Hybrid::default().harness();
+    let x = tokens(1, 40);
+    h.add(1, &x);
+    h.add(2, &tokens(2, 10));
+    h.add(3, &tokens(3, 40));
+    h.schedule(1, ALL);
+    h.schedule(2, ALL);
+    h.schedule(3, 36); // ends on its own tail: a snapshot, no interior checkpoint
+    h.call(|m| m.request_checkpoint(1, 16)).unwrap();
+    let plan = h.plan();
+    let st = state(&plan);
+    assert_eq!(st.max_checkpoints, 2);
+    assert_eq!(
+        rows(&st.checkpoint_offsets, 2),
+        vec![vec![16, 36], vec![8, 0], vec![0, 0]],
+        "row 2's tail is at 8 (10 tokens)"
+    );
+    let slots = rows(&st.checkpoint_slots, 2);
+    assert!(slots[0].iter().chain(&slots[1][..1]).all(|&s| s > 0));
+    assert_eq!((slots[1][1], slots[2].clone()), (-1, vec![-1, -1]));
+    assert_eq!(st.snapshots.len(), 2);
+    assert_eq!(st.snapshots[0], st.running_slot[2]);
+    assert_eq!(st.initial_slot, vec![-1, -1, -1]);
+    // Three running buffers, three interior checkpoints and one snapshot: seven blocks.
+    let distinct: std::collections::BTreeSet<i32> = st
+        .running_slot
+        .iter()
+        .chain(slots.iter().flatten())
+        .chain(&st.snapshots[1..])
+        .copied()
+        .filter(|&s| s > 0)
+        .collect();
+    assert_eq!(distinct.len(), 7, "every slot is its own block");
+    h.commit(&plan);
 }
