@@ -1,0 +1,8 @@
+"""``python -m prefixcache``: the same command line as the ``prefixcache`` console script."""
+
+from __future__ import annotations
+
+from prefixcache.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

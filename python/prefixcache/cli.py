@@ -1,0 +1,384 @@
+"""The ``prefixcache`` command line: ``prefixcache simulate`` (also ``python -m prefixcache``).
+
+``simulate`` runs the reference engine (:mod:`prefixcache.engine`) with the tiny hybrid model
+(:mod:`prefixcache.models`) over a named workload (:mod:`prefixcache.workloads`) under each
+caching policy, side by side, checks that caching changed no output, and prints a per-round
+table and a summary table; ``--json`` and ``--plot`` write the same figures to files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main", "render_report"]
+
+WORKLOADS = ("growing-prefix", "shared-prompts", "agentic", "trace")
+BACKENDS = ("auto", "torch", "fla", "flashkda", "flashkda-op")
+
+EPILOG = """\
+policies:
+  none   no prefix caching: every prompt is computed in full (the same manager with every
+         checkpoint retention off, so no recurrent state is ever cached and every hit is 0).
+         Always run first: it is the reference the other policies' outputs are checked against.
+  block  block-aligned caching, as engines do today: hash unit U = attention block B,
+         checkpoints only on block boundaries; a resend of an N-token prompt resumes at
+         ((N-1)//B)*B.
+  fine   fine prefix matching: U < B, with tail, junction and decode-tail checkpoints; a resend
+         resumes at ((N-1)//U)*U.
+
+presets:
+  seed     the full sizes of WORKLOADS.md (growing-prefix: 8 streams, 120,000 -> 164,000
+           tokens in 23 rounds, 200 output tokens, chunk budget 8,192, B=1536, U=128). Hours
+           on a CPU; meant for a GPU.
+  default  the same ratios, about a minute on 2 CPU cores. growing-prefix: the seed geometry
+           divided by 16 (B=96, U=8, +125 tokens per round, budget 512, 12 output tokens) with
+           a 972-token first prompt (congruent to 120,000/16 modulo B), so every round's hit
+           and recomputation are exactly the seed's divided by 16.
+  When the kernel backend's checkpoint alignment A does not divide U (fla: 64, FlashKDA: 16),
+  U is raised to a multiple of A and B to a multiple of U; the header says so.
+
+output check:
+  Each policy's generated ids and final logits are compared with the `none` run: ids equal,
+  logits within 1e-4 relative in float32 (the CPU default); with the GPU's bf16 kernels, 3e-2
+  and ids compared up to the first near-tie of the reference (see prefixcache.engine.simulate).
+
+the model:
+  A Kimi-Linear-shaped hybrid, scaled down: 3 KDA layers and 1 full-attention layer (width 64,
+  4 KDA heads of 16, vocabulary 1000, seeded random weights, greedy sampling; float32 on the
+  CPU). Its KDA layers run the kernel layer and read/write recurrent states and checkpoints in
+  the slots the cache manager hands out; its attention layer reads/writes a paged KV cache
+  through block tables and slot mappings. With --device cuda the KDA layers take Kimi-K3's
+  per-GPU shape (12 heads of 128). It represents the cache traffic and the exact numerics of
+  resuming from checkpoints, and, relative to each other, the prefill work each policy saves.
+  It does not represent output quality (random weights), the absolute latency of a real model
+  (it is thousands of times smaller; attention is a plain reference loop on the CPU), MoE
+  feed-forward blocks or MLA latent attention. TTFT is wall-clock time on this machine from a
+  request's arrival in the engine loop to its first token.
+"""
+
+
+def _parse_policies(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    valid = ("none", "block", "fine")
+    unknown = [name for name in names if name not in valid]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"--policies takes a comma-separated subset of {','.join(valid)}, got {text!r}"
+        )
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``prefixcache`` command."""
+    parser = argparse.ArgumentParser(
+        prog="prefixcache",
+        description="prefixcache: prefix caching for hybrid attention / recurrent-state models.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    simulate = commands.add_parser(
+        "simulate",
+        help="run the reference engine over a workload under each caching policy",
+        description=(
+            "Run a reference continuous-batching engine (chunked prefill, preemption, decode)\n"
+            "with a tiny hybrid KDA + attention model over a named workload, once per caching\n"
+            "policy, and compare hits, recomputed prefill tokens, prefill time and time to\n"
+            "first token side by side, checking that caching changed no output."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    simulate.add_argument(
+        "--workload",
+        nargs="+",
+        metavar=("NAME", "FILE"),
+        default=["growing-prefix"],
+        help=(
+            "growing-prefix (default), shared-prompts, agentic, or 'trace FILE' (JSONL, one "
+            'request per line: {"id", "arrival_s", "prompt": [ids] | "prompt_len" with an '
+            'optional "prefix_of": id, "output_len"}, optional "round")'
+        ),
+    )
+    simulate.add_argument(
+        "--preset",
+        choices=("default", "seed"),
+        default="default",
+        help="workload size: default (about a minute on 2 CPU cores) or seed (full size)",
+    )
+    simulate.add_argument(
+        "--policies",
+        type=_parse_policies,
+        default=["none", "block", "fine"],
+        metavar="LIST",
+        help="comma-separated caching policies among none,block,fine (default: all three; "
+        "none is always run, as the reference)",
+    )
+    simulate.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model runs (default cpu; cuda uses the KDA shape of Kimi-K3 per GPU)",
+    )
+    simulate.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="KDA kernel backend: auto (the fastest available: flashkda-op, flashkda, fla, "
+        "then torch), torch (reference, CPU or GPU), fla (fla-core Triton, GPU), flashkda "
+        "(flash_kda package, SM90+), flashkda-op (vLLM's FlashKDA op; library path in "
+        "$PREFIXCACHE_FLASHKDA_LIB)",
+    )
+    simulate.add_argument(
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="write every figure (per policy and per round) to FILE as JSON",
+    )
+    simulate.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE",
+        help="write a PNG: per round, recomputed prefill tokens and TTFT p50 of each policy",
+    )
+    return parser
+
+
+def _workload_arguments(values: list[str]) -> tuple[str, str | None]:
+    name = values[0]
+    if name not in WORKLOADS:
+        raise SystemExit(
+            f"prefixcache simulate: error: unknown workload {name!r}; choose one of "
+            f"{', '.join(WORKLOADS)}"
+        )
+    if name == "trace":
+        if len(values) != 2:
+            raise SystemExit("prefixcache simulate: error: --workload trace needs a FILE")
+        return name, values[1]
+    if len(values) != 1:
+        raise SystemExit(
+            f"prefixcache simulate: error: --workload {name} takes no FILE (only trace does)"
+        )
+    return name, None
+
+
+def _progress_factory() -> Callable[[str, int], Callable[[Any], None]]:
+    from tqdm import tqdm
+
+    bars: list[Any] = []
+
+    def factory(policy: str, total: int) -> Callable[[Any], None]:
+        for bar in bars:
+            bar.close()
+        bar = tqdm(total=total, desc=f"{policy:>5}", unit="req", file=sys.stderr, leave=True)
+        bars.append(bar)
+
+        def done(_: Any) -> None:
+            bar.update(1)
+            if bar.n >= total:
+                bar.close()
+
+        return done
+
+    return factory
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "  ".join([first, *rest])
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def render_report(document: dict[str, Any]) -> str:
+    """The per-round and summary tables of a ``--json`` document, as text."""
+    policies: dict[str, Any] = document["policies"]
+    names = list(policies)
+    lines: list[str] = []
+    rounds = sorted({r["round"] for p in policies.values() for r in p["rounds"]})
+    if 1 < len(rounds) <= 64:
+        by_round = {name: {r["round"]: r for r in policies[name]["rounds"]} for name in names}
+        headers = ["round"]
+        for name in names:
+            headers += [f"{name} computed", f"{name} TTFT ms"]
+        rows = []
+        for number in rounds:
+            row = [str(number)]
+            for name in names:
+                entry = by_round[name].get(number)
+                row += (
+                    [f"{entry['computed_prefill_tokens']:,}", f"{entry['ttft_p50_ms']:.1f}"]
+                    if entry
+                    else ["-", "-"]
+                )
+            rows.append(row)
+        lines += ["Per round: prefill tokens computed and TTFT p50", _table(headers, rows), ""]
+    reference = policies.get("none", {}).get("computed_prefill_tokens", 0)
+    rows = []
+    for name in names:
+        p = policies[name]
+        saved = (
+            f"{100.0 * (1 - p['computed_prefill_tokens'] / reference):.1f}%" if reference else "-"
+        )
+        rows.append(
+            [
+                name,
+                f"U={p['unit']}",
+                str(p["requests"]),
+                f"{p['prompt_tokens']:,}",
+                f"{p['hit_tokens']:,}",
+                f"{p['computed_prefill_tokens']:,}",
+                saved,
+                f"{p['prefill_seconds']:.2f}",
+                f"{p['ttft_p50_ms']:.1f}",
+                str(p["preemptions"]),
+                "yes" if p["outputs_match_no_cache"] else "NO",
+            ]
+        )
+    headers = [
+        "policy",
+        "unit",
+        "requests",
+        "prompt tokens",
+        "hit tokens",
+        "computed prefill",
+        "saved",
+        "prefill s",
+        "TTFT p50 ms",
+        "preempted",
+        "outputs = none",
+    ]
+    lines += ["Summary", _table(headers, rows)]
+    if "block" in policies and "fine" in policies and len(rounds) > 1:
+        later = [r for r in rounds if r > 1]
+
+        def total(name: str, key: str) -> float:
+            return float(sum(r[key] for r in policies[name]["rounds"] if r["round"] > 1))
+
+        block, fine = (
+            total("block", "computed_prefill_tokens"),
+            total("fine", "computed_prefill_tokens"),
+        )
+        if block:
+            lines.append(
+                f"fine vs block over rounds {later[0]}-{later[-1]}: {int(fine):,} vs "
+                f"{int(block):,} prefill tokens computed ({100.0 * (fine / block - 1):+.1f}%); "
+                f"prefill time {total('fine', 'prefill_seconds'):.2f} s vs "
+                f"{total('block', 'prefill_seconds'):.2f} s"
+            )
+    for name in names:
+        if not policies[name]["outputs_match_no_cache"]:
+            lines.append(f"MISMATCH {name}: {policies[name]['outputs_match_detail']}")
+    return "\n".join(lines)
+
+
+def _plot(document: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (tokens_axis, ttft_axis) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for name, policy in document["policies"].items():
+        rounds = [r["round"] for r in policy["rounds"]]
+        tokens_axis.plot(
+            rounds, [r["computed_prefill_tokens"] for r in policy["rounds"]], marker="o",
+            label=name,
+        )  # fmt: skip
+        ttft_axis.plot(rounds, [r["ttft_p50_ms"] for r in policy["rounds"]], marker="o", label=name)
+    tokens_axis.set_ylabel("prefill tokens computed")
+    tokens_axis.set_title(
+        f"{document['workload']} ({document['preset']}), {document['device']}, "
+        f"backend {document['backend']}"
+    )
+    ttft_axis.set_ylabel("TTFT p50 (ms)")
+    ttft_axis.set_xlabel("round")
+    for axis in (tokens_axis, ttft_axis):
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .engine import build_model, simulate
+    from .kernels import KernelError
+    from .workloads import TraceError, workload_preset
+
+    import torch
+
+    name, trace_path = _workload_arguments(args.workload)
+    if args.device == "cpu":
+        # The tiny model's tensors are far too small to gain from intra-op threads, and on a
+        # busy machine OpenMP's spinning threads slow every op down by an order of magnitude.
+        torch.set_num_threads(1)
+    try:
+        model = build_model(args.device, args.backend)
+        workload = workload_preset(
+            name, args.preset, trace_path=trace_path, vocab_size=model.config.vocab_size
+        )
+    except (KernelError, TraceError, OSError, RuntimeError, ValueError) as error:
+        print(f"prefixcache simulate: error: {error}", file=sys.stderr)
+        return 2
+    backend = model.backend
+    geometry = workload.geometry.aligned(backend.checkpoint_alignment)
+    config = model.config
+    print(
+        f"prefixcache simulate: {name} ({args.preset} preset, {workload.spec.num_requests} "
+        f"requests) on {args.device}, KDA backend {backend.name} (alignment "
+        f"{backend.checkpoint_alignment}, checkpoints per step "
+        f"{backend.max_checkpoints_per_step or 'unbounded'})"
+    )
+    print(
+        f"model: {config.num_kda_layers} KDA + {config.num_attention_layers} attention layers, "
+        f"width {config.hidden_size}, KDA {config.kda_heads}x{config.kda_head_dim}, vocabulary "
+        f"{config.vocab_size}, {str(model.dtype).removeprefix('torch.')}, random weights"
+    )
+    adjusted = geometry != workload.geometry
+    print(
+        f"geometry: attention block B={geometry.block_size}, fine unit U={geometry.unit}, "
+        f"chunk budget {geometry.token_budget} tokens, up to {geometry.max_running} running"
+        + (" (raised to the backend's alignment)" if adjusted else "")
+    )
+    started = time.perf_counter()
+    report = simulate(
+        workload,
+        args.policies,
+        model,
+        device_name=args.device,
+        backend_name=args.backend,
+        progress=_progress_factory(),
+    )
+    document = report.to_json()
+    document["seconds"] = time.perf_counter() - started
+    print()
+    print(render_report(document))
+    print(f"\n{document['seconds']:.1f} s in total")
+    if args.json is not None:
+        args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        _plot(document, args.plot)
+        print(f"wrote {args.plot}")
+    mismatched = [n for n, p in document["policies"].items() if not p["outputs_match_no_cache"]]
+    return 1 if mismatched else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``prefixcache`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "simulate":
+        return _simulate(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2

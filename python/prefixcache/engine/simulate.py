@@ -1,0 +1,219 @@
+"""Side-by-side runs of caching policies over one workload: what ``prefixcache simulate`` does.
+
+:func:`build_model` picks the device, dtype, kernel backend and model size;
+:func:`engine_config_for` sizes the pools for a workload preset; :func:`simulate` runs the
+``none`` policy (the reference) and every other requested policy on fresh caches over the same
+workload, checks each policy's outputs against the reference, and returns a
+:class:`SimulationReport` whose :meth:`SimulationReport.to_json` is the ``--json`` document.
+
+Output check tolerance: float32 (the CPU default), every generated id equal and final logits
+within 1e-4 relative. bf16 (the GPU kernels): final logits within 3e-2 relative, and ids equal
+until the first position where the reference's top two logits are closer than that tolerance
+(a bf16 near-tie may legitimately flip there; the sequences are not compared beyond it). bf16
+keeps 8 significant bits (unit roundoff 2^-8 = 3.9e-3); a policy that resumes from a checkpoint
+splits the prefill at other positions, so activations are rounded at different points, a few
+roundoffs per layer across 4 layers and the final projection.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..kernels import KDALayerParams, get_backend
+from ..models import HybridModel, ModelConfig
+from ..workloads import Geometry, PresetWorkload
+from .engine import Engine, EngineConfig
+from .policy import POLICY_NAMES, Policy
+from .results import RequestResult, RunResult, outputs_match
+
+__all__ = [
+    "FLOAT32_RTOL",
+    "LOW_PRECISION_RTOL",
+    "SimulationReport",
+    "build_model",
+    "engine_config_for",
+    "simulate",
+]
+
+FLOAT32_RTOL = 1e-4
+CPU_CHUNK_SIZE = 32  # the torch backend's fastest chunk for the tiny model on a CPU
+LOW_PRECISION_RTOL = 3e-2
+
+
+def build_model(
+    device: str = "cpu",
+    backend: str = "auto",
+    *,
+    config: ModelConfig | None = None,
+    backend_options: dict[str, Any] | None = None,
+) -> HybridModel:
+    """The reference model on ``device`` with the kernel backend ``backend``.
+
+    Default model size: :meth:`ModelConfig.tiny` on the CPU, :meth:`ModelConfig.kimi_k3_per_gpu`
+    on CUDA. dtype: float32 on the CPU and with the torch backend, bf16 with the GPU kernels.
+    On the CPU ``"auto"`` is the torch backend (the others need CUDA), in chunks of 32 tokens.
+    ``backend_options`` go to the backend's constructor (e.g. ``checkpoint_alignment`` of the
+    torch backend). Raises ``BackendUnavailableError`` when the backend cannot run here.
+    """
+    torch_device = torch.device(device)
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+    if config is None:
+        config = ModelConfig.tiny() if torch_device.type == "cpu" else ModelConfig.kimi_k3_per_gpu()
+    options = dict(backend_options or {})
+    if backend == "auto" and torch_device.type == "cpu":
+        backend = "torch"  # every other backend needs CUDA tensors
+    if backend == "torch":
+        options.setdefault("chunk_size", CPU_CHUNK_SIZE if torch_device.type == "cpu" else 64)
+    if backend == "auto":
+        probe = KDALayerParams.random(
+            config.kda_heads, config.kda_head_dim, gate=config.kda_gate, device=torch_device
+        )
+        kernel_backend = get_backend("auto", params=probe, dtype=torch.bfloat16, **options)
+    else:
+        kernel_backend = get_backend(backend, **options)
+    return HybridModel(config, kernel_backend, device=torch_device)
+
+
+def engine_config_for(
+    workload: PresetWorkload, geometry: Geometry, *, check: bool = False
+) -> EngineConfig:
+    """Pools large enough that the preset evicts (almost) nothing it could reuse.
+
+    Attention blocks: the workload's reusable tokens, plus two blocks per request (a partial
+    last block and a copy-on-write destination) and two per running sequence. State slots: four
+    per running sequence (two running buffers and the manager's default reserve of two), three
+    checkpoints per request (tail, junction, decode tail) and one per reusable block (``block``
+    keeps one every B tokens).
+    """
+    spec = workload.spec
+    cached_blocks = math.ceil(spec.cache_tokens() / geometry.block_size)
+    requests = spec.num_requests
+    running = geometry.max_running
+    return EngineConfig(
+        token_budget=geometry.token_budget,
+        max_running=running,
+        paged_blocks=1 + cached_blocks + 2 * requests + 2 * running,
+        state_blocks=1 + 4 * running + 3 * requests + cached_blocks,
+        check=check,
+    )
+
+
+@dataclass
+class SimulationReport:
+    """Runs of several policies over one workload, checked against the ``none`` run."""
+
+    workload: str
+    preset: str
+    device: str
+    backend: str
+    geometry: Geometry
+    model: ModelConfig
+    dtype: str
+    rtol: float
+    runs: dict[str, RunResult] = field(default_factory=dict)
+    policies: dict[str, Policy] = field(default_factory=dict)
+    matches: dict[str, tuple[bool, str]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` document (the issue's shape; extra keys are additions)."""
+        policies: dict[str, Any] = {}
+        for name, run in self.runs.items():
+            policy = self.policies[name]
+            match, detail = self.matches[name]
+            policies[name] = {
+                "requests": len(run.requests),
+                "prompt_tokens": run.prompt_tokens,
+                "hit_tokens": run.hit_tokens,
+                "computed_prefill_tokens": run.computed_prefill_tokens,
+                "prefill_seconds": run.prefill_seconds,
+                "ttft_p50_ms": run.ttft_p50_ms,
+                "outputs_match_no_cache": match,
+                "rounds": [summary.to_json() for summary in run.rounds()],
+                "outputs_match_detail": detail,
+                "kda_prefill_seconds": run.kda_prefill_seconds,
+                "unit": policy.unit,
+                "block_size": policy.block_size,
+                "retention": policy.describe(),
+                "steps": run.steps,
+                "aborted_steps": run.aborted_steps,
+                "preemptions": run.preemptions,
+                "seconds": run.seconds,
+                "manager_stats": run.manager_stats,
+            }
+        return {
+            "workload": self.workload,
+            "preset": self.preset,
+            "device": self.device,
+            "backend": self.backend,
+            "policies": policies,
+            "geometry": {
+                "block_size": self.geometry.block_size,
+                "fine_unit": self.geometry.unit,
+                "token_budget": self.geometry.token_budget,
+                "max_running": self.geometry.max_running,
+            },
+            "model": {
+                "layers": list(self.model.layers),
+                "hidden_size": self.model.hidden_size,
+                "kda_heads": self.model.kda_heads,
+                "kda_head_dim": self.model.kda_head_dim,
+                "vocab_size": self.model.vocab_size,
+                "dtype": self.dtype,
+            },
+            "outputs_rtol": self.rtol,
+        }
+
+
+ProgressFactory = Callable[[str, int], Callable[[RequestResult], None]]
+
+
+def simulate(
+    workload: PresetWorkload,
+    policies: Sequence[str],
+    model: HybridModel,
+    *,
+    device_name: str = "cpu",
+    backend_name: str = "auto",
+    engine_config: EngineConfig | None = None,
+    progress: ProgressFactory | None = None,
+) -> SimulationReport:
+    """Run ``none`` (always, first: it is the reference) and the other ``policies``.
+
+    The geometry is the preset's, with U raised to the backend's checkpoint alignment when
+    needed (:meth:`Geometry.aligned`). ``progress(policy, num_requests)`` returns a callback
+    called for every finished request.
+    """
+    unknown = [name for name in policies if name not in POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose among {', '.join(POLICY_NAMES)}")
+    names = ["none", *[name for name in POLICY_NAMES if name in policies and name != "none"]]
+    geometry = workload.geometry.aligned(model.backend.checkpoint_alignment)
+    config = engine_config or engine_config_for(workload, geometry)
+    rtol = FLOAT32_RTOL if model.dtype in (torch.float32, torch.float64) else LOW_PRECISION_RTOL
+    report = SimulationReport(
+        workload=workload.name,
+        preset=workload.preset,
+        device=device_name,
+        backend=model.backend.name if backend_name == "auto" else backend_name,
+        geometry=geometry,
+        model=model.config,
+        dtype=str(model.dtype).removeprefix("torch."),
+        rtol=rtol,
+    )
+    for name in names:
+        policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
+        engine = Engine(model, policy, config)
+        callback = None if progress is None else progress(name, workload.spec.num_requests)
+        run = engine.run(workload.build(model.config.vocab_size), on_finished=callback)
+        report.runs[name] = run
+        report.policies[name] = policy
+        report.matches[name] = outputs_match(
+            run, report.runs["none"], rtol, tie_aware=rtol > FLOAT32_RTOL
+        )
+    return report

@@ -1,0 +1,238 @@
+"""The layers of the reference hybrid model: KDA, grouped-query attention, SwiGLU, RMS norm.
+
+Each layer is a frozen dataclass of weights plus a ``forward`` that works on a packed batch
+(``[T, hidden]``, several sequences back to back) and on the caches of the step:
+
+- :class:`KDALayer` follows Kimi-Linear's KDA block: fused ``q|k|v`` projection, low-rank gate
+  and output-gate projections, a beta projection, the kernel layer's short conv + recurrence
+  (:func:`prefixcache.kernels.run_prefill`, reading and writing a :class:`StateCache`), a gated
+  per-head RMS norm and the output projection.
+- :class:`AttentionLayer` is causal grouped-query attention without positional encoding (Kimi
+  Linear's full-attention layers are NoPE as well); it writes this step's keys and values into a
+  :class:`PagedKVCache` at the plan's ``slot_mapping`` and reads each sequence's context through
+  its block table.
+
+Weights are random (seeded): the layers exist to exercise the caches exactly as a trained model
+would, not to produce meaningful text. No autograd: callers run under ``torch.inference_mode``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..kernels import (
+    KDABackend,
+    KDALayerParams,
+    PagedKVCache,
+    StateCache,
+    StatePlan,
+    paged_attention,
+    run_prefill,
+)
+from .config import ModelConfig
+from .timing import KernelTimer
+
+__all__ = ["MLP", "AttentionLayer", "KDALayer", "rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last axis, computed in float32 or better."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(compute)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(compute)).to(x.dtype)
+
+
+def _linear_weight(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """A ``[out, in]`` weight with entries ``N(0, 1/in)`` (unit-variance outputs)."""
+    return torch.randn(out_features, in_features, generator=generator) / math.sqrt(in_features)
+
+
+@dataclass(frozen=True)
+class MLP:
+    """SwiGLU feed-forward block: ``down(silu(gate(x)) * up(x))``."""
+
+    gate_up: torch.Tensor  # [2F, d]
+    down: torch.Tensor  # [d, F]
+
+    @classmethod
+    def random(cls, config: ModelConfig, generator: torch.Generator, depth_scale: float) -> MLP:
+        """Seeded weights; ``depth_scale`` shrinks the output projection (residual growth)."""
+        hidden, inner = config.hidden_size, config.mlp_hidden_size
+        return cls(
+            gate_up=_linear_weight(2 * inner, hidden, generator),
+            down=_linear_weight(hidden, inner, generator) * depth_scale,
+        )
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> MLP:
+        """The same weights on ``device`` in ``dtype``."""
+        return MLP(self.gate_up.to(device, dtype), self.down.to(device, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, d] -> [T, d]``."""
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+@dataclass(frozen=True)
+class KDALayer:
+    """One Kimi Delta Attention layer (weights); its recurrent state lives in a StateCache."""
+
+    qkv: torch.Tensor  # [2HK + HV, d]
+    gate_down: torch.Tensor  # [K, d]   low-rank gate input projection (f_a)
+    gate_up: torch.Tensor  # [HK, K]   (f_b)
+    beta: torch.Tensor  # [H, d]
+    out_gate_down: torch.Tensor  # [V, d]   low-rank output gate (g_a)
+    out_gate_up: torch.Tensor  # [HV, V]  (g_b)
+    out_norm: torch.Tensor  # [V]
+    out: torch.Tensor  # [d, HV]
+    params: KDALayerParams
+    rms_eps: float
+
+    @classmethod
+    def random(
+        cls, config: ModelConfig, generator: torch.Generator, depth_scale: float
+    ) -> KDALayer:
+        """Seeded weights in the ranges of trained Kimi layers (kernel parameters included)."""
+        d, heads, dim = config.hidden_size, config.kda_heads, config.kda_head_dim
+        params = KDALayerParams.random(
+            heads,
+            dim,
+            gate=config.kda_gate,
+            conv_width=config.conv_width,
+            generator=generator,
+        )
+        return cls(
+            qkv=_linear_weight(3 * heads * dim, d, generator),
+            gate_down=_linear_weight(dim, d, generator),
+            gate_up=_linear_weight(heads * dim, dim, generator),
+            beta=_linear_weight(heads, d, generator),
+            out_gate_down=_linear_weight(dim, d, generator),
+            out_gate_up=_linear_weight(heads * dim, dim, generator),
+            out_norm=torch.ones(dim),
+            out=_linear_weight(d, heads * dim, generator) * depth_scale,
+            params=params,
+            rms_eps=config.rms_eps,
+        )
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> KDALayer:
+        """Projections on ``device`` in ``dtype``; kernel parameters keep their dtypes.
+
+        The conv weight follows ``dtype`` (the kernels read it in float32 or better).
+        """
+        params = KDALayerParams(
+            A_log=self.params.A_log.to(device),
+            dt_bias=self.params.dt_bias.to(device),
+            conv_weight=self.params.conv_weight.to(device, dtype),
+            lower_bound=self.params.lower_bound,
+            conv_activation=self.params.conv_activation,
+        )
+        return KDALayer(
+            qkv=self.qkv.to(device, dtype),
+            gate_down=self.gate_down.to(device, dtype),
+            gate_up=self.gate_up.to(device, dtype),
+            beta=self.beta.to(device, dtype),
+            out_gate_down=self.out_gate_down.to(device, dtype),
+            out_gate_up=self.out_gate_up.to(device, dtype),
+            out_norm=self.out_norm.to(device, dtype),
+            out=self.out.to(device, dtype),
+            params=params,
+            rms_eps=self.rms_eps,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        backend: KDABackend,
+        cache: StateCache,
+        plan: StatePlan,
+        timer: KernelTimer | None = None,
+    ) -> torch.Tensor:
+        """``[T, d] -> [T, d]`` for a packed batch whose state slots ``plan`` names.
+
+        ``plan`` was validated by ``backend.check_plan``; the kernel reads each row's initial
+        state, writes every planned checkpoint and each row's running state, nothing else.
+        ``timer`` accumulates the time spent in the kernel layer (conv + recurrence).
+        """
+        tokens = x.shape[0]
+        heads, dim = self.params.num_heads, self.params.head_dim_k
+        x_qkv = F.linear(x, self.qkv)
+        gate = F.linear(F.linear(x, self.gate_down), self.gate_up).view(tokens, heads, dim)
+        beta = F.linear(x, self.beta)
+        if timer is None:
+            o = run_prefill(backend, x_qkv, gate, beta, self.params, cache, plan)
+        else:
+            with timer.measure():
+                o = run_prefill(backend, x_qkv, gate, beta, self.params, cache, plan)
+        out_gate = F.linear(F.linear(x, self.out_gate_down), self.out_gate_up)
+        o = rms_norm(o, self.out_norm, self.rms_eps) * torch.sigmoid(
+            out_gate.view(tokens, heads, dim)
+        )
+        return F.linear(o.reshape(tokens, heads * dim), self.out)
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """Causal grouped-query attention over a paged KV cache, no positional encoding."""
+
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, d]
+    out: torch.Tensor  # [d, Hq D]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def random(
+        cls, config: ModelConfig, generator: torch.Generator, depth_scale: float
+    ) -> AttentionLayer:
+        """Seeded weights."""
+        d = config.hidden_size
+        heads, kv_heads = config.attention_heads, config.attention_kv_heads
+        dim = config.attention_head_dim
+        return cls(
+            qkv=_linear_weight((heads + 2 * kv_heads) * dim, d, generator),
+            out=_linear_weight(d, heads * dim, generator) * depth_scale,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=dim,
+        )
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> AttentionLayer:
+        """The same weights on ``device`` in ``dtype``."""
+        return AttentionLayer(
+            qkv=self.qkv.to(device, dtype),
+            out=self.out.to(device, dtype),
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: PagedKVCache,
+        slot_mapping: torch.Tensor,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+        query_start_loc: np.ndarray,
+    ) -> torch.Tensor:
+        """``[T, d] -> [T, d]``: writes this step's K/V at ``slot_mapping``, then attends.
+
+        ``block_tables`` ``[R, C]`` lists each row's blocks (its whole context, this step's
+        tokens included); ``seq_lens`` ``[R]`` is each row's context length after the step.
+        """
+        tokens = x.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = torch.split(
+            F.linear(x, self.qkv), [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
+        )
+        cache.write(slot_mapping, k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim))
+        o = paged_attention(
+            q.reshape(tokens, heads, dim), cache, block_tables, seq_lens, query_start_loc
+        )
+        return F.linear(o.reshape(tokens, heads * dim), self.out)
