@@ -311,11 +311,11 @@ def _plot(document: dict[str, Any], path: Path) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    import torch
+
     from .engine import build_model, simulate
     from .kernels import KernelError
     from .workloads import TraceError, workload_preset
-
-    import torch
 
     name, trace_path = _workload_arguments(args.workload)
     if args.device == "cpu":
