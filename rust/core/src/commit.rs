@@ -107,6 +107,9 @@ impl CacheManager {
                         self.pools[pool].decref(src, LruEnd::MostRecent);
                     }
                     if let GroupRuntime::SlidingWindow { window, .. } = self.groups[g] {
+                        // The plan reported the releases up to here; an aborted plan's
+                        // are reported again by the next one.
+                        paged.window_reported = paged.window_start;
                         release_window(&mut self.pools[pool], paged, end, window, block_size);
                     }
                 }

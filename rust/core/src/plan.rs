@@ -297,14 +297,6 @@ impl CacheManager {
                 }
             }
         }
-        for &slot in &slots {
-            let seq = self.seq_mut(slot);
-            for group in &mut seq.groups {
-                if let SeqGroup::Paged(p) = group {
-                    p.window_reported = p.window_start;
-                }
-            }
-        }
         self.stats.copies += (plan.copies.len() / 4) as u64;
         self.in_flight = Some(InFlight { step_id, slots });
         Ok(plan)

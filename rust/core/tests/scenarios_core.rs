@@ -352,6 +352,20 @@ fn a_sliding_window_releases_blocks_that_left_it_while_the_sequence_runs() {
 }
 
 #[test]
+fn window_releases_reported_by_an_aborted_plan_are_reported_again() {
+    let mut h = Harness::new(sliding_window(B, 32, U, 16));
+    h.prefill(1, &tokens(1, 80));
+    h.append(1, &[7]);
+    h.schedule(1, 1);
+    let aborted = h.plan();
+    assert_eq!(triples(&aborted.paged[0].replaced).len(), 3);
+    h.abort(&aborted);
+    // The engine drops an aborted plan's table updates: the next plan must repeat them.
+    let (_, plan) = h.step(1, 1);
+    assert_eq!(triples(&plan.paged[0].replaced), vec![(0, 0, 0), (0, 1, 0), (0, 2, 0)]);
+}
+
+#[test]
 fn a_window_hit_needs_only_the_blocks_inside_the_window() {
     let mut h = Harness::new(sliding_window(B, 32, U, 6)); // five usable blocks
     let p = tokens(1, 80);
