@@ -8,9 +8,9 @@ and the same kernel backend; they differ only in the hash unit U and the checkpo
   exists; by the hit rule (a state group resumes only at a published checkpoint or at 0) every
   hit is 0 and every prompt is computed in full. Attention blocks are still published, but they
   can never be used without a state to resume from. The engine asserts that no hit happens.
-- ``block``: block-aligned caching, what engines do today: U = B, checkpoints only on block
-  boundaries (tail, every B tokens, junction, decode tail, all floored to B). A resend of an
-  N-token prompt resumes at ``((N-1) // B) * B``.
+- ``block``: block-aligned caching, what engines do today: U = B, so every checkpoint (tail,
+  junction, decode tail) and every hit sits on a block boundary. A resend of an N-token prompt
+  resumes at ``((N-1) // B) * B``.
 - ``fine``: U < B with tail, junction and decode-tail checkpoints: a resend resumes at
   ``((N-1) // U) * U``; attention blocks are reused up to the last full block and the partial
   one is copied on write.
@@ -57,7 +57,7 @@ class Policy:
         if name == "none":
             return cls("none", block_size, block_size, False, None, False, False)
         if name == "block":
-            return cls("block", block_size, block_size, True, block_size, True, True)
+            return cls("block", block_size, block_size, True, None, True, True)
         if name == "fine":
             return cls("fine", block_size, fine_unit, True, None, True, True)
         raise ValueError(f"unknown policy {name!r}; choose among {', '.join(POLICY_NAMES)}")

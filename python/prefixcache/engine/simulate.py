@@ -88,8 +88,7 @@ def engine_config_for(
     Attention blocks: the workload's reusable tokens, plus two blocks per request (a partial
     last block and a copy-on-write destination) and two per running sequence. State slots: four
     per running sequence (two running buffers and the manager's default reserve of two), three
-    checkpoints per request (tail, junction, decode tail) and one per reusable block (``block``
-    keeps one every B tokens).
+    checkpoints per request (tail, junction, decode tail), and one per reusable block as slack.
     """
     spec = workload.spec
     cached_blocks = math.ceil(spec.cache_tokens() / geometry.block_size)

@@ -1,0 +1,325 @@
+"""The reference engine: caching never changes an output, and hits are what the rules promise.
+
+Every run here uses the real cache manager, the tiny model and the torch kernel backend on the
+CPU, with ``check=True`` (the engine's block tables are compared with the manager's after every
+commit and the manager's invariants are checked). Outputs of ``block`` and ``fine`` are compared
+with a no-cache run: generated ids equal, final logits within 1e-4 relative (float32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("prefixcache._core")
+
+from prefixcache.engine import (
+    FLOAT32_RTOL,
+    Engine,
+    EngineConfig,
+    ForwardFn,
+    Policy,
+    PoolTooSmallError,
+    RequestResult,
+    RunResult,
+    build_model,
+    engine_config_for,
+    outputs_match,
+    relative_difference,
+)
+from prefixcache.models import HybridModel, ModelCaches, StepInputs
+from prefixcache.workloads import (
+    AgenticSpec,
+    Geometry,
+    GrowingPrefixSpec,
+    PresetWorkload,
+    Request,
+    TraceSpec,
+    WorkloadSpec,
+)
+
+GROWING = GrowingPrefixSpec(streams=3, first_prompt=150, growth=70, rounds=4, output_len=4)
+AGENTIC = AgenticSpec(conversations=2, turns=3, first_prompt=100, user_turn=20, output_len=10)
+GEOMETRY = Geometry(block_size=32, unit=8, token_budget=96, max_running=3)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridModel:
+    return build_model("cpu", "torch")
+
+
+def run(
+    model: HybridModel,
+    spec: WorkloadSpec,
+    policy: str,
+    *,
+    geometry: Geometry = GEOMETRY,
+    config: EngineConfig | None = None,
+    forward: ForwardFn | None = None,
+) -> RunResult:
+    workload = PresetWorkload("test", "test", spec, geometry)
+    config = config or engine_config_for(workload, geometry, check=True)
+    engine = Engine(
+        model,
+        Policy.named(policy, block_size=geometry.block_size, fine_unit=geometry.unit),
+        config,
+        forward=forward,
+    )
+    return engine.run(workload.build(model.config.vocab_size))
+
+
+@pytest.fixture(scope="module")
+def reference(model: HybridModel) -> dict[str, RunResult]:
+    """No-cache runs with pools that evict nothing."""
+    return {"growing": run(model, GROWING, "none"), "agentic": run(model, AGENTIC, "none")}
+
+
+def assert_matches(run_result: RunResult, reference_result: RunResult) -> None:
+    ok, detail = outputs_match(run_result, reference_result, FLOAT32_RTOL)
+    assert ok, detail
+
+
+@pytest.mark.parametrize("workload", ["growing", "agentic"])
+@pytest.mark.parametrize("policy", ["block", "fine"])
+def test_every_policy_reproduces_the_no_cache_outputs(
+    model: HybridModel, reference: dict[str, RunResult], workload: str, policy: str
+) -> None:
+    spec = GROWING if workload == "growing" else AGENTIC
+    result = run(model, spec, policy)
+    assert len(result.requests) == spec.num_requests
+    assert result.hit_tokens > 0
+    assert_matches(result, reference[workload])
+    assert reference[workload].hit_tokens == 0
+    assert reference[workload].computed_prefill_tokens == reference[workload].prompt_tokens
+
+
+def test_fine_resumes_agentic_turns_from_the_decode_tail(model: HybridModel) -> None:
+    # Turn t+1 = turn t's prompt + its 10 outputs + 20 new tokens. The model processed the
+    # prompt and 9 outputs; the decode-tail checkpoint sits on the last unit boundary of those.
+    result = run(model, AGENTIC, "fine")
+    unit = GEOMETRY.unit
+    for request in result.requests.values():
+        if request.round == 1:
+            continue
+        previous = result.requests[request.request_id - 1]
+        processed = previous.prompt_len + AGENTIC.output_len - 1
+        assert request.hit_tokens == processed // unit * unit
+
+
+@pytest.mark.parametrize(
+    ("alignment", "block_size", "unit"), [(1, 32, 8), (16, 64, 16), (64, 128, 64)]
+)
+def test_growing_prefix_hits_follow_the_formulas(
+    alignment: int, block_size: int, unit: int
+) -> None:
+    model = build_model("cpu", "torch", backend_options={"checkpoint_alignment": alignment})
+    assert model.backend.checkpoint_alignment == alignment
+    spec = GrowingPrefixSpec(streams=2, first_prompt=300, growth=90, rounds=4, output_len=3)
+    geometry = Geometry(block_size=block_size, unit=unit, token_budget=256, max_running=2)
+    for policy, step in (("fine", unit), ("block", block_size)):
+        result = run(model, spec, policy, geometry=geometry)
+        assert result.preemptions == 0
+        assert result.manager_stats["evictions"] == 0
+        for request in result.requests.values():
+            if request.round == 1:
+                assert request.hit_tokens == 0
+                continue
+            previous = spec.prompt_len(request.round - 1)
+            expected = (previous - 1) // step * step
+            assert request.hit_tokens == expected, (policy, request.request_id)
+            assert request.computed_prefill_tokens == request.prompt_len - expected
+
+
+@pytest.mark.parametrize("policy", ["none", "block", "fine"])
+def test_small_pools_preempt_and_evict_without_changing_outputs(
+    model: HybridModel, reference: dict[str, RunResult], policy: str
+) -> None:
+    config = EngineConfig(
+        token_budget=GEOMETRY.token_budget,
+        max_running=3,
+        paged_blocks=20,
+        state_blocks=10,
+        check=True,
+    )
+    result = run(model, GROWING, policy, config=config)
+    assert result.preemptions > 0
+    assert result.manager_stats["evictions"] > 0
+    assert any(r.preemptions for r in result.requests.values())
+    assert_matches(result, reference["growing"])
+    assert (result.hit_tokens > 0) == (policy != "none")
+
+
+def poisoning_forward(model: HybridModel, fail_every: int) -> tuple[ForwardFn, list[int]]:
+    """A forward that, on every ``fail_every``-th call, runs the real forward (writing the
+    caches), overwrites everything it wrote with NaN, then raises."""
+    failures: list[int] = []
+    calls = 0
+
+    def forward(inputs: StepInputs, caches: ModelCaches) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        logits = model.forward(inputs, caches)
+        if calls % fail_every:
+            return logits
+        written = [int(s) for s in (*inputs.running_slot, *inputs.checkpoint_slots.reshape(-1))]
+        for cache in caches.states:
+            for slot in written:
+                if slot >= 0:
+                    cache.recurrent[slot] = float("nan")
+                    cache.conv[slot] = float("nan")
+        slots = torch.from_numpy(inputs.slot_mapping)
+        for kv in caches.kv:
+            kv.key.view(-1, kv.num_kv_heads, kv.head_dim)[slots] = float("nan")
+            kv.value.view(-1, kv.num_kv_heads, kv.head_dim)[slots] = float("nan")
+        failures.append(calls)
+        raise RuntimeError(f"injected failure at forward call {calls}")
+
+    return forward, failures
+
+
+@pytest.mark.parametrize("workload", ["growing", "agentic"])
+@pytest.mark.parametrize("policy", ["none", "block", "fine"])
+def test_a_failed_forward_is_aborted_and_nothing_it_wrote_is_ever_hit(
+    model: HybridModel, reference: dict[str, RunResult], workload: str, policy: str
+) -> None:
+    forward, failures = poisoning_forward(model, fail_every=3)
+    spec = GROWING if workload == "growing" else AGENTIC
+    result = run(model, spec, policy, forward=forward)
+    assert len(failures) > 3
+    assert result.aborted_steps == len(failures)
+    assert result.manager_stats["aborts"] == len(failures)
+    assert_matches(result, reference[workload])
+    for request in result.requests.values():
+        assert np.isfinite(request.final_logits).all()
+
+
+def test_a_forward_that_keeps_failing_propagates_after_the_retries(model: HybridModel) -> None:
+    calls = 0
+
+    def forward(inputs: StepInputs, caches: ModelCaches) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("device lost")
+
+    workload = PresetWorkload("test", "test", GROWING, GEOMETRY)
+    config = engine_config_for(workload, GEOMETRY)
+    engine = Engine(
+        model, Policy.named("fine", block_size=32, fine_unit=8), config, forward=forward
+    )
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.run(workload.build(1000))
+    assert calls == config.max_step_retries + 1
+
+
+def test_a_pool_too_small_for_one_sequence_is_reported(model: HybridModel) -> None:
+    config = EngineConfig(token_budget=96, max_running=3, paged_blocks=4, state_blocks=16)
+    with pytest.raises(PoolTooSmallError, match="too small"):
+        run(model, GROWING, "fine", config=config)
+
+
+def test_a_budget_below_the_alignment_is_refused() -> None:
+    model = build_model("cpu", "torch", backend_options={"checkpoint_alignment": 64})
+    config = EngineConfig(token_budget=32, max_running=2, paged_blocks=64, state_blocks=16)
+    with pytest.raises(ValueError, match="alignment 64"):
+        Engine(model, Policy.named("fine", block_size=128, fine_unit=64), config)
+
+
+def test_idle_time_before_an_arrival_is_skipped_and_not_counted(model: HybridModel) -> None:
+    prompts = np.random.default_rng(0).integers(0, 1000, size=(2, 40))
+    spec = TraceSpec(
+        path=Path("inline"),
+        requests=(
+            Request(0, prompts[0], output_len=3, arrival_s=0.0),
+            Request(1, prompts[1], output_len=3, arrival_s=3600.0),
+        ),
+    )
+    result = run(model, spec, "fine")
+    assert set(result.requests) == {0, 1}
+    assert result.seconds < 600
+    for request in result.requests.values():
+        assert 0 < request.ttft_s < 600
+        assert request.computed_prefill_tokens == 40
+
+
+def test_time_to_first_token_includes_queueing(model: HybridModel) -> None:
+    # Three 150-token prompts, a budget of 96 tokens per step, all arriving at once: the
+    # requests finish their prefills one after another, so their TTFTs are ordered.
+    result = run(model, GROWING, "none")
+    first_round = sorted(
+        (r for r in result.requests.values() if r.round == 1), key=lambda r: r.ttft_s
+    )
+    assert len(first_round) == 3
+    assert first_round[0].ttft_s < first_round[-1].ttft_s
+
+
+def test_policies_differ_only_in_unit_and_retention() -> None:
+    none = Policy.named("none", block_size=96, fine_unit=8)
+    block = Policy.named("block", block_size=96, fine_unit=8)
+    fine = Policy.named("fine", block_size=96, fine_unit=8)
+    assert not (none.tail or none.junction or none.decode_tail or none.interval)
+    assert (block.unit, block.block_size) == (96, 96)
+    assert (fine.unit, fine.block_size) == (8, 96)
+    for policy in (block, fine):
+        assert (policy.tail, policy.interval, policy.junction, policy.decode_tail) == (
+            True,
+            None,
+            True,
+            True,
+        )
+    with pytest.raises(ValueError, match="unknown policy"):
+        Policy.named("all", block_size=96, fine_unit=8)
+    with pytest.raises(ValueError, match="divide"):
+        Policy.named("fine", block_size=96, fine_unit=7)
+
+
+def result(
+    request_id: int, ids: list[int], logits: list[float], margins: list[float]
+) -> RequestResult:
+    return RequestResult(
+        request_id=request_id,
+        round=1,
+        prompt_len=10,
+        hit_tokens=0,
+        computed_prefill_tokens=10,
+        prefill_seconds=0.0,
+        kda_prefill_seconds=0.0,
+        ttft_s=0.1,
+        output_ids=ids,
+        final_logits=np.asarray(logits, dtype=np.float32),
+        margins=margins,
+        preemptions=0,
+    )
+
+
+def test_outputs_match_catches_every_kind_of_difference() -> None:
+    reference = RunResult("none", {0: result(0, [1, 2, 3], [1.0, 2.0], [0.5, 1e-5, 0.5])})
+    same = RunResult("fine", {0: result(0, [1, 2, 3], [1.0, 2.00001], [0.5, 0.5, 0.5])})
+    assert outputs_match(same, reference, 1e-4)[0]
+    other_ids = RunResult("fine", {0: result(0, [1, 2, 4], [1.0, 2.0], [0.5, 0.5, 0.5])})
+    assert not outputs_match(other_ids, reference, 1e-4)[0]
+    far = RunResult("fine", {0: result(0, [1, 2, 3], [1.0, 2.1], [0.5, 0.5, 0.5])})
+    assert not outputs_match(far, reference, 1e-4)[0]
+    poisoned = RunResult("fine", {0: result(0, [1, 2, 3], [1.0, float("nan")], [0.5] * 3)})
+    assert not outputs_match(poisoned, reference, 1e-4)[0]
+    missing = RunResult("fine", {})
+    assert not outputs_match(missing, reference, 1e-4)[0]
+    # A flip at the reference's near-tie (output 1, margin 1e-5) passes only when tie-aware;
+    # a flip where the margin was clear (output 0) never does.
+    at_tie = RunResult("fine", {0: result(0, [1, 7, 8], [9.0, 9.0], [0.5] * 3)})
+    assert not outputs_match(at_tie, reference, 1e-4)[0]
+    assert outputs_match(at_tie, reference, 1e-4, tie_aware=True)[0]
+    clear = RunResult("fine", {0: result(0, [5, 2, 3], [1.0, 2.0], [0.5] * 3)})
+    assert not outputs_match(clear, reference, 1e-4, tie_aware=True)[0]
+    assert relative_difference(np.ones(3), np.ones(4)) == float("inf")

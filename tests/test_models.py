@@ -1,0 +1,208 @@
+"""The tiny hybrid model: its caches carry everything between steps, exactly enough to resume.
+
+Plans are written by hand here (no cache manager), so each test pins one property the engine
+relies on: a prefill split into steps equals one step, a state resumed from an interior
+checkpoint equals an unsplit run, the attention layer reads K/V only through the block table,
+packing sequences together changes nothing, and decode equals prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("prefixcache._core")
+
+from prefixcache.engine import relative_difference
+from prefixcache.kernels import KernelPlanError, TorchBackend
+from prefixcache.models import HybridModel, ModelCaches, ModelConfig, StepInputs
+
+BLOCK = 16
+RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass
+class Row:
+    """One sequence of a hand-written step."""
+
+    tokens: Sequence[int]  # all tokens of the sequence so far
+    start: int  # tokens computed before this step
+    end: int  # tokens computed after it
+    table: Sequence[int]  # block table (covers [0, end))
+    initial: int  # state slot read (-1 = zero)
+    running: int  # state slot written
+    checkpoints: Sequence[tuple[int, int]] = ()  # (offset from start, slot)
+
+
+def inputs(rows: Sequence[Row]) -> StepInputs:
+    """The StepInputs of one step over ``rows`` (logits of every row's last token)."""
+    lengths = [row.end - row.start for row in rows]
+    loc = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    width = max(len(row.table) for row in rows)
+    tables = np.zeros((len(rows), width), dtype=np.int32)
+    slots: list[int] = []
+    ids: list[int] = []
+    for r, row in enumerate(rows):
+        tables[r, : len(row.table)] = row.table
+        ids.extend(row.tokens[row.start : row.end])
+        slots.extend(row.table[p // BLOCK] * BLOCK + p % BLOCK for p in range(row.start, row.end))
+    cmax = max(len(row.checkpoints) for row in rows)
+    offsets = np.zeros((len(rows), cmax), dtype=np.int32)
+    checkpoint_slots = np.full((len(rows), cmax), -1, dtype=np.int32)
+    for r, row in enumerate(rows):
+        for c, (offset, slot) in enumerate(row.checkpoints):
+            offsets[r, c], checkpoint_slots[r, c] = offset, slot
+    return StepInputs(
+        token_ids=torch.tensor(ids, dtype=torch.int64),
+        query_start_loc=loc,
+        seq_lens=np.array([row.end for row in rows], dtype=np.int64),
+        slot_mapping=np.array(slots, dtype=np.int64),
+        block_tables=tables,
+        initial_slot=np.array([row.initial for row in rows], dtype=np.int32),
+        running_slot=np.array([row.running for row in rows], dtype=np.int32),
+        checkpoint_offsets=offsets,
+        checkpoint_slots=checkpoint_slots,
+        logits_indices=loc[1:].astype(np.int64) - 1,
+    )
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridModel:
+    return HybridModel(ModelConfig.tiny(seed=3), TorchBackend(chunk_size=32))
+
+
+def fresh(model: HybridModel) -> ModelCaches:
+    return model.allocate_caches(paged_blocks=32, block_size=BLOCK, state_blocks=12)
+
+
+def tokens(count: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 1000, size=count).tolist()
+
+
+def test_model_shapes_follow_the_config(model: HybridModel) -> None:
+    caches = fresh(model)
+    assert [type(layer).__name__ for layer in model.mixers] == [
+        "KDALayer",
+        "KDALayer",
+        "KDALayer",
+        "AttentionLayer",
+    ]
+    assert len(caches.states) == 3 and len(caches.kv) == 1
+    assert caches.states[0].recurrent.shape == (12, 4, 16, 16)
+    assert caches.kv[0].key.shape == (32, BLOCK, 2, 16)
+    seq = tokens(20)
+    logits = model.forward(inputs([Row(seq, 0, 20, [1, 2], -1, 1)]), caches)
+    assert logits.shape == (1, 1000) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+
+def test_a_prefill_split_in_two_steps_equals_one_step(model: HybridModel) -> None:
+    seq = tokens(100)
+    table = [3, 5, 7, 9, 11, 13, 15]
+    whole = model.forward(inputs([Row(seq, 0, 100, table, -1, 1)]), fresh(model))
+    caches = fresh(model)
+    model.forward(inputs([Row(seq, 0, 40, table[:3], -1, 1)]), caches)
+    split = model.forward(inputs([Row(seq, 40, 100, table, 1, 2)]), caches)
+    assert relative_difference(split.numpy(), whole.numpy()) <= RTOL
+
+
+def test_resuming_from_an_interior_checkpoint_equals_the_unsplit_run(model: HybridModel) -> None:
+    seq = tokens(100, seed=1)
+    table = [1, 2, 3, 4, 5, 6, 7]
+    caches = fresh(model)
+    whole = model.forward(inputs([Row(seq, 0, 100, table, -1, 1, checkpoints=[(48, 3)])]), caches)
+    # A second sequence with the same first 48 tokens shares blocks 1-3 and resumes from slot 3.
+    other = [1, 2, 3, 20, 21, 22, 23]
+    resumed = model.forward(inputs([Row(seq, 48, 100, other, 3, 4)]), caches)
+    assert relative_difference(resumed.numpy(), whole.numpy()) <= RTOL
+    # The checkpoint matters: resuming from the state after all 100 tokens is different.
+    wrong = model.forward(inputs([Row(seq, 48, 100, other, 1, 5)]), caches)
+    assert relative_difference(wrong.numpy(), whole.numpy()) > 1e-3
+
+
+def test_attention_reads_keys_and_values_through_the_block_table(model: HybridModel) -> None:
+    seq = tokens(64, seed=2)
+    first = model.forward(inputs([Row(seq, 0, 64, [1, 2, 3, 4], -1, 1)]), fresh(model))
+    moved = model.forward(inputs([Row(seq, 0, 64, [30, 7, 19, 2], -1, 1)]), fresh(model))
+    assert torch.equal(first, moved)
+    # Decoding one more token with a table entry pointing at another block reads the wrong
+    # context (swapping entries would not show: attention without positions is order-blind).
+    caches = fresh(model)
+    model.forward(inputs([Row(seq, 0, 64, [1, 2, 3, 4], -1, 1)]), caches)
+    longer = [*seq, 5]
+    right = model.forward(inputs([Row(longer, 64, 65, [1, 2, 3, 4, 6], 1, 2)]), caches)
+    wrong = model.forward(inputs([Row(longer, 64, 65, [1, 2, 3, 12, 6], 1, 3)]), caches)
+    assert relative_difference(wrong.numpy(), right.numpy()) > 1e-4
+
+
+def test_decode_equals_prefill(model: HybridModel) -> None:
+    seq = tokens(61, seed=4)
+    table = [1, 2, 3, 4]
+    whole = model.forward(inputs([Row(seq, 0, 61, table, -1, 1)]), fresh(model))
+    caches = fresh(model)
+    model.forward(inputs([Row(seq, 0, 60, table, -1, 1)]), caches)
+    decoded = model.forward(inputs([Row(seq, 60, 61, table, 1, 2)]), caches)
+    assert relative_difference(decoded.numpy(), whole.numpy()) <= RTOL
+
+
+def test_packing_sequences_in_one_step_changes_nothing(model: HybridModel) -> None:
+    a, b = tokens(50, seed=5), tokens(33, seed=6)
+    rows = [Row(a, 0, 50, [1, 2, 3, 4], -1, 1), Row(b, 0, 33, [5, 6, 7], -1, 2)]
+    together = model.forward(inputs(rows), fresh(model))
+    alone_a = model.forward(inputs(rows[:1]), fresh(model))
+    alone_b = model.forward(inputs(rows[1:]), fresh(model))
+    assert relative_difference(together[0].numpy(), alone_a[0].numpy()) <= RTOL
+    assert relative_difference(together[1].numpy(), alone_b[0].numpy()) <= RTOL
+
+
+def test_a_plan_the_backend_refuses_writes_nothing() -> None:
+    model = HybridModel(ModelConfig.tiny(), TorchBackend(checkpoint_alignment=16))
+    caches = fresh(model)
+    before = [cache.recurrent.clone() for cache in caches.states]
+    seq = tokens(40)
+    with pytest.raises(KernelPlanError, match="alignment 16"):
+        model.forward(inputs([Row(seq, 0, 40, [1, 2, 3], -1, 1, [(20, 2)])]), caches)
+    assert all(torch.equal(b, c.recurrent) for b, c in zip(before, caches.states, strict=True))
+    assert not caches.kv[0].key.any()
+
+
+def test_the_seed_fixes_the_weights() -> None:
+    seq = tokens(30)
+    step = inputs([Row(seq, 0, 30, [1, 2], -1, 1)])
+    logits = []
+    for seed in (0, 0, 1):
+        model = HybridModel(ModelConfig.tiny(seed=seed), TorchBackend())
+        logits.append(model.forward(step, fresh(model)))
+    assert torch.equal(logits[0], logits[1])
+    assert not torch.allclose(logits[0], logits[2])
+
+
+def test_greedy_sampling_takes_the_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, -1.0], [2.0, 1.0, 0.0]])
+    assert HybridModel.sample(logits) == [1, 0]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("layers", ("kda", "mamba"), "layers"),
+        ("attention_heads", 3, "multiple"),
+        ("hidden_size", 0, "hidden_size"),
+        ("conv_width", 1, "conv_width"),
+    ],
+)
+def test_bad_model_configs_are_refused(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{field: value})  # type: ignore[arg-type]
