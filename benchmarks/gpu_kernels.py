@@ -206,6 +206,20 @@ def run_refusals(backends: dict[str, Any], smoke: bool) -> dict[str, Any]:
     return result
 
 
+def host_ms(fn: Callable[[], object], calls: int = 20) -> float:
+    """Host milliseconds per call of ``fn`` (enqueue time; the GPU is not waited for)."""
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) / calls * 1e3
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return elapsed
+
+
 def offsets_for(length: int, count: int) -> list[int]:
     """``count`` interior offsets spread evenly over a sequence, on the 64-token grid."""
     return [max(64, (length * (i + 1) // (count + 1)) // 64 * 64) for i in range(count)]
@@ -277,6 +291,14 @@ def time_config(
         lambda: write_states(cache.recurrent, fill_slots, staging_bf16), smoke
     )
     fill_conv_ms = bench_ms(lambda: cache.conv.index_copy_(0, fill_index, windows), smoke)
+    # The copies alone (slot index already on the GPU): the floor of slot filling.
+    fill_kernels_ms = bench_ms(
+        lambda: (
+            cache.recurrent.index_copy_(0, fill_index, staging),
+            cache.conv.index_copy_(0, fill_index, windows),
+        ),
+        smoke,
+    )
     conv_plan = kernels.check_state_plan(**plans[1], num_slots=cache.num_blocks)
     splits = (heads * head_dim,) * 3
     conv_ms = bench_ms(
@@ -294,7 +316,7 @@ def time_config(
             "offsets_1": offsets_for(length, 1), "offsets_2": offsets_for(length, 2),
             "conv_ms": conv_ms, "plan_check_us": check_us,
             "fill_state_ms": fill_state_bf16_ms if label == "fla-h" else fill_state_ms,
-            "fill_conv_ms": fill_conv_ms,
+            "fill_conv_ms": fill_conv_ms, "fill_kernels_ms": fill_kernels_ms,
         }  # fmt: skip
         try:
             for count in (0, 1, 2):
@@ -306,6 +328,11 @@ def time_config(
                         q, k, v, g, beta, params, cache.recurrent, plan
                     ),
                     smoke,
+                )
+                entry[f"host_{count}_ms"] = host_ms(
+                    lambda backend=backend, plan=plan: backend.forward(
+                        q, k, v, g, beta, params, cache.recurrent, plan
+                    )
                 )
             for count in (0, 1):
                 entry[f"layer_{count}_ms"] = bench_ms(
@@ -368,6 +395,8 @@ def _timing_line(t: dict[str, Any]) -> str:
             cells.append(f"{ms:.3f} ({t[f'export_{count}_pct']:+.1f}%)")
     layer = " / ".join(f"{t[f'layer_{c}_ms']:.3f}" if f"layer_{c}_ms" in t else "-" for c in (0, 1))
     fill = f"{1e3 * t['fill_ms']:.1f} us ({t['fill_pct']:.2f}%)"
+    if "fill_kernels_ms" in t:
+        fill += f", copies {1e3 * t['fill_kernels_ms']:.1f} us"
     return f"| {shape} | {t['heads']} | {t['backend']} | {' | '.join(cells)} | {fill} | {layer} |"
 
 
@@ -393,6 +422,120 @@ def table(
     return "\n".join(lines)
 
 
+def packing_experiment(op: Any) -> dict[str, Any]:
+    """Does a FlashKDA op result depend on where a sequence sits in the packed batch?"""
+    return {
+        "unaligned": _packing_case(op, [280, 83, 32, 396]),
+        "aligned": _packing_case(op, [288, 96, 32, 400]),
+    }
+
+
+def _packing_case(op: Any, lengths: list[int]) -> dict[str, Any]:
+    device = torch.device("cuda")
+    heads = 4
+    torch.manual_seed(1)
+    tokens = sum(lengths)
+    q, k, v, g = (
+        torch.randn(1, tokens, heads, 128, device=device, dtype=torch.bfloat16) for _ in range(4)
+    )
+    beta = torch.randn(1, tokens, heads, device=device, dtype=torch.bfloat16)
+    a_log = torch.log(torch.empty(heads, device=device).uniform_(1, 16))
+    dt_bias = 0.5 * torch.randn(heads, 128, device=device)
+    initial = 0.5 * torch.randn(len(lengths), heads, 128, 128, device=device)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+
+    def call(lo: int, hi: int, offsets: list[int] | None = None) -> tuple[Any, Any]:
+        rows = slice(lo, hi)
+        first, last = int(cu[lo]), int(cu[hi])
+        parts = [x[:, first:last].contiguous() for x in (q, k, v, g, beta)]
+        out = torch.empty_like(parts[2])
+        final = torch.empty_like(initial[rows])
+        staging = torch.empty_like(final) if offsets is not None else None
+        off = torch.tensor(offsets, device=device) if offsets is not None else None
+        op._run(
+            *parts, 128**-0.5, out, a_log, dt_bias, -5.0, initial[rows].contiguous(), final,
+            cu[lo : hi + 1] - cu[lo], staging, off,
+        )  # fmt: skip
+        return out, final
+
+    out_all, final_all = call(0, len(lengths))
+    rows = []
+    for r in range(len(lengths)):
+        out_alone, final_alone = call(r, r + 1)
+        a, b = int(cu[r]), int(cu[r + 1])
+        rows.append(
+            {
+                "start": a,
+                "output_max_abs": float((out_all[:, a:b] - out_alone).abs().max()),
+                "final_max_abs": float((final_all[r] - final_alone[0]).abs().max()),
+            }
+        )
+    zero_offsets = call(0, len(lengths), [0] * len(lengths))
+    grid_offsets = call(0, len(lengths), [16] * len(lengths))
+    return {
+        "lengths": lengths,
+        "packed_vs_alone": rows,
+        "zero_checkpoint_offsets_outputs_max_abs": float((zero_offsets[0] - out_all).abs().max()),
+        "checkpoint_offset_16_outputs_max_abs": float((grid_offsets[0] - out_all).abs().max()),
+        "checkpoint_offset_16_final_max_abs": float((grid_offsets[1] - final_all).abs().max()),
+    }
+
+
+def profile(fn: Callable[[], object]) -> str:
+    """A torch.profiler table of one call of ``fn`` (after warm-up)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as run_profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with run_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
+
+
+def diagnose(backends: dict[str, Any]) -> dict[str, Any]:
+    """Packing dependence of FlashKDA, aligned-length parity, and profiles of chained calls."""
+    result: dict[str, Any] = {}
+    op = backends.get("flashkda-op")
+    if op is None:
+        return {"error": "flashkda-op unavailable"}
+    result["packing"] = packing_experiment(op)
+    log.info("packing %s", json.dumps(result["packing"]))
+    for label in ("flashkda-op", "flashkda"):
+        report = kernels.parity.check_parity(backends[label], num_heads=12, aligned_lengths=True)
+        result[f"parity_aligned_{label}"] = report.as_dict() | {"passed": report.passed()}
+        log.info("aligned parity %s %s", label, json.dumps(result[f"parity_aligned_{label}"]))
+    subset = {label: backends[label] for label in ("flashkda-op", "flashkda")}
+    result["timing"] = time_config(subset, 4, 8192, 12, "cuda", smoke=False)
+    torch.manual_seed(0)
+    params = kernels.KDALayerParams.random(12, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v, g = (
+        torch.randn(32768, 12, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    beta = torch.randn(32768, 12, device="cuda", dtype=torch.bfloat16)
+    cache = kernels.StateCache.for_layer(params, 20, device="cuda")
+    for label, count in (("flashkda", 1), ("flashkda-op", 2)):
+        offsets = offsets_for(8192, count)
+        plan = backends[label].check_plan(
+            query_start_loc=[8192 * r for r in range(5)],
+            initial_slot=[0, 1, 2, 3],
+            running_slot=[4, 5, 6, 7],
+            checkpoint_offsets=[offsets] * 4,
+            checkpoint_slots=[[8 + 2 * r + i for i in range(count)] for r in range(4)],
+            num_slots=20,
+        )
+        name = f"profile_{label}_{count}ckpt_4x8192_H12"
+        result[name] = profile(
+            lambda b=backends[label], p=plan: b.forward(
+                q, k, v, g, beta, params, cache.recurrent, p
+            )
+        )
+        print(name + "\n" + result[name], flush=True)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -400,6 +543,11 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds before timing stops")
     parser.add_argument("--smoke", action="store_true", help="CPU, torch backend, tiny shapes")
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="FlashKDA packing experiment, aligned parity and profiles instead of the suite",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     deadline = time.monotonic() + args.budget
@@ -422,6 +570,13 @@ def main() -> int:
     def save() -> None:
         (out / "gpu_kernels.json").write_text(json.dumps(results, indent=2, default=str))
 
+    if args.diagnose:
+        results["diagnose"] = diagnose(backends)
+        (out / "gpu_kernels_diagnose.json").write_text(json.dumps(results, indent=2, default=str))
+        print(json.dumps(results["diagnose"].get("packing"), indent=1))
+        for entry in results["diagnose"].get("timing", []):
+            print(_timing_line(entry), {k: v for k, v in entry.items() if k.startswith("host")})
+        return 0
     results["parity"] = [] if args.skip_parity else run_parity(backends, device, args.smoke)
     save()
     results["refusals"] = run_refusals(backends, args.smoke)

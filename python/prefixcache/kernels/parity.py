@@ -102,11 +102,19 @@ def check_parity(
     device: torch.device | str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    aligned_lengths: bool = False,
 ) -> ParityReport:
-    """Run the contract check described in the module docstring on ``backend``."""
+    """Run the contract check described in the module docstring on ``backend``.
+
+    ``aligned_lengths`` rounds every row length up to a multiple of the backend's alignment, so
+    every row starts on the grid in the packed batch too.
+    """
     device = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
     lengths, offsets, with_initial = parity_plan(backend.checkpoint_alignment)
+    if aligned_lengths:
+        grid = backend.checkpoint_alignment
+        lengths = [-(-length // grid) * grid for length in lengths]
     rows = len(lengths)
     params = KDALayerParams.random(
         num_heads, head_dim, gate=gate, dtype=dtype, device=device, generator=generator
