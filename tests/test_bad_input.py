@@ -383,6 +383,19 @@ def invalid_configs() -> list[tuple[Callable[[], object], type[BaseException], s
     ]
 
 
+def test_state_group_from_something_that_is_not_a_backend() -> None:
+    with pytest.raises(TypeError, match="lacks checkpoint_alignment, max_checkpoints_per_step"):
+        pc.StateGroup.from_backend(object())  # type: ignore[arg-type]
+
+    class Unaligned:
+        checkpoint_alignment = 0
+        max_checkpoints_per_step = None
+
+    group = pc.StateGroup.from_backend(Unaligned())
+    with pytest.raises(pc.ConfigError, match="alignment A = 0"):
+        pc.CacheConfig(pools=[pc.PoolConfig(8)], groups=[group])
+
+
 @pytest.mark.parametrize(("make", "error", "message"), invalid_configs())
 def test_invalid_configs(
     make: Callable[[], object], error: type[BaseException], message: str

@@ -30,6 +30,7 @@ __all__ = [
     "StateGroup",
 ]
 
+
 def _as_tuple(value: object, name: str) -> tuple[Any, ...]:
     """A list-like field as a tuple (``TypeError`` for anything else, a ``str`` included)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -157,6 +158,15 @@ class StateGroup:
     ) -> StateGroup:
         """A state group whose A and C are the backend's ``checkpoint_alignment`` and
         ``max_checkpoints_per_step``: the one source of truth shared with the kernel layer."""
+        missing = [
+            name
+            for name in ("checkpoint_alignment", "max_checkpoints_per_step")
+            if not hasattr(backend, name)
+        ]
+        if missing:
+            raise TypeError(
+                f"{type(backend).__name__} is not a kernel backend: it lacks {', '.join(missing)}"
+            )
         return cls(
             alignment=backend.checkpoint_alignment,
             max_checkpoints_per_step=backend.max_checkpoints_per_step,

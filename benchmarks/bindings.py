@@ -1,0 +1,174 @@
+"""What a scheduler pays to drive the Rust core through the Python bindings.
+
+Two scenarios, mirroring the core's criterion benches (``rust/core/benches/manager.rs``) so the
+difference is the cost of crossing into Rust (argument conversion, GIL release, result objects,
+NumPy arrays):
+
+- ``decode``: 256 sequences sharing a 164K-token context, all decoding: one step is
+  ``append_batch`` + ``schedule_batch`` + ``build_plan`` + ``commit`` (NumPy id and token arrays),
+  with a full-attention group (B = 16) alone and with a state group added;
+- ``admission``: one 164K-token prompt, ``add`` + ``lookup`` + ``schedule`` + ``build_plan`` +
+  ``commit`` + ``finish``, cold (nothing cached: the whole prompt is scheduled) and warm (an
+  identical resend), with the tokens given as a NumPy array and as a list.
+
+Reports medians. When ``target/criterion`` holds results of ``cargo bench -p prefixcache-core
+--bench manager``, the matching pure-Rust medians are printed alongside.
+
+Run: ``python benchmarks/bindings.py`` (release build of the extension: ``make install``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import prefixcache as pc
+
+CONTEXT = 164_000
+ROWS = 256
+CRITERION = Path(__file__).resolve().parents[1] / "target" / "criterion"
+
+
+def tokens(seed: int, n: int) -> np.ndarray:
+    """The core bench's token stream: ``(i * 2654435761 ^ seed) % 150000``."""
+    i = np.arange(n, dtype=np.uint64)
+    return (((i * 2_654_435_761) & 0xFFFFFFFF) ^ seed) % 150_000
+
+
+def config(block: int, unit: int, state: bool, blocks: int, state_blocks: int) -> pc.CacheConfig:
+    groups: list[pc.Group] = [pc.FullAttention(block_size=block, pool=0)]
+    pools = [pc.PoolConfig(blocks)]
+    if state:
+        groups.append(pc.StateGroup(alignment=16, pool=1))
+        pools.append(pc.PoolConfig(state_blocks))
+    return pc.CacheConfig(
+        pools=pools, groups=groups, hash=pc.HashConfig(unit=unit), enable_events=False
+    )
+
+
+def prefill(mgr: pc.CacheManager, seq_id: int, prompt: np.ndarray) -> None:
+    mgr.add(seq_id, prompt)
+    assert mgr.schedule(seq_id, 2**32 - 1) is not None
+    mgr.commit(mgr.build_plan())
+    mgr.finish(seq_id)
+
+
+def decode_setup(state: bool) -> tuple[pc.CacheManager, np.ndarray]:
+    blocks = CONTEXT // 16 + ROWS * (2048 // 16 + 4)
+    mgr = pc.CacheManager(config(16, 16, state, blocks, ROWS * 8))
+    prompt = tokens(3, CONTEXT).astype(np.uint32)
+    prefill(mgr, 0, prompt)
+    ids = np.arange(1, ROWS + 1, dtype=np.int64)
+    for seq in ids.tolist():
+        prompt[-1] = seq
+        mgr.add(seq, prompt, extends=0)
+        assert mgr.schedule(seq, 2**32 - 1) is not None
+    mgr.commit(mgr.build_plan())
+    return mgr, ids
+
+
+def bench_decode(state: bool, steps: int) -> list[float]:
+    mgr, ids = decode_setup(state)
+    times = []
+    for step in range(steps):
+        sampled = ((ids + step) % 150_000).astype(np.uint32)
+        start = time.perf_counter_ns()
+        mgr.append_batch(ids, sampled)
+        scheduled = mgr.schedule_batch(ids, 1)
+        plan = mgr.build_plan()
+        mgr.commit(plan)
+        times.append((time.perf_counter_ns() - start) / 1e3)
+        assert all(s is not None and s.num_tokens == 1 for s in scheduled)
+    mgr.check_invariants()
+    return times[steps // 10 :]  # drop the warm-up
+
+
+def admission(mgr: pc.CacheManager, seq_id: int, prompt: object) -> pc.Scheduled:
+    mgr.add(seq_id, prompt)  # type: ignore[arg-type]
+    mgr.lookup(seq_id)
+    scheduled = mgr.schedule(seq_id, 2**32 - 1)
+    assert scheduled is not None
+    mgr.commit(mgr.build_plan())
+    mgr.finish(seq_id)
+    return scheduled
+
+
+def bench_admission(warm: bool, as_list: bool, reps: int) -> list[float]:
+    times = []
+    for rep in range(reps):
+        mgr = pc.CacheManager(config(16, 16, False, CONTEXT // 16 + 64, 0))
+        prompt_array = tokens(11 + rep, CONTEXT).astype(np.uint32)
+        prompt: object = prompt_array.tolist() if as_list else prompt_array
+        if warm:
+            prefill(mgr, 1, prompt_array)
+        start = time.perf_counter_ns()
+        scheduled = admission(mgr, 2, prompt)
+        times.append((time.perf_counter_ns() - start) / 1e3)
+        expected = (CONTEXT - 1) // 16 * 16 if warm else 0
+        assert scheduled.num_computed == expected
+    return times
+
+
+def criterion_median_us(name: str) -> float | None:
+    """The pure-Rust median of a criterion bench, if it was run here."""
+    estimates = CRITERION / name / "new" / "estimates.json"
+    if not estimates.exists():
+        return None
+    return float(json.loads(estimates.read_text())["median"]["point_estimate"]) / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=500, help="decode steps per setup")
+    parser.add_argument("--reps", type=int, default=15, help="admissions per case")
+    parser.add_argument("--json", action="store_true", help="print the medians as JSON")
+    args = parser.parse_args()
+
+    cases: list[tuple[str, Callable[[], list[float]], str | None]] = [
+        (
+            "decode step, 256 x 164K, B=16",
+            lambda: bench_decode(False, args.steps),
+            "decode_step/256x164k_b16",
+        ),
+        (
+            "decode step, 256 x 164K, B=16 + state",
+            lambda: bench_decode(True, args.steps),
+            "decode_step/256x164k_b16_state",
+        ),
+        ("admit 164K cold, numpy tokens", lambda: bench_admission(False, False, args.reps), None),
+        ("admit 164K cold, list tokens", lambda: bench_admission(False, True, args.reps), None),
+        (
+            "admit 164K warm resend, numpy tokens",
+            lambda: bench_admission(True, False, args.reps),
+            None,
+        ),
+        (
+            "admit 164K warm resend, list tokens",
+            lambda: bench_admission(True, True, args.reps),
+            None,
+        ),
+    ]
+    results = {}
+    print(
+        f"prefixcache {pc.__version__}, Python {platform.python_version()}, "
+        f"{platform.machine()}; medians in microseconds"
+    )
+    print(f"{'case':<42} {'python':>10} {'rust':>10}")
+    for name, run, rust_name in cases:
+        median = statistics.median(run())
+        rust = criterion_median_us(rust_name) if rust_name else None
+        results[name] = {"python_us": round(median, 1), "rust_us": rust and round(rust, 1)}
+        rust_text = f"{rust:10.1f}" if rust is not None else f"{'-':>10}"
+        print(f"{name:<42} {median:10.1f} {rust_text}")
+    if args.json:
+        print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
