@@ -1,0 +1,78 @@
+//! Prompt hashing cost per unit (criterion).
+//!
+//! Guards the hashing targets: at most 20 ns per 16-token unit and 60 ns per 128-token unit with
+//! `xxh3_128` on one core (sha256 is measured for the multi-tenant configuration, without a
+//! target). Each iteration hashes a fresh 8,192-unit prompt through `Hasher::extend`, the path
+//! `add` and `append` take, so the figure includes the encoding, the chaining and the digest
+//! vector; throughput is reported per unit (`elem/s`), its inverse is the cost per unit.
+//!
+//! Run: `cargo bench -p prefixcache-core --bench hashing`
+//! (quick: `cargo bench -p prefixcache-core --bench hashing -- --warm-up-time 1 --measurement-time 3`).
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use prefixcache_core::hashing::{Digest, ExtraKeys, HashAlgorithm, Hasher, DEFAULT_SEED};
+
+/// Units hashed per iteration.
+const UNITS: usize = 8192;
+
+/// Token ids spread over a realistic vocabulary (so no byte pattern is constant).
+fn prompt(len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|t| t.wrapping_mul(2_654_435_761) % 200_000)
+        .collect()
+}
+
+fn hash_prompt(criterion: &mut Criterion) {
+    let extra = ExtraKeys::default();
+    let mut group = criterion.benchmark_group("hash_prompt");
+    group.throughput(Throughput::Elements(UNITS as u64));
+    for algorithm in [HashAlgorithm::Xxh3_128, HashAlgorithm::Sha256] {
+        for unit in [16u32, 128] {
+            let tokens = prompt(UNITS * unit as usize);
+            let mut hasher = Hasher::new(algorithm, DEFAULT_SEED);
+            let mut digests: Vec<Digest> = Vec::with_capacity(UNITS);
+            let id = BenchmarkId::new(algorithm.name(), format!("unit_{unit}"));
+            group.bench_with_input(id, &tokens, |bencher, tokens| {
+                bencher.iter(|| {
+                    digests.clear();
+                    hasher.extend(black_box(tokens), unit, &extra, &mut digests);
+                    black_box(digests.last().copied())
+                });
+            });
+        }
+    }
+    group.finish();
+}
+
+fn hash_prompt_with_extra_keys(criterion: &mut Criterion) {
+    // A LoRA id on every unit and one image: the slower encoding path, for comparison.
+    let extra = ExtraKeys {
+        cache_salt: Some(b"tenant-a".to_vec()),
+        lora_id: Some(7),
+        multimodal: vec![prefixcache_core::hashing::MultimodalInput {
+            start: 100,
+            end: 700,
+            hash: vec![0xab; 32],
+        }],
+    };
+    let mut group = criterion.benchmark_group("hash_prompt_with_extra_keys");
+    group.throughput(Throughput::Elements(UNITS as u64));
+    let unit = 16u32;
+    let tokens = prompt(UNITS * unit as usize);
+    let mut hasher = Hasher::new(HashAlgorithm::Xxh3_128, DEFAULT_SEED);
+    let mut digests: Vec<Digest> = Vec::with_capacity(UNITS);
+    group.bench_function(
+        BenchmarkId::new("xxh3_128", format!("unit_{unit}")),
+        |bencher| {
+            bencher.iter(|| {
+                digests.clear();
+                hasher.extend(black_box(&tokens), unit, &extra, &mut digests);
+                black_box(digests.last().copied())
+            });
+        },
+    );
+    group.finish();
+}
+
+criterion_group!(benches, hash_prompt, hash_prompt_with_extra_keys);
+criterion_main!(benches);
