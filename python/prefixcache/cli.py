@@ -145,24 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write a PNG: per round, recomputed prefill tokens and TTFT p50 of each policy",
     )
+    simulate.set_defaults(command_parser=simulate)
     return parser
 
 
-def _workload_arguments(values: list[str]) -> tuple[str, str | None]:
+def _workload_arguments(
+    parser: argparse.ArgumentParser, values: list[str]
+) -> tuple[str, str | None]:
     name = values[0]
     if name not in WORKLOADS:
-        raise SystemExit(
-            f"prefixcache simulate: error: unknown workload {name!r}; choose one of "
-            f"{', '.join(WORKLOADS)}"
-        )
+        parser.error(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     if name == "trace":
         if len(values) != 2:
-            raise SystemExit("prefixcache simulate: error: --workload trace needs a FILE")
+            parser.error("--workload trace needs a FILE: --workload trace FILE")
         return name, values[1]
     if len(values) != 1:
-        raise SystemExit(
-            f"prefixcache simulate: error: --workload {name} takes no FILE (only trace does)"
-        )
+        parser.error(f"--workload {name} takes no FILE (only trace does)")
     return name, None
 
 
@@ -310,14 +308,14 @@ def _plot(document: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     from .engine import build_model, simulate
     from .kernels import KernelError
     from .workloads import TraceError, workload_preset
 
-    name, trace_path = _workload_arguments(args.workload)
+    name, trace_path = _workload_arguments(parser, args.workload)
     if args.device == "cpu":
         # The tiny model's tensors are far too small to gain from intra-op threads, and on a
         # busy machine OpenMP's spinning threads slow every op down by an order of magnitude.
@@ -379,6 +377,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "simulate":
-        return _simulate(args)
+        return _simulate(args, args.command_parser)
     parser.error(f"unknown command {args.command!r}")
     return 2

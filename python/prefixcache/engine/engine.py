@@ -520,10 +520,12 @@ class _Loop:
         if live:
             tables = np.asarray(self.manager.block_table(PAGED_GROUP, [seq.seq_id for seq in live]))
             for row, seq in enumerate(live):
-                expected = [int(b) for b in tables[row][: len(seq.table)]]
-                if expected != seq.table or any(int(b) for b in tables[row][len(seq.table) :]):
+                expected = [int(b) for b in tables[row]]
+                while expected and expected[-1] == 0:  # null padding of shorter rows
+                    expected.pop()
+                if expected != seq.table:
                     raise EngineError(
                         f"sequence {seq.seq_id}: engine block table {seq.table} differs from "
-                        f"the manager's {tables[row].tolist()}"
+                        f"the manager's {expected}"
                     )
         self.manager.check_invariants()
