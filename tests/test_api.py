@@ -146,10 +146,13 @@ def test_schedule_batch_takes_arrays_or_a_scalar_budget() -> None:
     assert [s.num_tokens if s else None for s in out] == [16, 16]
     out = mgr.schedule_batch([2, 3], np.array([8, 40], dtype=np.uint32))
     assert [(s.seq_id, s.num_tokens) if s else None for s in out] == [(2, 8), (3, 40)]
+    mgr.add(4, [4] * 40)
+    (last,) = mgr.schedule_batch(torch.tensor([4]), np.int32(24))
+    assert last is not None and last.num_tokens == 24
     plan = mgr.build_plan()
-    assert plan.seq_ids.tolist() == [0, 1, 2, 3]
-    assert plan.num_scheduled.tolist() == [16, 16, 8, 40]
-    assert plan.query_start_loc.tolist() == [0, 16, 32, 40, 80]
+    assert plan.seq_ids.tolist() == [0, 1, 2, 3, 4]
+    assert plan.num_scheduled.tolist() == [16, 16, 8, 40, 24]
+    assert plan.query_start_loc.tolist() == [0, 16, 32, 40, 80, 104]
     mgr.commit(plan)
 
 

@@ -39,9 +39,7 @@ fn range_error(py: Python<'_>, domain: Domain, message: String) -> PyErr {
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map_or_else(|_| "?".to_string(), |n| n.to_string())
+    obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string())
 }
 
 /// An integer in `min..=max` (`what` names it in messages). Bools are refused.
@@ -54,28 +52,19 @@ pub fn int_in(
 ) -> PyResult<u64> {
     let py = obj.py();
     if obj.is_instance_of::<PyBool>() {
-        return Err(PyTypeError::new_err(format!(
-            "{what} must be an int, not bool"
-        )));
+        return Err(PyTypeError::new_err(format!("{what} must be an int, not bool")));
     }
     let out_of_range = || {
-        let shown = obj
-            .repr()
-            .map_or_else(|_| "?".to_string(), |r| r.to_string());
-        range_error(
-            py,
-            domain,
-            format!("{what} must be in {min}..={max}, got {shown}"),
-        )
+        let shown = obj.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+        range_error(py, domain, format!("{what} must be in {min}..={max}, got {shown}"))
     };
     match obj.extract::<u64>() {
         Ok(v) if (min..=max).contains(&v) => Ok(v),
         Ok(_) => Err(out_of_range()),
         Err(e) if e.is_instance_of::<PyOverflowError>(py) => Err(out_of_range()),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "{what} must be an int, got {}",
-            type_name(obj)
-        ))),
+        Err(_) => {
+            Err(PyTypeError::new_err(format!("{what} must be an int, got {}", type_name(obj))))
+        }
     }
 }
 
@@ -123,18 +112,11 @@ where
         return Ok(None);
     };
     let py = array.py();
-    let view = typed
-        .try_readonly()
-        .map_err(|e| PyTypeError::new_err(format!("{what}: {e}")))?;
+    let view = typed.try_readonly().map_err(|e| PyTypeError::new_err(format!("{what}: {e}")))?;
     let values = view.as_array();
     let mut out = Vec::with_capacity(values.len());
     for (i, &v) in values.iter().enumerate() {
-        match v
-            .try_into()
-            .ok()
-            .filter(|&x| x <= max)
-            .and_then(|x| T::try_from(x).ok())
-        {
+        match v.try_into().ok().filter(|&x| x <= max).and_then(|x| T::try_from(x).ok()) {
             Some(x) => out.push(x),
             None => {
                 return Err(range_error(
@@ -159,10 +141,7 @@ fn from_array<T: TryFrom<u64>>(
         return Err(range_error(
             py,
             Domain::Request,
-            format!(
-                "{what} must be 1-D, got an array of shape {:?}",
-                array.shape()
-            ),
+            format!("{what} must be 1-D, got an array of shape {:?}", array.shape()),
         ));
     }
     if let Some(v) = read_array::<u32, T>(array, what, max)? {
@@ -189,10 +168,7 @@ fn from_array<T: TryFrom<u64>>(
     if let Some(v) = read_array::<i8, T>(array, what, max)? {
         return Ok(v);
     }
-    let dtype = array
-        .dtype()
-        .str()
-        .map_or_else(|_| "?".to_string(), |s| s.to_string());
+    let dtype = array.dtype().str().map_or_else(|_| "?".to_string(), |s| s.to_string());
     Err(PyTypeError::new_err(format!(
         "{what} must be an integer array, got dtype {dtype}; convert it with .astype(numpy.int64)"
     )))
@@ -229,15 +205,12 @@ pub fn int_sequence<T: TryFrom<u64>>(
     }
     if obj.hasattr("__array__").unwrap_or(false) {
         // torch CPU tensors and other array-likes: a zero-copy `NumPy` view.
-        let array = py
-            .import("numpy")?
-            .call_method1("asarray", (obj,))
-            .map_err(|e| {
-                PyTypeError::new_err(format!(
-                    "{what}: cannot read a {} as a CPU integer array ({e})",
-                    type_name(obj)
-                ))
-            })?;
+        let array = py.import("numpy")?.call_method1("asarray", (obj,)).map_err(|e| {
+            PyTypeError::new_err(format!(
+                "{what}: cannot read a {} as a CPU integer array ({e})",
+                type_name(obj)
+            ))
+        })?;
         let array = array.cast::<PyUntypedArray>().map_err(|_| {
             PyTypeError::new_err(format!("{what}: numpy.asarray did not return an array"))
         })?;
@@ -271,9 +244,7 @@ pub fn int_sequence<T: TryFrom<u64>>(
         match value {
             Some(Some(v)) => out.push(v),
             Some(None) => {
-                let shown = item
-                    .repr()
-                    .map_or_else(|_| "?".to_string(), |r| r.to_string());
+                let shown = item.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
                 return Err(range_error(
                     py,
                     Domain::Request,
@@ -326,10 +297,7 @@ fn bytes_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(s.to_str()?.as_bytes().to_vec());
     }
-    Err(PyTypeError::new_err(format!(
-        "{what} must be bytes or str, got {}",
-        type_name(obj)
-    )))
+    Err(PyTypeError::new_err(format!("{what} must be bytes or str, got {}", type_name(obj))))
 }
 
 /// `ExtraKeys` (or `None`: no extra keys).
@@ -338,9 +306,8 @@ pub fn extra_keys(obj: Option<&Bound<'_, PyAny>>) -> PyResult<ExtraKeys> {
         return Ok(ExtraKeys::default());
     };
     let what = "extra_keys";
-    let cache_salt = optional(&attr(obj, "cache_salt", what)?, |s| {
-        bytes_arg(s, "extra_keys.cache_salt")
-    })?;
+    let cache_salt =
+        optional(&attr(obj, "cache_salt", what)?, |s| bytes_arg(s, "extra_keys.cache_salt"))?;
     let lora_id = optional(&attr(obj, "lora_id", what)?, |l| {
         u64_arg(l, "extra_keys.lora_id", Domain::Request)
     })?;
@@ -356,24 +323,12 @@ pub fn extra_keys(obj: Option<&Bound<'_, PyAny>>) -> PyResult<ExtraKeys> {
         let input = input?;
         let w = format!("extra_keys.multimodal[{i}]");
         multimodal.push(MultimodalInput {
-            start: u32_arg(
-                &attr(&input, "start", &w)?,
-                &format!("{w}.start"),
-                Domain::Request,
-            )?,
-            end: u32_arg(
-                &attr(&input, "end", &w)?,
-                &format!("{w}.end"),
-                Domain::Request,
-            )?,
+            start: u32_arg(&attr(&input, "start", &w)?, &format!("{w}.start"), Domain::Request)?,
+            end: u32_arg(&attr(&input, "end", &w)?, &format!("{w}.end"), Domain::Request)?,
             hash: bytes_arg(&attr(&input, "hash", &w)?, &format!("{w}.hash"))?,
         });
     }
-    Ok(ExtraKeys {
-        cache_salt,
-        lora_id,
-        multimodal,
-    })
+    Ok(ExtraKeys { cache_salt, lora_id, multimodal })
 }
 
 fn retention(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Retention> {
@@ -384,10 +339,7 @@ fn retention(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Retention> {
             u32_arg(v, &format!("{what}.interval"), c)
         })?,
         junction: bool_arg(&attr(obj, "junction", what)?, &format!("{what}.junction"))?,
-        decode_tail: bool_arg(
-            &attr(obj, "decode_tail", what)?,
-            &format!("{what}.decode_tail"),
-        )?,
+        decode_tail: bool_arg(&attr(obj, "decode_tail", what)?, &format!("{what}.decode_tail"))?,
     })
 }
 
@@ -440,16 +392,12 @@ fn list_of<'py, T>(
     read: impl Fn(&Bound<'py, PyAny>, &str) -> PyResult<T>,
 ) -> PyResult<Vec<T>> {
     if obj.is_instance_of::<PyString>() {
-        return Err(PyTypeError::new_err(format!(
-            "{what} must be a list, got str"
-        )));
+        return Err(PyTypeError::new_err(format!("{what} must be a list, got str")));
     }
     let iter = obj.try_iter().map_err(|_| {
         PyTypeError::new_err(format!("{what} must be a list, got {}", type_name(obj)))
     })?;
-    iter.enumerate()
-        .map(|(i, item)| read(&item?, &format!("{what}[{i}]")))
-        .collect()
+    iter.enumerate().map(|(i, item)| read(&item?, &format!("{what}[{i}]"))).collect()
 }
 
 /// A `CacheConfig` (Python dataclass or any object with the same attributes), validated by
@@ -462,10 +410,7 @@ pub fn cache_config(obj: &Bound<'_, PyAny>) -> PyResult<CacheConfig> {
         algorithm: algorithm(&attr(&hash_obj, "algorithm", "hash")?, "hash.algorithm", c)?,
         seed: u64_arg(&attr(&hash_obj, "seed", "hash")?, "hash.seed", c)?,
         unit: u32_arg(&attr(&hash_obj, "unit", "hash")?, "hash.unit", c)?,
-        verify_tokens: bool_arg(
-            &attr(&hash_obj, "verify_tokens", "hash")?,
-            "hash.verify_tokens",
-        )?,
+        verify_tokens: bool_arg(&attr(&hash_obj, "verify_tokens", "hash")?, "hash.verify_tokens")?,
     };
     let pools = list_of(&attr(obj, "pools", what)?, "pools", |p, w| {
         Ok(PoolConfig {

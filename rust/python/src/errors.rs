@@ -175,16 +175,9 @@ pub fn samples() -> Vec<CacheError> {
         CacheError::InvalidRequest { message: message() },
         CacheError::UnknownSequence { seq_id: 7 },
         CacheError::DuplicateSequence { seq_id: 7 },
-        CacheError::NothingToSchedule {
-            seq_id: 7,
-            num_computed: 3,
-            num_tokens: 3,
-        },
+        CacheError::NothingToSchedule { seq_id: 7, num_computed: 3, num_tokens: 3 },
         CacheError::Step { message: message() },
-        CacheError::StalePlan {
-            plan_step: 1,
-            state: message(),
-        },
+        CacheError::StalePlan { plan_step: 1, state: message() },
         CacheError::Alignment {
             position: 20,
             offset: 20,

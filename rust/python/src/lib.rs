@@ -56,10 +56,7 @@ fn hash_prefix<'py>(
         convert::int_sequence::<u32>(tokens, "tokens", u64::from(u32::MAX), MAX_SEQUENCE_TOKENS)?;
     let extra = convert::extra_keys(extra_keys)?;
     let digests = py.detach(|| prefixcache_core::hash_prefix(&config, &tokens, &extra));
-    Ok(digests
-        .iter()
-        .map(|d| PyBytes::new(py, d.as_bytes(config.algorithm)))
-        .collect())
+    Ok(digests.iter().map(|d| PyBytes::new(py, d.as_bytes(config.algorithm))).collect())
 }
 
 /// Checks a `CacheConfig` (types, ranges and every core rule); raises what `CacheManager`
@@ -75,12 +72,7 @@ fn validate_config(config: &Bound<'_, PyAny>) -> PyResult<()> {
 fn _error_samples(py: Python<'_>) -> Vec<(&'static str, Bound<'_, PyBaseException>)> {
     errors::samples()
         .into_iter()
-        .map(|e| {
-            (
-                e.kind(),
-                errors::to_pyerr(py, e).into_value(py).into_bound(py),
-            )
-        })
+        .map(|e| (e.kind(), errors::to_pyerr(py, e).into_value(py).into_bound(py)))
         .collect()
 }
 

@@ -51,8 +51,7 @@ fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
 }
 
 fn u32_or(obj: Option<&Bound<'_, PyAny>>, what: &str, default: u32) -> PyResult<u32> {
-    obj.filter(|o| !o.is_none())
-        .map_or(Ok(default), |o| u32_arg(o, what, Domain::Request))
+    obj.filter(|o| !o.is_none()).map_or(Ok(default), |o| u32_arg(o, what, Domain::Request))
 }
 
 /// The prefix-cache manager: block pools, prefix hashing, eviction and checkpoint planning.
@@ -174,12 +173,8 @@ impl PyCacheManager {
         let id = self::seq_id(seq_id)?;
         let tokens = convert::tokens(tokens, "tokens")?;
         let extra = convert::extra_keys(extra_keys)?;
-        let extends = extends
-            .filter(|e| !e.is_none())
-            .map(|e| self::seq_id(e))
-            .transpose()?;
-        self.run(py, move |m| m.add(id, &tokens, extra, extends))
-            .map(PyAdded::from)
+        let extends = extends.filter(|e| !e.is_none()).map(|e| self::seq_id(e)).transpose()?;
+        self.run(py, move |m| m.add(id, &tokens, extra, extends)).map(PyAdded::from)
     }
 
     /// The hit the sequence would get now. Changes no cache state (counts a statistic).
@@ -208,16 +203,14 @@ impl PyCacheManager {
         let id = self::seq_id(seq_id)?;
         let max_tokens = u32_arg(max_tokens, "max_tokens", Domain::Request)?;
         let lookahead = u32_or(lookahead, "lookahead", 0)?;
-        self.run(seq_id.py(), move |m| {
-            m.schedule(id, max_tokens, lookahead, exact)
-        })
-        .map(|s| s.map(PyScheduled::from))
+        self.run(seq_id.py(), move |m| m.schedule(id, max_tokens, lookahead, exact))
+            .map(|s| s.map(PyScheduled::from))
     }
 
     /// `schedule` for many sequences in one call (results in input order).
     ///
-    /// `seq_ids`: list or 1-D integer array; `max_tokens`: one int for all, or one per
-    /// sequence. Every id is checked before anything is scheduled.
+    /// `seq_ids`: list or 1-D integer array; `max_tokens`: one int (or numpy integer) for all,
+    /// or one per sequence. Every id is checked before anything is scheduled.
     #[pyo3(signature = (seq_ids, max_tokens, exact = false))]
     fn schedule_batch(
         &self,
@@ -227,16 +220,15 @@ impl PyCacheManager {
     ) -> PyResult<Vec<Option<PyScheduled>>> {
         let py = seq_ids.py();
         let ids = self::seq_ids(seq_ids)?;
-        let budgets = if max_tokens.is_instance_of::<PyInt>() {
+        let scalar = max_tokens.is_instance_of::<PyInt>()
+            || (max_tokens.hasattr("__index__")? && !max_tokens.hasattr("__len__")?);
+        let budgets = if scalar {
             vec![u32_arg(max_tokens, "max_tokens", Domain::Request)?; ids.len()]
         } else {
             convert::int_sequence(max_tokens, "max_tokens", u64::from(u32::MAX), usize::MAX)?
         };
         let results = self.run(py, move |m| m.schedule_batch(&ids, &budgets, exact))?;
-        Ok(results
-            .into_iter()
-            .map(|s| s.map(PyScheduled::from))
-            .collect())
+        Ok(results.into_iter().map(|s| s.map(PyScheduled::from)).collect())
     }
 
     /// Asks for a checkpoint at absolute `position` in the chunk scheduled for the next plan;
@@ -331,25 +323,15 @@ impl PyCacheManager {
         let group = u32_arg(group, "group", Domain::Request)?;
         let ids = self::seq_ids(seq_ids)?;
         let (flat, rows, columns) = self.run(py, move |m| m.block_table(group, &ids))?;
-        Array2::from_shape_vec((rows, columns), flat)
-            .map(|a| a.into_pyarray(py))
-            .map_err(|e| {
-                to_pyerr(
-                    py,
-                    CacheError::Invariant {
-                        message: format!("block table shape: {e}"),
-                    },
-                )
-            })
+        Array2::from_shape_vec((rows, columns), flat).map(|a| a.into_pyarray(py)).map_err(|e| {
+            to_pyerr(py, CacheError::Invariant { message: format!("block table shape: {e}") })
+        })
     }
 
     /// Takes the pending block events, oldest first.
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let records = self.run(py, |m| Ok(m.drain_events()))?;
-        records
-            .into_iter()
-            .map(|r| events::to_python(py, r, self.algorithm))
-            .collect()
+        records.into_iter().map(|r| events::to_python(py, r, self.algorithm)).collect()
     }
 
     /// A snapshot of the counters.

@@ -24,16 +24,12 @@ fn matrix<'py, T: numpy::Element>(
     what: &str,
 ) -> PyResult<Bound<'py, PyArray2<T>>> {
     let rows = data.len().checked_div(columns).unwrap_or(0);
-    Array2::from_shape_vec((rows, columns), data)
-        .map(|a| a.into_pyarray(py))
-        .map_err(|e| {
-            to_pyerr(
-                py,
-                CacheError::Invariant {
-                    message: format!("plan array {what} has a bad length: {e}"),
-                },
-            )
-        })
+    Array2::from_shape_vec((rows, columns), data).map(|a| a.into_pyarray(py)).map_err(|e| {
+        to_pyerr(
+            py,
+            CacheError::Invariant { message: format!("plan array {what} has a bad length: {e}") },
+        )
+    })
 }
 
 /// A `[rows, columns]` array where `columns` may be 0 with `rows` given separately.
@@ -238,32 +234,28 @@ impl PyStepPlan {
     fn paged_group(&self, group: &Bound<'_, PyAny>) -> PyResult<Py<PyPagedGroupPlan>> {
         let py = group.py();
         let group = u32_arg(group, "group", Domain::Request)?;
-        self.paged
-            .iter()
-            .find(|p| p.get().group == group)
-            .map(|p| p.clone_ref(py))
-            .ok_or_else(|| {
+        self.paged.iter().find(|p| p.get().group == group).map(|p| p.clone_ref(py)).ok_or_else(
+            || {
                 let groups: Vec<u32> = self.paged.iter().map(|p| p.get().group).collect();
                 PyValueError::new_err(format!(
                     "group {group} is not a paged group of this plan (paged groups: {groups:?})"
                 ))
-            })
+            },
+        )
     }
 
     /// The part of state group `group` (its index in the configuration).
     fn state_group(&self, group: &Bound<'_, PyAny>) -> PyResult<Py<PyStateGroupPlan>> {
         let py = group.py();
         let group = u32_arg(group, "group", Domain::Request)?;
-        self.state
-            .iter()
-            .find(|s| s.get().group == group)
-            .map(|s| s.clone_ref(py))
-            .ok_or_else(|| {
+        self.state.iter().find(|s| s.get().group == group).map(|s| s.clone_ref(py)).ok_or_else(
+            || {
                 let groups: Vec<u32> = self.state.iter().map(|s| s.get().group).collect();
                 PyValueError::new_err(format!(
                     "group {group} is not a state group of this plan (state groups: {groups:?})"
                 ))
-            })
+            },
+        )
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {

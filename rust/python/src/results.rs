@@ -14,14 +14,7 @@ fn optional<T: std::fmt::Display>(value: Option<T>) -> String {
 }
 
 /// What `CacheManager.add` did with the prompt's hashes.
-#[pyclass(
-    frozen,
-    eq,
-    get_all,
-    skip_from_py_object,
-    name = "Added",
-    module = "prefixcache"
-)]
+#[pyclass(frozen, eq, get_all, skip_from_py_object, name = "Added", module = "prefixcache")]
 #[derive(Clone, PartialEq, Eq)]
 pub struct PyAdded {
     /// Tokens whose unit hashes were reused from the `extends` sequence.
@@ -55,14 +48,7 @@ impl PyAdded {
 }
 
 /// One group's part of a `Hit`: its own longest hit and why it stops there.
-#[pyclass(
-    frozen,
-    eq,
-    get_all,
-    skip_from_py_object,
-    name = "GroupHit",
-    module = "prefixcache"
-)]
+#[pyclass(frozen, eq, get_all, skip_from_py_object, name = "GroupHit", module = "prefixcache")]
 #[derive(Clone, PartialEq, Eq)]
 pub struct PyGroupHit {
     /// Index of the group in the configuration.
@@ -76,24 +62,15 @@ pub struct PyGroupHit {
 
 impl From<&GroupHit> for PyGroupHit {
     fn from(g: &GroupHit) -> Self {
-        Self {
-            group: g.group,
-            tokens: g.tokens,
-            stop: g.stop.map(MissReason::name),
-        }
+        Self { group: g.group, tokens: g.tokens, stop: g.stop.map(MissReason::name) }
     }
 }
 
 #[pymethods]
 impl PyGroupHit {
     fn __repr__(&self) -> String {
-        let stop = self
-            .stop
-            .map_or_else(|| "None".to_string(), |s| format!("{s:?}"));
-        format!(
-            "GroupHit(group={}, tokens={}, stop={stop})",
-            self.group, self.tokens
-        )
+        let stop = self.stop.map_or_else(|| "None".to_string(), |s| format!("{s:?}"));
+        format!("GroupHit(group={}, tokens={}, stop={stop})", self.group, self.tokens)
     }
 }
 
@@ -150,13 +127,7 @@ impl PyHit {
 }
 
 /// What `schedule` gave a sequence for the next plan.
-#[pyclass(
-    frozen,
-    eq,
-    skip_from_py_object,
-    name = "Scheduled",
-    module = "prefixcache"
-)]
+#[pyclass(frozen, eq, skip_from_py_object, name = "Scheduled", module = "prefixcache")]
 #[derive(Clone, PartialEq, Eq)]
 pub struct PyScheduled {
     scheduled: Scheduled,
@@ -195,9 +166,7 @@ impl PyScheduled {
     }
 
     fn __repr__(&self) -> String {
-        let hit = self
-            .hit()
-            .map_or_else(|| "None".to_string(), |h| h.__repr__());
+        let hit = self.hit().map_or_else(|| "None".to_string(), |h| h.__repr__());
         format!(
             "Scheduled(seq_id={}, num_computed={}, num_tokens={}, hit={hit})",
             self.scheduled.seq_id, self.scheduled.num_computed, self.scheduled.num_tokens
@@ -206,14 +175,7 @@ impl PyScheduled {
 }
 
 /// Blocks of one pool.
-#[pyclass(
-    frozen,
-    eq,
-    get_all,
-    skip_from_py_object,
-    name = "PoolUsage",
-    module = "prefixcache"
-)]
+#[pyclass(frozen, eq, get_all, skip_from_py_object, name = "PoolUsage", module = "prefixcache")]
 #[derive(Clone, PartialEq, Eq)]
 pub struct PyPoolUsage {
     /// Block ids including the null block 0.
@@ -262,13 +224,7 @@ impl PyPoolUsage {
 }
 
 /// Per-group counters.
-#[pyclass(
-    frozen,
-    eq,
-    skip_from_py_object,
-    name = "GroupStats",
-    module = "prefixcache"
-)]
+#[pyclass(frozen, eq, skip_from_py_object, name = "GroupStats", module = "prefixcache")]
 #[derive(Clone, PartialEq, Eq)]
 pub struct PyGroupStats {
     stats: GroupStats,
@@ -300,10 +256,7 @@ impl PyGroupStats {
     fn checkpoints_skipped<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         for reason in SkipReason::ALL {
-            d.set_item(
-                reason.name(),
-                self.stats.checkpoints_skipped[reason.index()],
-            )?;
+            d.set_item(reason.name(), self.stats.checkpoints_skipped[reason.index()])?;
         }
         Ok(d)
     }
@@ -338,13 +291,7 @@ impl PyGroupStats {
 }
 
 /// Manager-wide counters (a snapshot).
-#[pyclass(
-    frozen,
-    eq,
-    skip_from_py_object,
-    name = "Stats",
-    module = "prefixcache"
-)]
+#[pyclass(frozen, eq, skip_from_py_object, name = "Stats", module = "prefixcache")]
 #[derive(Clone, PartialEq, Eq)]
 pub struct PyStats {
     stats: Stats,
@@ -427,11 +374,7 @@ impl PyStats {
     /// Per-group counters, in group order.
     #[getter]
     fn groups(&self) -> Vec<PyGroupStats> {
-        self.stats
-            .groups
-            .iter()
-            .map(|g| PyGroupStats { stats: g.clone() })
-            .collect()
+        self.stats.groups.iter().map(|g| PyGroupStats { stats: g.clone() }).collect()
     }
 
     /// The counters as a dict (per-group counters under `"groups"`), for JSON output.
@@ -449,11 +392,7 @@ impl PyStats {
         d.set_item("aborts", s.aborts)?;
         d.set_item("evictions", s.evictions)?;
         d.set_item("events_dropped", s.events_dropped)?;
-        let groups = self
-            .groups()
-            .iter()
-            .map(|g| g.to_dict(py))
-            .collect::<PyResult<Vec<_>>>()?;
+        let groups = self.groups().iter().map(|g| g.to_dict(py)).collect::<PyResult<Vec<_>>>()?;
         d.set_item("groups", groups)?;
         Ok(d)
     }
