@@ -27,7 +27,15 @@ from .params import KDALayerParams
 from .plan import StatePlan
 from .validate import check_state_plan
 
-__all__ = ["KDABackend", "read_states", "require_cuda", "write_states"]
+__all__ = [
+    "KDABackend",
+    "read_states",
+    "read_states_at",
+    "require_cuda",
+    "upload",
+    "write_states",
+    "write_states_at",
+]
 
 
 class KDABackend(ABC):
@@ -103,29 +111,45 @@ class KDABackend(ABC):
         )
 
 
+def upload(device: torch.device, *arrays: Sequence[int]) -> list[torch.Tensor]:
+    """Int64 tensors on ``device`` of ``arrays``, moved in one host-to-device copy.
+
+    Each launch-side index array of a step costs host time; one copy instead of many keeps the
+    kernels' Python wrapper cheaper than the kernels.
+    """
+    sizes = [len(array) for array in arrays]
+    flat = torch.tensor([value for array in arrays for value in array], dtype=torch.int64)
+    return list(torch.split(to_device(flat, device), sizes))
+
+
+def read_states_at(
+    recurrent: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, missing: bool
+) -> torch.Tensor:
+    """States ``[n, H, V, K]`` at device ``index`` (a copy, in ``dtype``); with ``missing``,
+    entries ``-1`` of ``index`` give zero states."""
+    if not missing:
+        return recurrent.index_select(0, index).to(dtype)
+    states = recurrent.index_select(0, index.clamp(min=0)).to(dtype)
+    return states.masked_fill_((index < 0).view(-1, *([1] * (states.dim() - 1))), 0.0)
+
+
+def write_states_at(recurrent: torch.Tensor, index: torch.Tensor, states: torch.Tensor) -> None:
+    """Store ``states`` ``[n, H, V, K]`` at device ``index`` (distinct), converting the dtype."""
+    if index.numel():
+        recurrent.index_copy_(0, index, states.to(recurrent.dtype))
+
+
 def read_states(recurrent: torch.Tensor, slots: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """States ``[n, H, V, K]`` of ``slots`` in ``dtype``, zeros where a slot is -1 (a copy)."""
-    device = recurrent.device
-    index = torch.tensor(slots, dtype=torch.int64)
-    if bool((index >= 0).all()):
-        return recurrent.index_select(0, to_device(index, device)).to(dtype)
-    states = recurrent.new_zeros((len(slots), *recurrent.shape[1:]), dtype=dtype)
-    present = torch.nonzero(index >= 0).reshape(-1)
-    if present.numel():
-        states.index_copy_(
-            0,
-            to_device(present, device),
-            recurrent.index_select(0, to_device(index[present], device)).to(dtype),
-        )
-    return states
+    (index,) = upload(recurrent.device, slots)
+    return read_states_at(recurrent, index, dtype, missing=min(slots, default=0) < 0)
 
 
 def write_states(recurrent: torch.Tensor, slots: Sequence[int], states: torch.Tensor) -> None:
     """Store ``states`` ``[n, H, V, K]`` into ``slots`` (distinct), converting the dtype."""
-    if not slots:
-        return
-    index = to_device(torch.tensor(slots, dtype=torch.int64), recurrent.device)
-    recurrent.index_copy_(0, index, states.to(recurrent.dtype))
+    if slots:
+        (index,) = upload(recurrent.device, slots)
+        write_states_at(recurrent, index, states)
 
 
 def require_cuda(backend: str, capability: tuple[int, int] | None = None) -> torch.device:

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._convert import to_device
-from .backend import read_states, write_states
+from .backend import read_states_at, upload, write_states_at
 from .plan import StatePlan
 
 __all__ = ["KernelCall", "Round", "Segment", "SegmentBatch", "plan_rounds", "run_rounds"]
@@ -126,15 +125,30 @@ def run_rounds(
     out: torch.Tensor | None = None
     for round_ in rounds:
         segments = round_.segments
-        lengths = [s.end - s.start for s in segments]
-        cu_host = torch.zeros(len(segments) + 1, dtype=torch.int64)
-        cu_host[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-        whole = len(segments) == plan.num_rows and all(
+        count = len(segments)
+        cu = [0]
+        for s in segments:
+            cu.append(cu[-1] + s.end - s.start)
+        whole = count == plan.num_rows and all(
             s.row == r and s.start == plan.start(r) and s.end == plan.start(r + 1)
             for r, s in enumerate(segments)
         )
         contiguous = all(a.end == b.start for a, b in itertools.pairwise(segments))
-        index: torch.Tensor | None = None
+        exported = [(i, s.interior) for i, s in enumerate(segments) if s.interior is not None]
+        token_index: list[int] = []
+        if not (whole or contiguous):
+            token_index = [t for s in segments for t in range(s.start, s.end)]
+        # Every index array of the round in one host-to-device copy.
+        cu_d, initial_d, final_d, offsets_d, rows_d, slots_d, index_d = upload(
+            device,
+            cu,
+            [s.initial_slot for s in segments],
+            [s.final_slot for s in segments],
+            [0 if s.interior is None else s.interior[0] for s in segments] if exported else [],
+            [i for i, _ in exported],
+            [interior[1] for _, interior in exported],
+            token_index,
+        )
         parts: tuple[torch.Tensor, ...]
         if whole:
             parts = (q, k, v, g, beta)
@@ -142,25 +156,18 @@ def run_rounds(
             span = slice(segments[0].start, segments[-1].end)
             parts = (q[span], k[span], v[span], g[span], beta[span])
         else:
-            host_index = torch.cat([torch.arange(s.start, s.end) for s in segments])
-            index = to_device(host_index, device)
-            parts = tuple(x.index_select(0, index) for x in (q, k, v, g, beta))
-        offsets = None
-        if any(s.interior is not None for s in segments):
-            host_offsets = torch.tensor(
-                [0 if s.interior is None else s.interior[0] for s in segments]
-            )
-            offsets = to_device(host_offsets, device)
+            parts = tuple(x.index_select(0, index_d) for x in (q, k, v, g, beta))
+        missing = any(s.initial_slot < 0 for s in segments)
         batch = SegmentBatch(
             q=parts[0].unsqueeze(0),
             k=parts[1].unsqueeze(0),
             v=parts[2].unsqueeze(0),
             g=parts[3].unsqueeze(0),
             beta=parts[4].unsqueeze(0),
-            cu_seqlens=to_device(cu_host, device),
-            cu_seqlens_host=cu_host,
-            initial_state=read_states(recurrent, [s.initial_slot for s in segments], state_dtype),
-            checkpoint_offsets=offsets,
+            cu_seqlens=cu_d,
+            cu_seqlens_host=torch.tensor(cu, dtype=torch.int64),
+            initial_state=read_states_at(recurrent, initial_d, state_dtype, missing=missing),
+            checkpoint_offsets=offsets_d if exported else None,
         )
         o, final, interior = call(batch)
         o = o.squeeze(0)
@@ -169,17 +176,15 @@ def run_rounds(
         else:
             if out is None:
                 out = o.new_empty((total, *o.shape[1:]))
-            if index is not None:
-                out.index_copy_(0, index, o)
+            if token_index:
+                out.index_copy_(0, index_d, o)
             else:
                 out[segments[0].start : segments[-1].end] = o
-        exported = [(i, s.interior[1]) for i, s in enumerate(segments) if s.interior is not None]
         if exported:
             if interior is None:
                 raise RuntimeError("the kernel call returned no interior checkpoint states")
-            rows = to_device(torch.tensor([i for i, _ in exported]), device)
-            write_states(recurrent, [slot for _, slot in exported], interior.index_select(0, rows))
-        write_states(recurrent, [s.final_slot for s in segments], final)
+            write_states_at(recurrent, slots_d, interior.index_select(0, rows_d))
+        write_states_at(recurrent, final_d, final)
     if out is None:
         raise ValueError("a plan has at least one row, so at least one round")
     return out

@@ -23,8 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from ._convert import to_device
-from .backend import KDABackend, read_states, require_cuda, write_states
+from .backend import KDABackend, read_states_at, require_cuda, upload, write_states_at
 from .chaining import SegmentBatch, plan_rounds, run_rounds
 from .errors import BackendUnavailableError, UnsupportedLayerError
 from .params import KDALayerParams
@@ -121,32 +120,35 @@ class FlaBackend(KDABackend):
                 plan, rounds, q, k, v, g, beta, recurrent,
                 lambda batch: self._call(params, batch, intermediate=False),
             )  # fmt: skip
-        lengths = plan.lengths()
-        cu_host = torch.tensor(plan.query_start_loc, dtype=torch.int64)
+        chunks: list[int] = []
+        slots: list[int] = []
+        chunk_base = 0
+        for row, length in enumerate(plan.lengths()):
+            for checkpoint in plan.checkpoints[row]:
+                chunks.append(chunk_base + checkpoint.offset // FLA_CHUNK)
+                slots.append(checkpoint.slot)
+            chunk_base += -(-length // FLA_CHUNK)
+        # Every index array of the step in one host-to-device copy.
+        cu_d, initial_d, chunks_d, slots_d, running_d = upload(
+            q.device, plan.query_start_loc, plan.initial_slot, chunks, slots, plan.running_slot
+        )
         batch = SegmentBatch(
             q=q.unsqueeze(0),
             k=k.unsqueeze(0),
             v=v.unsqueeze(0),
             g=g.unsqueeze(0),
             beta=beta.unsqueeze(0),
-            cu_seqlens=to_device(cu_host, q.device),
-            cu_seqlens_host=cu_host,
-            initial_state=read_states(recurrent, plan.initial_slot, torch.float32),
+            cu_seqlens=cu_d,
+            cu_seqlens_host=torch.tensor(plan.query_start_loc, dtype=torch.int64),
+            initial_state=read_states_at(
+                recurrent, initial_d, torch.float32, missing=min(plan.initial_slot) < 0
+            ),
             checkpoint_offsets=None,
         )
         with torch.inference_mode():
             out, final, h = self._call(params, batch, intermediate=True)
             if h is None:
                 raise RuntimeError("fla returned no intermediate states")
-            chunk_base = 0
-            chunks: list[int] = []
-            slots: list[int] = []
-            for row, length in enumerate(lengths):
-                for checkpoint in plan.checkpoints[row]:
-                    chunks.append(chunk_base + checkpoint.offset // FLA_CHUNK)
-                    slots.append(checkpoint.slot)
-                chunk_base += -(-length // FLA_CHUNK)
-            index = to_device(torch.tensor(chunks, dtype=torch.int64), h.device)
-            write_states(recurrent, slots, h[0].index_select(0, index))
-            write_states(recurrent, list(plan.running_slot), final)
+            write_states_at(recurrent, slots_d, h[0].index_select(0, chunks_d))
+            write_states_at(recurrent, running_d, final)
         return out.squeeze(0)
