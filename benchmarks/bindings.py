@@ -11,8 +11,9 @@ NumPy arrays):
   ``commit`` + ``finish``, cold (nothing cached: the whole prompt is scheduled) and warm (an
   identical resend), with the tokens given as a NumPy array and as a list.
 
-Reports medians. When ``target/criterion`` holds results of ``cargo bench -p prefixcache-core
---bench manager``, the matching pure-Rust medians are printed alongside.
+Reports medians (and minima, which machine load disturbs least), with the garbage collector off
+while timing (as ``timeit`` does). When ``target/criterion`` holds results of ``cargo bench -p
+prefixcache-core --bench manager``, the matching pure-Rust medians are printed alongside.
 
 Run: ``python benchmarks/bindings.py`` (release build of the extension: ``make install``).
 """
@@ -20,7 +21,9 @@ Run: ``python benchmarks/bindings.py`` (release build of the extension: ``make i
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -157,15 +160,24 @@ def main() -> None:
     results = {}
     print(
         f"prefixcache {pc.__version__}, Python {platform.python_version()}, "
-        f"{platform.machine()}; medians in microseconds"
+        f"{platform.machine()}, load average {os.getloadavg()[0]:.1f}; microseconds"
     )
-    print(f"{'case':<42} {'python':>10} {'rust':>10}")
+    print(f"{'case':<40} {'median':>9} {'min':>9} {'rust':>9}")
     for name, run, rust_name in cases:
-        median = statistics.median(run())
+        gc.disable()
+        try:
+            times = run()
+        finally:
+            gc.enable()
+        median, best = statistics.median(times), min(times)
         rust = criterion_median_us(rust_name) if rust_name else None
-        results[name] = {"python_us": round(median, 1), "rust_us": rust and round(rust, 1)}
-        rust_text = f"{rust:10.1f}" if rust is not None else f"{'-':>10}"
-        print(f"{name:<42} {median:10.1f} {rust_text}")
+        results[name] = {
+            "median_us": round(median, 1),
+            "min_us": round(best, 1),
+            "rust_median_us": rust and round(rust, 1),
+        }
+        rust_text = f"{rust:9.1f}" if rust is not None else f"{'-':>9}"
+        print(f"{name:<40} {median:9.1f} {best:9.1f} {rust_text}")
     if args.json:
         print(json.dumps(results, indent=2))
 
