@@ -97,41 +97,78 @@ fn optional<T>(
     }
 }
 
-/// Reads a 1-D integer array into `Vec<T>`, checking `0..=max`; `None` when the dtype is not
-/// `E`.
-fn read_array<E, T>(
+/// The integer dtypes accepted for token and id arrays.
+trait IntElement: Element + Copy {
+    /// The value as `u64`; `None` when negative.
+    fn to_u64(self) -> Option<u64>;
+}
+
+macro_rules! int_elements {
+    (signed: $($s:ty),*; unsigned: $($u:ty),*) => {
+        $(impl IntElement for $s {
+            fn to_u64(self) -> Option<u64> {
+                u64::try_from(self).ok()
+            }
+        })*
+        $(impl IntElement for $u {
+            fn to_u64(self) -> Option<u64> {
+                Some(u64::from(self))
+            }
+        })*
+    };
+}
+
+int_elements!(signed: i8, i16, i32, i64; unsigned: u8, u16, u32, u64);
+
+/// What integer sequences are converted to: `u32` (tokens, budgets) or `u64` (ids).
+pub trait Target: Copy {
+    /// The value, already checked to fit.
+    fn from_checked(value: u64) -> Self;
+}
+
+impl Target for u32 {
+    fn from_checked(value: u64) -> Self {
+        value as u32
+    }
+}
+
+impl Target for u64 {
+    fn from_checked(value: u64) -> Self {
+        value
+    }
+}
+
+/// Reads a 1-D integer array into `Vec<T>`, checking `0..=max` (`max` fits `T`); `None` when
+/// the dtype is not `E`. Two passes without branches that depend on each other (a check, then
+/// a conversion), so both vectorise.
+fn read_array<E: IntElement, T: Target>(
     array: &Bound<'_, PyUntypedArray>,
     what: &str,
     max: u64,
-) -> PyResult<Option<Vec<T>>>
-where
-    E: Element + Copy + TryInto<u64>,
-    T: TryFrom<u64>,
-{
-    let Ok(typed) = array.cast::<PyArray1<E>>() else {
-        return Ok(None);
-    };
-    let py = array.py();
+) -> PyResult<Option<Vec<T>>> {
+    let Ok(typed) = array.cast::<PyArray1<E>>() else { return Ok(None) };
     let view = typed.try_readonly().map_err(|e| PyTypeError::new_err(format!("{what}: {e}")))?;
-    let values = view.as_array();
-    let mut out = Vec::with_capacity(values.len());
-    for (i, &v) in values.iter().enumerate() {
-        match v.try_into().ok().filter(|&x| x <= max).and_then(|x| T::try_from(x).ok()) {
-            Some(x) => out.push(x),
-            None => {
-                return Err(range_error(
-                    py,
-                    Domain::Request,
-                    format!("{what}[{i}] is out of range 0..={max}"),
-                ))
-            }
-        }
+    let bad = |v: &E| v.to_u64().is_none_or(|x| x > max);
+    let convert = |v: &E| T::from_checked(v.to_u64().unwrap_or(0));
+    let (first_bad, out) = if let Ok(slice) = view.as_slice() {
+        // Contiguous: plain slice loops.
+        (slice.iter().position(bad), slice.iter().map(convert).collect())
+    } else {
+        let values = view.as_array();
+        (values.iter().position(bad), values.iter().map(convert).collect())
+    };
+    match first_bad {
+        Some(i) => Err(range_error(
+            array.py(),
+            Domain::Request,
+            format!("{what}[{i}] is out of range 0..={max}"),
+        )),
+        None => Ok(Some(out)),
     }
-    Ok(Some(out))
 }
 
 /// Reads a 1-D array of any integer dtype into `Vec<T>` (range `0..=max`).
-fn from_array<T: TryFrom<u64>>(
+fn from_array<T: Target>(
     array: &Bound<'_, PyUntypedArray>,
     what: &str,
     max: u64,
@@ -177,7 +214,7 @@ fn from_array<T: TryFrom<u64>>(
 /// A list of ints, a 1-D `NumPy` integer array or a torch CPU tensor, as `Vec<T>` in `0..=max`.
 ///
 /// `max_len` bounds the length before anything is copied.
-pub fn int_sequence<T: TryFrom<u64>>(
+pub fn int_sequence<T: Target>(
     obj: &Bound<'_, PyAny>,
     what: &str,
     max: u64,
@@ -236,7 +273,7 @@ pub fn int_sequence<T: TryFrom<u64>>(
             None
         } else {
             match item.extract::<u64>() {
-                Ok(v) => Some((v <= max).then_some(v).and_then(|v| T::try_from(v).ok())),
+                Ok(v) => Some((v <= max).then(|| T::from_checked(v))),
                 Err(e) if e.is_instance_of::<PyOverflowError>(py) => Some(None),
                 Err(_) => None,
             }
