@@ -38,7 +38,7 @@ presets:
            on a CPU; meant for a GPU.
   default  the same ratios, about a minute on 2 CPU cores. growing-prefix: the seed geometry
            divided by 16 (B=96, U=8, +125 tokens per round, budget 512, 12 output tokens) with
-           a 972-token first prompt (congruent to 120,000/16 modulo B), so every round's hit
+           a 588-token first prompt (congruent to 120,000/16 modulo B), so every round's hit
            and recomputation are exactly the seed's divided by 16.
   When the kernel backend's checkpoint alignment A does not divide U (fla: 64, FlashKDA: 16),
   U is raised to a multiple of A and B to a multiple of U; the header says so.

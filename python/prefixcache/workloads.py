@@ -21,8 +21,8 @@ Workloads (names as in the CLI):
 Presets (:func:`workload_preset`): ``seed`` is the full size of WORKLOADS.md; ``default`` keeps
 the ratios at a size that runs in about a minute on a 2-core CPU. For ``growing-prefix`` the
 default is the seed geometry divided by 16 (block 96, unit 8, +125 tokens per round, chunk budget
-512, 12 output tokens), except that the first prompt is 972 tokens instead of 7500: both are
-congruent modulo the block (972 = 7500 - 68 * 96), so every round's hit and recomputation are
+512, 12 output tokens), except that the first prompt is 588 tokens instead of 7500: both are
+congruent modulo the block (588 = 7500 - 72 * 96), so every round's hit and recomputation are
 exactly the seed's divided by 16 (fine recomputes 24.2% fewer prefill tokens than block over
 rounds 2-23, as at full size), only the never-reused prefix is shorter.
 """
@@ -592,7 +592,7 @@ _SPECS: dict[tuple[str, str], tuple[WorkloadSpec, Geometry]] = {
         Geometry(block_size=1536, unit=128, token_budget=8192, max_running=8),
     ),
     ("growing-prefix", "default"): (
-        GrowingPrefixSpec(streams=8, first_prompt=972, growth=125, rounds=23, output_len=12),
+        GrowingPrefixSpec(streams=8, first_prompt=588, growth=125, rounds=23, output_len=12),
         Geometry(block_size=96, unit=8, token_budget=512, max_running=8),
     ),
     ("shared-prompts", "seed"): (

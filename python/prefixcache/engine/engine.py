@@ -10,7 +10,8 @@ One :class:`Engine` runs one caching policy over one workload with one model; ea
    state alignment grid), then waiting sequences in arrival order while the budget and
    ``max_running`` allow. When ``schedule`` returns ``None`` (out of blocks) the newest running
    sequence is preempted (its blocks released; it is recomputed from a fresh lookup later) and
-   the schedule retried; a waiting sequence that does not fit simply waits.
+   the schedule retried, and nothing new is admitted in that step; a waiting sequence that
+   does not fit simply waits.
 3. ``build_plan`` -> copy-on-write copies -> model forward -> snapshots -> ``commit``. If any of
    these raises, the step is aborted (``abort``: nothing is published, every sequence is back at
    its pre-step position) and the engine's own bookkeeping is rolled back, then the loop goes on
@@ -298,6 +299,7 @@ class _Loop:
         manager = self.manager
         budget = self.config.token_budget
         scheduled: list[_Sequence] = []
+        preemptions = self.result.preemptions
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -315,6 +317,8 @@ class _Loop:
                 budget -= result.num_tokens
                 scheduled.append(seq)
             index += 1
+        if self.result.preemptions != preemptions:
+            return scheduled  # memory is short: admit nobody in a step that had to preempt
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
             hit = manager.lookup(seq.seq_id)
