@@ -293,15 +293,16 @@ def _plot(document: dict[str, Any], path: Path) -> None:
             label=name,
         )  # fmt: skip
         ttft_axis.plot(rounds, [r["ttft_p50_ms"] for r in policy["rounds"]], marker="o", label=name)
-    tokens_axis.set_ylabel("prefill tokens computed")
+    tokens_axis.set_ylabel("prefill tokens computed (log)")
     tokens_axis.set_title(
         f"{document['workload']} ({document['preset']}), {document['device']}, "
         f"backend {document['backend']}"
     )
-    ttft_axis.set_ylabel("TTFT p50 (ms)")
+    ttft_axis.set_ylabel("TTFT p50, ms (log)")
     ttft_axis.set_xlabel("round")
     for axis in (tokens_axis, ttft_axis):
-        axis.grid(True, alpha=0.3)
+        axis.set_yscale("log")  # `none` is an order of magnitude above the caching policies
+        axis.grid(True, which="both", alpha=0.3)
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
