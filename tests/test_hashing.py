@@ -1,4 +1,4 @@
-"""`hash_prefix`: the documented encoding (docs/HASHING.md), its vectors, and the cache keys."""
+"""`hash_prefix`: the encoding in README.md ("Prefix hashing"), its vectors, and the cache keys."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def reference(
     lora_id: int | None = None,
     multimodal: list[tuple[int, int, bytes]] = (),  # type: ignore[assignment]
 ) -> list[bytes]:
-    """The reference implementation of docs/HASHING.md, encoding version 1."""
+    """The reference implementation of the README's "Prefix hashing", encoding version 1."""
 
     def digest(data: bytes) -> bytes:
         if algorithm == "sha256":
@@ -52,7 +52,7 @@ def reference(
     return out
 
 
-# (tokens, keyword arguments, algorithm, h[0] hex, h[1] hex) from docs/HASHING.md.
+# (tokens, keyword arguments, algorithm, h[0] hex, h[1] hex) from the README.
 VECTORS = [
     (
         range(32),
