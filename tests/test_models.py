@@ -18,8 +18,14 @@ import torch
 pytest.importorskip("prefixcache._core")
 
 from prefixcache.engine import relative_difference
-from prefixcache.kernels import KernelPlanError, TorchBackend
-from prefixcache.models import HybridModel, ModelCaches, ModelConfig, StepInputs
+from prefixcache.kernels import KernelPlanError, PagedKVCache, TorchBackend, paged_attention
+from prefixcache.models import (
+    HybridModel,
+    ModelCaches,
+    ModelConfig,
+    StepInputs,
+    paged_causal_attention,
+)
 
 BLOCK = 16
 RTOL = 1e-5
@@ -187,6 +193,24 @@ def test_the_seed_fixes_the_weights() -> None:
         logits.append(model.forward(step, fresh(model)))
     assert torch.equal(logits[0], logits[1])
     assert not torch.allclose(logits[0], logits[2])
+
+
+def test_attention_equals_the_kernel_layers_reference() -> None:
+    # Rows: a fresh prefill, a chunk at the end of a longer context, and a decode token.
+    generator = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(16, BLOCK, 2, 8)
+    tables = np.array([[1, 2, 3, 0], [4, 5, 6, 7], [8, 9, 0, 0]], dtype=np.int32)
+    seq_lens = np.array([40, 60, 17])
+    query_lens = [40, 25, 1]
+    for row, context in enumerate(seq_lens.tolist()):
+        slots = [int(tables[row, p // BLOCK]) * BLOCK + p % BLOCK for p in range(context)]
+        keys = torch.randn(context, 2, 8, generator=generator)
+        cache.write(np.array(slots), keys, torch.randn(context, 2, 8, generator=generator))
+    loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    query = torch.randn(int(loc[-1]), 4, 8, generator=generator)
+    ours = paged_causal_attention(query, cache, tables, seq_lens, loc)
+    reference = paged_attention(query, cache, tables, seq_lens, loc)
+    assert relative_difference(ours.numpy(), reference.numpy()) <= 1e-5
 
 
 def test_greedy_sampling_takes_the_argmax() -> None:

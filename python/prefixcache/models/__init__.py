@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .config import LayerKind, ModelConfig
 from .hybrid import HybridModel, ModelCaches, StepInputs, default_dtype
-from .layers import MLP, AttentionLayer, KDALayer, rms_norm
+from .layers import MLP, AttentionLayer, KDALayer, paged_causal_attention, rms_norm
 from .timing import KernelTimer
 
 __all__ = [
@@ -38,5 +38,6 @@ __all__ = [
     "ModelConfig",
     "StepInputs",
     "default_dtype",
+    "paged_causal_attention",
     "rms_norm",
 ]

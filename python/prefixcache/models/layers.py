@@ -10,7 +10,7 @@ Each layer is a frozen dataclass of weights plus a ``forward`` that works on a p
 - :class:`AttentionLayer` is causal grouped-query attention without positional encoding (Kimi
   Linear's full-attention layers are NoPE as well); it writes this step's keys and values into a
   :class:`PagedKVCache` at the plan's ``slot_mapping`` and reads each sequence's context through
-  its block table.
+  its block table (:func:`paged_causal_attention`).
 
 Weights are random (seeded): the layers exist to exercise the caches exactly as a trained model
 would, not to produce meaningful text. No autograd: callers run under ``torch.inference_mode``.
@@ -25,19 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernels import (
-    KDABackend,
-    KDALayerParams,
-    PagedKVCache,
-    StateCache,
-    StatePlan,
-    paged_attention,
-    run_prefill,
-)
+from ..kernels import KDABackend, KDALayerParams, PagedKVCache, StateCache, StatePlan, run_prefill
 from .config import ModelConfig
 from .timing import KernelTimer
 
-__all__ = ["MLP", "AttentionLayer", "KDALayer", "rms_norm"]
+__all__ = ["MLP", "AttentionLayer", "KDALayer", "paged_causal_attention", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,6 +38,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = x.to(compute)
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.to(compute)).to(x.dtype)
+
+
+def paged_causal_attention(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+) -> torch.Tensor:
+    """Causal attention of ``query`` ``[T, Hq, D]`` over each row's context in ``cache``.
+
+    The contract of :func:`prefixcache.kernels.paged_attention` (row r's ``query_len`` tokens
+    are the last of its ``seq_lens[r]``-token context, whose keys and values are already in the
+    cache; grouped-query heads), computed with ``torch.nn.functional.scaled_dot_product_attention``
+    on the context gathered through the block table: no ``[query, context]`` score matrix is
+    kept, so a 164K-token context fits on a GPU (flash / memory-efficient kernels).
+    """
+    tables = np.asarray(block_tables)
+    lengths: list[int] = np.asarray(seq_lens).reshape(-1).tolist()
+    loc: list[int] = np.asarray(query_start_loc).reshape(-1).tolist()
+    out = torch.empty_like(query)
+    for row, context in enumerate(lengths):
+        first, last = loc[row], loc[row + 1]
+        query_len = last - first
+        key, value = cache.gather(tables[row], context)
+        q = query[first:last].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        k = key.to(query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, context, D]
+        v = value.to(query.dtype).transpose(0, 1).unsqueeze(0)
+        if query_len == 1:
+            o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        elif query_len == context:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            visible = torch.ones(query_len, context, dtype=torch.bool, device=query.device)
+            visible = visible.tril(diagonal=context - query_len)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+        out[first:last] = o.squeeze(0).transpose(0, 1)
+    return out
 
 
 def _linear_weight(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
@@ -232,7 +262,7 @@ class AttentionLayer:
             F.linear(x, self.qkv), [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
         )
         cache.write(slot_mapping, k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim))
-        o = paged_attention(
+        o = paged_causal_attention(
             q.reshape(tokens, heads, dim), cache, block_tables, seq_lens, query_start_loc
         )
         return F.linear(o.reshape(tokens, heads * dim), self.out)
