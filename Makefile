@@ -29,6 +29,24 @@ bench:
 bench-python: install
 	$(PYTHON) benchmarks/bindings.py
 
+# Side by side with vLLM 0.33.0's KVCacheManager (docs/BENCHMARKS.md). vLLM (~10 GB) lives in
+# its own virtual environment, never a dependency of the project; prefixcache is installed
+# there as a release wheel built from this tree. VS_VLLM_ARGS="--scale 0.25" for a quick run;
+# NICE="nice -n -10" (root) keeps other jobs on a shared machine from skewing the timings.
+VLLM_VENV := .venv-vllm
+VS_VLLM_ARGS ?= --pairs 5
+NICE ?=
+
+$(VLLM_VENV)/.vllm-installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check 'vllm==0.33.0' xxhash matplotlib
+	@touch $@
+
+.PHONY: bench-vllm
+bench-vllm: $(VLLM_VENV)/.vllm-installed
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps .
+	PYTHONHASHSEED=0 $(NICE) $(VLLM_VENV)/bin/python benchmarks/vs_vllm.py $(VS_VLLM_ARGS)
+
 lint: install
 	cargo fmt --all -- --check
 	cargo clippy -p prefixcache-core --all-targets -- -D warnings

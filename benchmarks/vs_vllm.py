@@ -1,0 +1,489 @@
+"""Manager + hashing time of prefixcache against vLLM 0.33.0's ``KVCacheManager``, side by side.
+
+What is compared: one scheduler-like loop (``simulate`` below) drives either manager through
+the same token streams (``vs_vllm_workloads.py``): admission, chunked prefill steps (8,192
+tokens per step), decode steps, sampled-token appends and finishing. For vLLM that is request
+block hashing + ``get_computed_blocks`` + ``allocate_slots`` (+ the per-step calls its
+scheduler makes, and ``free``); for prefixcache ``add`` + ``lookup`` + ``schedule`` /
+``schedule_batch`` + ``build_plan`` + ``commit`` + ``append_batch`` + ``finish``
+(``vs_vllm_backends.py`` lists every call). Only manager calls are timed
+(``time.perf_counter`` around each), never the loop's own bookkeeping.
+
+Workloads and configurations (``../shared/WORKLOADS.md``):
+
+- growing-prefix: full attention, block 16, sha256; the same with xxh3-128; hybrid attention +
+  recurrent state (vLLM: Mamba in align mode with partial hits; prefixcache: a state group),
+  block 1536, hash unit 128, xxh3-128. prefixcache runs twice per pair: without and with hash
+  reuse (``add(..., extends=previous round)``); the target is judged with reuse.
+- shared-prompts: full attention, block 16, sha256 (target judged without reuse; the reuse run,
+  ``extends=`` the latest request with the same system prompt, is reported beside it).
+
+Every pair runs vLLM, then prefixcache (then prefixcache with reuse), in one process; the ratio
+vLLM / prefixcache is reported as min / median / max over the pairs. Hit tokens per request
+are compared; a difference is "explained" when each manager's hit is exactly what its own
+publication rule gives (vLLM keys blocks when it allocates them, so a request admitted in the
+same step as the request computing its prefix hits it; prefixcache publishes at ``commit``).
+
+Run (vLLM lives in its own virtual environment, never a project dependency)::
+
+    make bench-vllm                       # creates .venv-vllm if missing, then runs this
+    .venv-vllm/bin/python benchmarks/vs_vllm.py --scale 1.0 --pairs 3
+
+``--scale`` shrinks the workloads (see ``vs_vllm_workloads.py``); ``--profile`` adds a
+cProfile of one prefixcache run per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import gc
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vs_vllm_backends import Backend, ManagerConfig, make_backend
+from vs_vllm_workloads import WORKLOAD_NAMES, Request, Workload, make_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_RATIO = 50.0
+
+CONFIGS: dict[str, list[ManagerConfig]] = {
+    "growing-prefix": [
+        ManagerConfig("attention-b16-sha256", "attention", 16, 16, "sha256"),
+        ManagerConfig("attention-b16-xxh3", "attention", 16, 16, "xxh3_128"),
+        ManagerConfig("hybrid-b1536-u128-xxh3", "hybrid", 1536, 128, "xxh3_128"),
+    ],
+    "shared-prompts": [
+        ManagerConfig("attention-b16-sha256", "attention", 16, 16, "sha256"),
+    ],
+}
+REUSE_JUDGED = {"growing-prefix": True, "shared-prompts": False}
+
+
+@dataclass
+class RunResult:
+    """One run of one manager over one workload."""
+
+    seconds: float
+    by_call: dict[str, float]
+    calls: dict[str, int]
+    steps: int
+    hits: dict[int, int]
+    # Per request: (tokens of its shared prefix computed by committed steps, the same
+    # including chunks scheduled earlier in the step that admitted it).
+    cover_at_admission: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+def simulate(workload: Workload, backend: Backend) -> RunResult:
+    """The scheduler loop: running requests first (decodes, then prefill chunks), then
+    admissions, one token budget per step; every request samples its next output token when
+    all its known tokens are computed and finishes after its last one."""
+    shape = workload.shape
+    waiting: deque[Request] = deque(workload.initial())
+    running: list[Request] = []
+    computed: dict[int, int] = {}
+    produced: dict[int, int] = {}
+    hits: dict[int, int] = {}
+    cover_now: dict[int, int] = {}
+    cover_committed: dict[int, int] = {}
+    cover_at_admission: dict[int, tuple[int, int]] = {}
+    steps = 0
+
+    def covered(request: Request, end: int) -> None:
+        key = request.prefix_key
+        cover_now[key] = max(cover_now.get(key, 0), min(end, len(request.prompt)))
+
+    while waiting or running:
+        steps += 1
+        backend.start_step()
+        budget = shape.token_budget
+        scheduled: list[tuple[Request, int]] = []
+        decoding = [r for r in running if produced[r.request_id] > 0]
+        if decoding:
+            backend.schedule_decodes(decoding)
+            budget -= len(decoding)
+            scheduled.extend((r, 1) for r in decoding)
+        for request in running:
+            if produced[request.request_id] > 0:
+                continue
+            if budget <= 0:
+                break
+            tokens = backend.schedule_prefill(request, budget)
+            if tokens:
+                scheduled.append((request, tokens))
+                budget -= tokens
+                covered(request, computed[request.request_id] + tokens)
+        while waiting and budget > 0 and len(running) < shape.max_running:
+            request = waiting[0]
+            key = request.prefix_key
+            view = (cover_committed.get(key, 0), cover_now.get(key, 0))
+            admitted = backend.admit(request, budget)
+            if admitted is None or admitted[1] == 0:
+                break
+            hit, tokens = admitted
+            rid = request.request_id
+            waiting.popleft()
+            running.append(request)
+            hits[rid] = hit
+            cover_at_admission[rid] = view
+            computed[rid] = hit
+            produced[rid] = 0
+            scheduled.append((request, tokens))
+            budget -= tokens
+            covered(request, hit + tokens)
+        if not scheduled:
+            raise RuntimeError(f"{backend.label}: step {steps} scheduled nothing")
+        backend.end_step(scheduled)
+        cover_committed = dict(cover_now)
+        sampled: list[Request] = []
+        for request, tokens in scheduled:
+            rid = request.request_id
+            computed[rid] += tokens
+            if computed[rid] >= len(request.prompt) + produced[rid]:
+                sampled.append(request)
+        if sampled:
+            backend.append(sampled, [int(r.output[produced[r.request_id]]) for r in sampled])
+        for request in sampled:
+            rid = request.request_id
+            produced[rid] += 1
+            if produced[rid] == len(request.output):
+                backend.finish(request)
+                running.remove(request)
+                waiting.extend(workload.on_finished(request))
+    return RunResult(
+        seconds=backend.total_seconds(),
+        by_call=dict(backend.seconds),
+        calls=dict(backend.calls),
+        steps=steps,
+        hits=hits,
+        cover_at_admission=cover_at_admission,
+    )
+
+
+def run_once(side: str, config: ManagerConfig, workload: Workload) -> RunResult:
+    """One timed run on a fresh manager. Garbage of earlier runs is collected and what is
+    alive is frozen first (as vLLM's engine freezes its heap after start-up), so neither side
+    pays for scanning the other's objects."""
+    backend = make_backend(side, config, workload)
+    gc.collect()
+    gc.freeze()
+    try:
+        return simulate(workload, backend)
+    finally:
+        gc.unfreeze()
+
+
+def floor_to(value: int, multiple: int) -> int:
+    return value // multiple * multiple
+
+
+def compare_hits(
+    workload: Workload, config: ManagerConfig, vllm: RunResult, ours: RunResult
+) -> dict[str, Any]:
+    """Per-request hit tokens of both managers, with every difference classified."""
+    requests = {r.request_id: r for r in _all_requests(workload)}
+    differing: list[int] = []
+    explained = 0
+    for rid, vllm_hit in vllm.hits.items():
+        our_hit = ours.hits[rid]
+        if our_hit == vllm_hit:
+            continue
+        differing.append(rid)
+        request = requests[rid]
+        if config.kind != "attention":
+            continue
+        limit = min(request.prefix_len, len(request.prompt) - 1)
+        # vLLM: blocks are keyed when allocated (same step included); prefixcache: at commit.
+        vllm_expected = floor_to(min(limit, vllm.cover_at_admission[rid][1]), config.unit)
+        our_expected = floor_to(min(limit, ours.cover_at_admission[rid][0]), config.unit)
+        if vllm_hit == vllm_expected and our_hit == our_expected:
+            explained += 1
+    return {
+        "requests": len(vllm.hits),
+        "vllm_hit_tokens": sum(vllm.hits.values()),
+        "prefixcache_hit_tokens": sum(ours.hits.values()),
+        "differing_requests": len(differing),
+        "explained_same_step": explained,
+        "first_differing": differing[:5],
+    }
+
+
+def _all_requests(workload: Workload) -> list[Request]:
+    pending = deque(workload.initial())
+    result = []
+    while pending:
+        request = pending.popleft()
+        result.append(request)
+        pending.extend(workload.on_finished(request))
+    return result
+
+
+def _median_calls(runs: list[RunResult]) -> dict[str, dict[str, float]]:
+    names = sorted({name for run in runs for name in run.by_call})
+    return {
+        name: {
+            "seconds": statistics.median(run.by_call.get(name, 0.0) for run in runs),
+            "calls": runs[0].calls.get(name, 0),
+        }
+        for name in names
+    }
+
+
+def _ratios(vllm: list[RunResult], ours: list[RunResult]) -> list[float]:
+    return [v.seconds / o.seconds for v, o in zip(vllm, ours, strict=True)]
+
+
+def _entry(
+    workload: Workload,
+    config: ManagerConfig,
+    vllm: list[RunResult],
+    ours: list[RunResult],
+    judged: bool,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    ratios = _ratios(vllm, ours)
+    hits = compare_hits(workload, config, vllm[0], ours[0])
+    hashed_tokens = sum(len(r.prompt) + len(r.output) for r in _all_requests(workload))
+    vllm_hash = statistics.median(
+        run.by_call.get("hash", 0.0) + run.by_call.get("append_output_token_ids", 0.0)
+        for run in vllm
+    )
+    stable = all(run.hits == vllm[0].hits for run in vllm) and all(
+        run.hits == ours[0].hits for run in ours
+    )
+    median = statistics.median(ratios)
+    return {
+        "ratio_min": min(ratios),
+        "ratio_median": median,
+        "ratio_max": max(ratios),
+        "vllm_seconds": statistics.median(run.seconds for run in vllm),
+        "prefixcache_seconds": statistics.median(run.seconds for run in ours),
+        "hit_tokens_equal": hits["differing_requests"] == 0,
+        "ratios": ratios,
+        "vllm_runs_seconds": [run.seconds for run in vllm],
+        "prefixcache_runs_seconds": [run.seconds for run in ours],
+        "vllm_calls": _median_calls(vllm),
+        "prefixcache_calls": _median_calls(ours),
+        "steps": {"vllm": vllm[0].steps, "prefixcache": ours[0].steps},
+        "vllm_hashing_us_per_1k_tokens": vllm_hash / hashed_tokens * 1e9,
+        "hits": {**hits, "same_in_every_pair": stable},
+        "hash_reuse": config.reuse,
+        "target_judged_here": judged,
+        "meets_target": median >= TARGET_RATIO,
+        **meta,
+    }
+
+
+def profile_prefixcache(config: ManagerConfig, workload: Workload) -> str:
+    """cProfile of one prefixcache run: where the Python-visible time goes."""
+    backend = make_backend("prefixcache", config, workload)
+    gc.collect()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    simulate(workload, backend)
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(14)
+    return out.getvalue()
+
+
+def write_chart(results: dict[str, dict[str, dict[str, Any]]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, medians, low, high, colours = [], [], [], [], []
+    for workload, configs in results.items():
+        for name, entry in configs.items():
+            judged = " (judged)" if entry["target_judged_here"] else ""
+            labels.append(f"{workload}\n{name}{judged}")
+            medians.append(entry["ratio_median"])
+            low.append(entry["ratio_median"] - entry["ratio_min"])
+            high.append(entry["ratio_max"] - entry["ratio_median"])
+            colours.append("#2a7" if entry["ratio_median"] >= TARGET_RATIO else "#d73")
+    figure, axis = plt.subplots(figsize=(7.5, 0.42 * len(labels) + 1.2), dpi=90)
+    rows = list(range(len(labels)))[::-1]
+    axis.barh(rows, medians, xerr=[low, high], color=colours, capsize=3)
+    axis.axvline(TARGET_RATIO, color="black", linestyle="--", linewidth=1)
+    axis.text(TARGET_RATIO * 1.03, -0.45, "target 50x", fontsize=8)
+    axis.set_yticks(rows, labels, fontsize=7)
+    axis.set_xscale("log")
+    ticks = [t for t in (1, 2, 5, 10, 20, 50, 100, 200, 500) if t <= 2 * max([*medians, 60])]
+    axis.set_xticks(ticks, [f"{t}x" for t in ticks])
+    axis.minorticks_off()
+    axis.set_xlabel("vLLM / prefixcache manager + hashing time (median, min-max of pairs)")
+    axis.set_title(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def markdown_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = [
+        "| workload | config | vLLM s | prefixcache s | ratio min / median / max | hits equal |",
+        "|---|---|---|---|---|---|",
+    ]
+    for workload, configs in results.items():
+        for name, e in configs.items():
+            judged = " (judged)" if e["target_judged_here"] else ""
+            hits = e["hits"]
+            equal = (
+                "yes"
+                if e["hit_tokens_equal"]
+                else (
+                    f"no: {hits['differing_requests']} of {hits['requests']} "
+                    f"({hits['explained_same_step']} same-step)"
+                )
+            )
+            lines.append(
+                f"| {workload} | {name}{judged} | {e['vllm_seconds']:.3f} | "
+                f"{e['prefixcache_seconds']:.4f} | {e['ratio_min']:.1f} / "
+                f"**{e['ratio_median']:.1f}** / {e['ratio_max']:.1f} | {equal} |"
+            )
+    return "\n".join(lines)
+
+
+def calls_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = []
+    for workload, configs in results.items():
+        for name, e in configs.items():
+            parts = []
+            for side in ("vllm", "prefixcache"):
+                calls = e[f"{side}_calls"]
+                items = ", ".join(
+                    f"{call} {v['seconds'] * 1e3:.1f} ms/{v['calls']}"
+                    for call, v in sorted(calls.items(), key=lambda kv: -kv[1]["seconds"])
+                )
+                parts.append(f"{side}: {items}")
+            lines.append(f"- {workload} / {name}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="workload size (1.0 = full)")
+    parser.add_argument("--pairs", type=int, default=3, help="alternating pairs (>= 3)")
+    parser.add_argument(
+        "--workload", nargs="+", choices=WORKLOAD_NAMES, default=list(WORKLOAD_NAMES)
+    )
+    parser.add_argument("--config", nargs="*", help="only these configuration names")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/vs_vllm.json")
+    parser.add_argument("--chart", type=Path, default=ROOT / "docs/vs_vllm.png")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--profile", action="store_true", help="cProfile prefixcache runs")
+    args = parser.parse_args(argv)
+
+    import prefixcache
+    import vllm
+
+    command = "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = {
+        "scale": args.scale,
+        "pairs": args.pairs,
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {_cores()} cores, Python {platform.python_version()}",
+        "vllm_version": vllm.__version__,
+        "prefixcache_version": prefixcache.__version__,
+        "prefixcache_commit": _git_commit(),
+        "command": command.strip(),
+        "load_average_at_start": round(os.getloadavg()[0], 2),
+        "nice": os.nice(0),
+    }
+    print(f"# {meta['machine']}, vLLM {vllm.__version__}, scale {args.scale}", flush=True)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    profiles: list[str] = []
+    for workload_name in args.workload:
+        workload = make_workload(workload_name, args.scale)
+        results[workload_name] = {}
+        for config in CONFIGS[workload_name]:
+            if args.config and config.name not in args.config:
+                continue
+            reuse = ManagerConfig(
+                config.name + "+extends",
+                config.kind,
+                config.block_size,
+                config.unit,
+                config.hash,
+                reuse=True,
+            )
+            vllm_runs: list[RunResult] = []
+            plain_runs: list[RunResult] = []
+            reuse_runs: list[RunResult] = []
+            for pair in range(args.pairs):
+                vllm_runs.append(run_once("vllm", config, workload))
+                plain_runs.append(run_once("prefixcache", config, workload))
+                reuse_runs.append(run_once("prefixcache", reuse, workload))
+                print(
+                    f"{workload_name} {config.name} pair {pair}: vLLM "
+                    f"{vllm_runs[-1].seconds:.3f} s, prefixcache {plain_runs[-1].seconds:.4f} s"
+                    f", with extends {reuse_runs[-1].seconds:.4f} s",
+                    flush=True,
+                )
+            judged = REUSE_JUDGED[workload_name]
+            results[workload_name][config.name] = _entry(
+                workload, config, vllm_runs, plain_runs, not judged, meta
+            )
+            results[workload_name][reuse.name] = _entry(
+                workload, reuse, vllm_runs, reuse_runs, judged, meta
+            )
+            if args.profile:
+                for profiled in (config, reuse):
+                    profiles.append(
+                        f"## {workload_name} / {profiled.name}\n"
+                        + profile_prefixcache(profiled, workload)
+                    )
+    print(markdown_table(results))
+    print(calls_table(results))
+    for text in profiles:
+        print(text)
+    if not args.no_write:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        write_chart(
+            results,
+            args.chart,
+            f"prefixcache vs vLLM {meta['vllm_version']} KVCacheManager, scale {args.scale}, "
+            f"{meta['date']}, {meta['machine'].split(', Python')[0]}",
+        )
+        print(f"wrote {args.json} and {args.chart}")
+    print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+def _git_commit() -> str:
+    """The commit of the tree this runs from (the installed wheel is built from it)."""
+    import subprocess
+
+    try:
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    status = main()
+    print(f"# total {time.perf_counter() - start:.0f} s")
+    sys.exit(status)
