@@ -274,12 +274,18 @@ def offsets_for(length: int, count: int) -> list[int]:
 
 
 def run_timing(
-    backends: dict[str, Any], device: str, smoke: bool, deadline: float
+    backends: dict[str, Any],
+    device: str,
+    smoke: bool,
+    deadline: float,
+    only: list[tuple[int, int, int]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Time every backend at each (rows, length, heads) configuration."""
-    configs = (
-        [(2, 256, 2)] if smoke else [(4, 8192, 32), (1, 32768, 32), (4, 8192, 12), (1, 32768, 12)]
-    )
+    """Time every backend at each (rows, length, heads) configuration (or those in ``only``)."""
+    configs = [(2, 256, 2)]
+    if not smoke:
+        configs = [(4, 8192, 32), (1, 32768, 32), (4, 8192, 12), (1, 32768, 12)]
+    if only:
+        configs = only
     entries: list[dict[str, Any]] = []
     for rows, length, heads in configs:
         if time.monotonic() > deadline:
@@ -591,6 +597,10 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=480.0, help="seconds before timing stops")
     parser.add_argument("--smoke", action="store_true", help="CPU, torch backend, tiny shapes")
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--backends", default="", help="comma-separated labels (default: all)")
+    parser.add_argument(
+        "--configs", default="", help="comma-separated ROWSxLENGTHxHEADS to time (default: all)"
+    )
     parser.add_argument(
         "--diagnose",
         action="store_true",
@@ -612,6 +622,11 @@ def main() -> int:
     if not args.smoke:
         results["auto"] = kernels.get_backend("auto", library=args.library).name
     backends, missing = build_backends(args.library, args.smoke)
+    if args.backends:
+        backends = {k: v for k, v in backends.items() if k in args.backends.split(",")}
+    only = [
+        (int(r), int(n), int(h)) for r, n, h in (c.split("x") for c in args.configs.split(",") if c)
+    ]
     results["missing"] = missing
     log.info("backends %s; missing %s", list(backends), missing)
 
@@ -629,7 +644,7 @@ def main() -> int:
     save()
     results["refusals"] = run_refusals(backends, args.smoke)
     save()
-    results["timing"] = run_timing(backends, device, args.smoke, deadline)
+    results["timing"] = run_timing(backends, device, args.smoke, deadline, only or None)
     text = table(results["parity"], results["timing"], results["refusals"])
     results["table"] = text
     save()

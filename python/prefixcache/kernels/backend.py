@@ -111,15 +111,17 @@ class KDABackend(ABC):
         )
 
 
-def upload(device: torch.device, *arrays: Sequence[int]) -> list[torch.Tensor]:
-    """Int64 tensors on ``device`` of ``arrays``, moved in one host-to-device copy.
+def upload(device: torch.device, *arrays: Sequence[int] | torch.Tensor) -> list[torch.Tensor]:
+    """Int64 tensors on ``device`` of ``arrays`` (lists or host tensors), in one host-to-device
+    copy.
 
     Each launch-side index array of a step costs host time; one copy instead of many keeps the
-    kernels' Python wrapper cheaper than the kernels.
+    kernels' Python wrapper cheaper than the kernels. Pass long arrays as tensors (building
+    them from Python lists costs more than the copy).
     """
-    sizes = [len(array) for array in arrays]
-    flat = torch.tensor([value for array in arrays for value in array], dtype=torch.int64)
-    return list(torch.split(to_device(flat, device), sizes))
+    parts = [torch.as_tensor(array, dtype=torch.int64).reshape(-1) for array in arrays]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    return list(torch.split(to_device(flat, device), [part.numel() for part in parts]))
 
 
 def read_states_at(

@@ -135,9 +135,9 @@ def run_rounds(
         )
         contiguous = all(a.end == b.start for a, b in itertools.pairwise(segments))
         exported = [(i, s.interior) for i, s in enumerate(segments) if s.interior is not None]
-        token_index: list[int] = []
+        token_index = torch.empty(0, dtype=torch.int64)
         if not (whole or contiguous):
-            token_index = [t for s in segments for t in range(s.start, s.end)]
+            token_index = torch.cat([torch.arange(s.start, s.end) for s in segments])
         # Every index array of the round in one host-to-device copy.
         cu_d, initial_d, final_d, offsets_d, rows_d, slots_d, index_d = upload(
             device,
@@ -176,7 +176,7 @@ def run_rounds(
         else:
             if out is None:
                 out = o.new_empty((total, *o.shape[1:]))
-            if token_index:
+            if token_index.numel():
                 out.index_copy_(0, index_d, o)
             else:
                 out[segments[0].start : segments[-1].end] = o
