@@ -57,9 +57,10 @@ the model:
   per-GPU shape (12 heads of 128). It represents the cache traffic and the exact numerics of
   resuming from checkpoints, and, relative to each other, the prefill work each policy saves.
   It does not represent output quality (random weights), the absolute latency of a real model
-  (it is thousands of times smaller; attention is a plain reference loop on the CPU), MoE
-  feed-forward blocks or MLA latent attention. TTFT is wall-clock time on this machine from a
-  request's arrival in the engine loop to its first token.
+  (it is thousands of times smaller, and its attention runs one sequence at a time in plain
+  torch), MoE feed-forward blocks or MLA latent attention. TTFT is wall-clock time on this
+  machine from a request's arrival in the engine loop to its first token (an idle engine jumps
+  to the next arrival instead of waiting for it).
 """
 
 
