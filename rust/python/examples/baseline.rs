@@ -1,33 +1,48 @@
-//! Pure-Rust baseline of `benchmarks/bindings.py`'s admission case: the same 164K-token prompt
-//! through `add` + `lookup` + `schedule` + `build_plan` + `commit` + `finish`, cold and warm,
-//! so the Python figures can be read as Rust work plus crossing cost.
+//! Pure-Rust baseline of `benchmarks/bindings.py`: the same decode steps and 164K-token
+//! admissions, timed the same way (median and minimum of short runs), so the Python figures
+//! read as core work plus crossing cost.
 //!
-//! Run: `cargo run --release -p prefixcache-python --example admission`.
+//! Run: `cargo run --release -p prefixcache-python --example baseline`.
 use std::time::Instant;
 
 use prefixcache_core::{
     CacheConfig, CacheManager, ExtraKeys, GroupConfig, GroupKind, HashConfig, PoolConfig,
+    StateGroupConfig,
 };
 
 const CONTEXT: u32 = 164_000;
+const ROWS: u32 = 256;
 
 fn tokens(seed: u32, n: u32) -> Vec<u32> {
     (0..n).map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) % 150_000).collect()
 }
 
-fn manager() -> CacheManager {
+fn manager(state: bool, blocks: u32, state_blocks: u32) -> CacheManager {
+    let mut groups =
+        vec![GroupConfig { kind: GroupKind::FullAttention { block_size: 16 }, pool: 0 }];
+    let mut pools = vec![PoolConfig { num_blocks: blocks }];
+    if state {
+        groups.push(GroupConfig {
+            kind: GroupKind::State(StateGroupConfig {
+                alignment: 16,
+                ..StateGroupConfig::default()
+            }),
+            pool: 1,
+        });
+        pools.push(PoolConfig { num_blocks: state_blocks });
+    }
     let config = CacheConfig {
         hash: HashConfig { unit: 16, ..HashConfig::default() },
-        pools: vec![PoolConfig { num_blocks: CONTEXT / 16 + 64 }],
-        groups: vec![GroupConfig { kind: GroupKind::FullAttention { block_size: 16 }, pool: 0 }],
+        pools,
+        groups,
         enable_events: false,
         ..CacheConfig::default()
     };
     CacheManager::new(config).expect("valid config")
 }
 
-fn admit(m: &mut CacheManager, id: u64, prompt: &[u32]) -> u32 {
-    m.add(id, prompt, ExtraKeys::default(), None).expect("add");
+fn admit(m: &mut CacheManager, id: u64, prompt: &[u32], extends: Option<u64>) -> u32 {
+    m.add(id, prompt, ExtraKeys::default(), extends).expect("add");
     m.lookup(id).expect("lookup");
     let scheduled = m.schedule(id, u32::MAX, 0, false).expect("schedule").expect("blocks");
     let plan = m.build_plan().expect("plan");
@@ -36,25 +51,64 @@ fn admit(m: &mut CacheManager, id: u64, prompt: &[u32]) -> u32 {
     scheduled.num_computed
 }
 
-fn main() {
-    for (name, warm) in [("admit 164K cold", false), ("admit 164K warm resend", true)] {
-        // One long-lived manager, emptied by `reset` (untimed) between repetitions, exactly as
-        // the Python benchmark does.
-        let mut m = manager();
-        let mut times = Vec::new();
-        for rep in 0..21u32 {
-            m.reset().expect("nothing running");
-            let prompt = tokens(11 + rep, CONTEXT);
-            let id = 2 * u64::from(rep);
-            if warm {
-                admit(&mut m, id, &prompt);
-            }
-            let start = Instant::now();
-            let hit = admit(&mut m, id + 1, &prompt);
-            times.push(start.elapsed().as_secs_f64() * 1e6);
-            assert_eq!(hit, if warm { (CONTEXT - 1) / 16 * 16 } else { 0 });
-        }
-        times.sort_by(f64::total_cmp);
-        println!("{name:<40} median {:9.1} us, min {:9.1} us", times[times.len() / 2], times[0]);
+fn report(name: &str, mut times: Vec<f64>) {
+    times.sort_by(f64::total_cmp);
+    println!("{name:<40} {:9.1} {:9.1}", times[times.len() / 2], times[0]);
+}
+
+/// 256 sequences sharing a 164K-token context, all decoding (as `decode_setup` in the core's
+/// criterion bench and `bindings.py`).
+fn decode(state: bool, steps: u64) -> Vec<f64> {
+    let blocks = CONTEXT / 16 + ROWS * (2048 / 16 + 4);
+    let mut m = manager(state, blocks, ROWS * 8);
+    let mut prompt = tokens(3, CONTEXT);
+    admit(&mut m, 0, &prompt, None);
+    let ids: Vec<u64> = (1..=u64::from(ROWS)).collect();
+    for &id in &ids {
+        *prompt.last_mut().expect("non-empty") = id as u32;
+        m.add(id, &prompt, ExtraKeys::default(), Some(0)).expect("add");
+        m.schedule(id, u32::MAX, 0, false).expect("schedule").expect("blocks");
     }
+    let plan = m.build_plan().expect("plan");
+    m.commit(&plan).expect("commit");
+    let budgets = vec![1u32; ids.len()];
+    let mut times = Vec::new();
+    for step in 0..steps {
+        let sampled: Vec<u32> = ids.iter().map(|&i| ((i + step) % 150_000) as u32).collect();
+        let start = Instant::now();
+        m.append_batch(&ids, &sampled).expect("append");
+        let scheduled = m.schedule_batch(&ids, &budgets, false).expect("schedule");
+        let plan = m.build_plan().expect("plan");
+        m.commit(&plan).expect("commit");
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        assert!(scheduled.iter().all(|s| s.as_ref().is_some_and(|s| s.num_tokens == 1)));
+    }
+    times.split_off(times.len() / 10) // drop the warm-up
+}
+
+/// One long-lived manager, emptied by `reset` (untimed) between repetitions.
+fn admission(warm: bool, reps: u32) -> Vec<f64> {
+    let mut m = manager(false, CONTEXT / 16 + 64, 0);
+    let mut times = Vec::new();
+    for rep in 0..reps {
+        m.reset().expect("nothing running");
+        let prompt = tokens(11 + rep, CONTEXT);
+        let id = 2 * u64::from(rep);
+        if warm {
+            admit(&mut m, id, &prompt, None);
+        }
+        let start = Instant::now();
+        let hit = admit(&mut m, id + 1, &prompt, None);
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        assert_eq!(hit, if warm { (CONTEXT - 1) / 16 * 16 } else { 0 });
+    }
+    times
+}
+
+fn main() {
+    println!("{:<40} {:>9} {:>9}  (microseconds)", "case (pure Rust)", "median", "min");
+    report("decode step, 256 x 164K, B=16", decode(false, 500));
+    report("decode step, 256 x 164K, B=16 + state", decode(true, 500));
+    report("admit 164K cold", admission(false, 31));
+    report("admit 164K warm resend", admission(true, 31));
 }
