@@ -12,8 +12,10 @@ NumPy arrays):
   identical resend), with the tokens given as a NumPy array and as a list.
 
 Reports medians (and minima, which machine load disturbs least), with the garbage collector off
-while timing (as ``timeit`` does). When ``target/criterion`` holds results of ``cargo bench -p
-prefixcache-core --bench manager``, the matching pure-Rust medians are printed alongside.
+while timing (as ``timeit`` does). ``cargo run --release -p prefixcache-python --example
+baseline`` times the same cases in pure Rust the same way; when ``target/criterion`` holds
+results of ``cargo bench -p prefixcache-core --bench manager``, their decode-step medians are
+printed alongside too.
 
 Run: ``python benchmarks/bindings.py`` (release build of the extension: ``make install``).
 """
