@@ -12,10 +12,9 @@ NumPy arrays):
   identical resend), with the tokens given as a NumPy array and as a list.
 
 Reports medians (and minima, which machine load disturbs least), with the garbage collector off
-while timing (as ``timeit`` does). ``cargo run --release -p prefixcache-python --example
-baseline`` times the same cases in pure Rust the same way; when ``target/criterion`` holds
-results of ``cargo bench -p prefixcache-core --bench manager``, their decode-step medians are
-printed alongside too.
+while timing (as ``timeit`` does), next to the same cases timed the same way in pure Rust by
+``rust/python/examples/baseline.rs`` when its binary is built (``cargo build --release -p
+prefixcache-python --example baseline``): the difference is the crossing cost.
 
 Run: ``python benchmarks/bindings.py`` (release build of the extension: ``make install``).
 """
@@ -28,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +37,7 @@ import prefixcache as pc
 
 CONTEXT = 164_000
 ROWS = 256
-CRITERION = Path(__file__).resolve().parents[1] / "target" / "criterion"
+BASELINE = Path(__file__).resolve().parents[1] / "target" / "release" / "examples" / "baseline"
 
 
 def tokens(seed: int, n: int) -> np.ndarray:
@@ -123,51 +123,44 @@ def bench_admission(warm: bool, as_list: bool, reps: int) -> list[float]:
     return times
 
 
-def criterion_median_us(name: str) -> float | None:
-    """The pure-Rust median of a criterion bench, if it was run here."""
-    estimates = CRITERION / name / "new" / "estimates.json"
-    if not estimates.exists():
-        return None
-    return float(json.loads(estimates.read_text())["median"]["point_estimate"]) / 1e3
+def rust_baseline() -> dict[str, float]:
+    """Medians of the pure-Rust baseline by case name, if its binary is built."""
+    if not BASELINE.exists():
+        return {}
+    out = subprocess.run([BASELINE], check=True, capture_output=True, text=True).stdout
+    medians = {}
+    for line in out.splitlines()[1:]:
+        name, median, _best = line.rsplit(maxsplit=2)
+        medians[name.strip()] = float(median)
+    return medians
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500, help="decode steps per setup")
-    parser.add_argument("--reps", type=int, default=15, help="admissions per case")
-    parser.add_argument("--json", action="store_true", help="print the medians as JSON")
+    parser.add_argument("--reps", type=int, default=31, help="admissions per case")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
 
-    cases: list[tuple[str, Callable[[], list[float]], str | None]] = [
-        (
-            "decode step, 256 x 164K, B=16",
-            lambda: bench_decode(False, args.steps),
-            "decode_step/256x164k_b16",
-        ),
-        (
-            "decode step, 256 x 164K, B=16 + state",
-            lambda: bench_decode(True, args.steps),
-            "decode_step/256x164k_b16_state",
-        ),
-        ("admit 164K cold, numpy tokens", lambda: bench_admission(False, False, args.reps), None),
-        ("admit 164K cold, list tokens", lambda: bench_admission(False, True, args.reps), None),
-        (
-            "admit 164K warm resend, numpy tokens",
-            lambda: bench_admission(True, False, args.reps),
-            None,
-        ),
-        (
-            "admit 164K warm resend, list tokens",
-            lambda: bench_admission(True, True, args.reps),
-            None,
-        ),
+    decode = "decode step, 256 x 164K, B=16"
+    cold, warm = "admit 164K cold", "admit 164K warm resend"
+    # (case, run, the pure-Rust case it is compared with)
+    cases: list[tuple[str, Callable[[], list[float]], str]] = [
+        (decode, lambda: bench_decode(False, args.steps), decode),
+        (f"{decode} + state", lambda: bench_decode(True, args.steps), f"{decode} + state"),
+        (f"{cold}, numpy tokens", lambda: bench_admission(False, False, args.reps), cold),
+        (f"{cold}, list tokens", lambda: bench_admission(False, True, args.reps), cold),
+        (f"{warm}, numpy tokens", lambda: bench_admission(True, False, args.reps), warm),
+        (f"{warm}, list tokens", lambda: bench_admission(True, True, args.reps), warm),
     ]
-    results = {}
+    rust = rust_baseline()
     print(
         f"prefixcache {pc.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()}, load average {os.getloadavg()[0]:.1f}; microseconds"
+        + ("" if rust else f"; no pure-Rust baseline (build {BASELINE.name}, see the docstring)")
     )
-    print(f"{'case':<40} {'median':>9} {'min':>9} {'rust':>9}")
+    print(f"{'case':<40} {'median':>9} {'min':>9} {'rust':>9} {'overhead':>9}")
+    results = {}
     for name, run, rust_name in cases:
         gc.disable()
         try:
@@ -175,14 +168,10 @@ def main() -> None:
         finally:
             gc.enable()
         median, best = statistics.median(times), min(times)
-        rust = criterion_median_us(rust_name) if rust_name else None
-        results[name] = {
-            "median_us": round(median, 1),
-            "min_us": round(best, 1),
-            "rust_median_us": rust and round(rust, 1),
-        }
-        rust_text = f"{rust:9.1f}" if rust is not None else f"{'-':>9}"
-        print(f"{name:<40} {median:9.1f} {best:9.1f} {rust_text}")
+        baseline = rust.get(rust_name)
+        results[name] = {"median_us": median, "min_us": best, "rust_median_us": baseline}
+        extra = f"{baseline:9.1f} {median - baseline:9.1f}" if baseline is not None else f"{'-':>9}"
+        print(f"{name:<40} {median:9.1f} {best:9.1f} {extra}")
     if args.json:
         print(json.dumps(results, indent=2))
 
