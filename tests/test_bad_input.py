@@ -437,7 +437,9 @@ OPS = st.sampled_from(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(st.lists(st.tuples(OPS, ARG, ARG, TOKENS), min_size=1, max_size=30))
 def test_random_calls_raise_only_typed_errors(
     calls: list[tuple[str, object, object, object]],

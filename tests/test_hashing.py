@@ -125,7 +125,7 @@ def test_a_prefix_digest_never_depends_on_later_tokens() -> None:
     )
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50, deadline=None, database=None)
 @given(
     tokens=st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=70),
     unit=st.integers(min_value=1, max_value=9),
