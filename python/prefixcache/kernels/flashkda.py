@@ -16,6 +16,15 @@ and a ``[N, H, V, K]`` state (fp32 here). Its chunk is 16 tokens, so A = 16.
   copies into the slots. Rows with more checkpoints are chained, each call exporting one interior
   checkpoint and ending at the next. The op silently skips an offset off its 16-grid; the plan
   check refuses such offsets first.
+
+Measured on the H200 (docs/BENCHMARKS.md): FlashKDA's results do not depend on the packing or on
+the checkpoint arguments, and an in-kernel checkpoint equals the prefix run's final state bit for
+bit; but a run resumed from a state differs from the uninterrupted run by about one bf16 ulp in
+its outputs. So ``flashkda-op`` matches split forwards in its checkpoints exactly and in outputs
+and final states to that rounding, and ``flashkda`` (which always chains) matches split forwards
+exactly but an unsplit run only to that rounding. With one checkpoint per sequence
+``flashkda-op`` runs in place (+1% over no export); a second checkpoint costs a second call whose
+tokens are gathered when the batch has several rows.
 """
 
 from __future__ import annotations
