@@ -261,12 +261,10 @@ class _Loop:
             arrived.append(heapq.heappop(self.pending)[2])
         for request in arrived:
             arrival = now if request.arrival_s is None else request.arrival_s
-            tokens = [int(t) for t in request.prompt]
             self.manager.add(
-                request.request_id,
-                np.asarray(tokens, dtype=np.uint32),
-                extends=request.extends,
+                request.request_id, request.prompt.astype(np.uint32), extends=request.extends
             )
+            tokens: list[int] = request.prompt.tolist()
             self.waiting.append(_Sequence(request=request, tokens=tokens, arrival=arrival))
 
     # --- the loop -----------------------------------------------------------------------------
