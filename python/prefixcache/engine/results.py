@@ -9,6 +9,7 @@ policy is checked against the no-cache run.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,12 +124,12 @@ class RunResult:
     @property
     def prefill_seconds(self) -> float:
         """Forward time attributed to prefill."""
-        return sum(r.prefill_seconds for r in self.requests.values())
+        return math.fsum(r.prefill_seconds for r in self.requests.values())
 
     @property
     def kda_prefill_seconds(self) -> float:
         """KDA kernel time attributed to prefill."""
-        return sum(r.kda_prefill_seconds for r in self.requests.values())
+        return math.fsum(r.kda_prefill_seconds for r in self.requests.values())
 
     @property
     def ttft_p50_ms(self) -> float:
@@ -147,8 +148,8 @@ class RunResult:
                 prompt_tokens=sum(r.prompt_len for r in items),
                 hit_tokens=sum(r.hit_tokens for r in items),
                 computed_prefill_tokens=sum(r.computed_prefill_tokens for r in items),
-                prefill_seconds=sum(r.prefill_seconds for r in items),
-                kda_prefill_seconds=sum(r.kda_prefill_seconds for r in items),
+                prefill_seconds=math.fsum(r.prefill_seconds for r in items),
+                kda_prefill_seconds=math.fsum(r.kda_prefill_seconds for r in items),
                 ttft_p50_ms=_p50_ms([r.ttft_s for r in items]),
             )
             for number, items in sorted(by_round.items())
