@@ -17,9 +17,7 @@ const UNITS: usize = 8192;
 
 /// Token ids spread over a realistic vocabulary (so no byte pattern is constant).
 fn prompt(len: usize) -> Vec<u32> {
-    (0..len as u32)
-        .map(|t| t.wrapping_mul(2_654_435_761) % 200_000)
-        .collect()
+    (0..len as u32).map(|t| t.wrapping_mul(2_654_435_761) % 200_000).collect()
 }
 
 fn hash_prompt(criterion: &mut Criterion) {
@@ -61,16 +59,13 @@ fn hash_prompt_with_extra_keys(criterion: &mut Criterion) {
     let tokens = prompt(UNITS * unit as usize);
     let mut hasher = Hasher::new(HashAlgorithm::Xxh3_128, DEFAULT_SEED);
     let mut digests: Vec<Digest> = Vec::with_capacity(UNITS);
-    group.bench_function(
-        BenchmarkId::new("xxh3_128", format!("unit_{unit}")),
-        |bencher| {
-            bencher.iter(|| {
-                digests.clear();
-                hasher.extend(black_box(&tokens), unit, &extra, &mut digests);
-                black_box(digests.last().copied())
-            });
-        },
-    );
+    group.bench_function(BenchmarkId::new("xxh3_128", format!("unit_{unit}")), |bencher| {
+        bencher.iter(|| {
+            digests.clear();
+            hasher.extend(black_box(&tokens), unit, &extra, &mut digests);
+            black_box(digests.last().copied())
+        });
+    });
     group.finish();
 }
 

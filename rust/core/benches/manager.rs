@@ -26,7 +26,10 @@ fn config(block: u32, unit: u32, state: bool, blocks: u32, state_blocks: u32) ->
     let mut pools = vec![PoolConfig { num_blocks: blocks }];
     if state {
         groups.push(GroupConfig {
-            kind: GroupKind::State(StateGroupConfig { alignment: 16, ..StateGroupConfig::default() }),
+            kind: GroupKind::State(StateGroupConfig {
+                alignment: 16,
+                ..StateGroupConfig::default()
+            }),
             pool: 1,
         });
         pools.push(PoolConfig { num_blocks: state_blocks });
@@ -71,33 +74,39 @@ fn bench_lookup(c: &mut Criterion) {
 }
 
 fn bench_request(c: &mut Criterion) {
-    let prompt = tokens(7, 4096);
-    let mut m = CacheManager::new(config(16, 16, false, 4096, 0)).unwrap();
-    prefill(&mut m, 1, &prompt[..2048]);
-    let mut id = 10u64;
-    c.bench_function("request/4096_half_hit_b16", |b| {
-        b.iter_batched(
-            || {
-                // The second half is new every time: exactly 2,048 tokens hit.
-                id += 1;
-                let mut request = prompt.clone();
-                for t in &mut request[2048..] {
-                    *t ^= (id as u32) << 18;
-                }
-                (id, request)
-            },
-            |(id, request)| {
-                m.add(id, &request, ExtraKeys::default(), None).unwrap();
-                let hit = m.lookup(id).unwrap();
-                assert_eq!(hit.tokens, 2048);
-                m.schedule(id, u32::MAX, 0, false).unwrap().unwrap();
-                let plan = m.build_plan().unwrap();
-                m.commit(&plan).unwrap();
-                m.finish(id).unwrap();
-            },
-            BatchSize::SmallInput,
-        );
-    });
+    // Without and with a state group (what checkpoint planning adds): the state group resumes
+    // from the first prompt's tail checkpoint at 2,032, the last unit boundary before 2,048.
+    for (name, state, hit) in [
+        ("request/4096_half_hit_b16", false, 2048),
+        ("request/4096_half_hit_b16_state", true, 2032),
+    ] {
+        let prompt = tokens(7, 4096);
+        let mut m = CacheManager::new(config(16, 16, state, 4096, 64)).unwrap();
+        prefill(&mut m, 1, &prompt[..2048]);
+        let mut id = 10u64;
+        c.bench_function(name, |b| {
+            b.iter_batched(
+                || {
+                    // The second half is new every time: exactly `hit` tokens hit.
+                    id += 1;
+                    let mut request = prompt.clone();
+                    for t in &mut request[2048..] {
+                        *t ^= (id as u32) << 18;
+                    }
+                    (id, request)
+                },
+                |(id, request)| {
+                    m.add(id, &request, ExtraKeys::default(), None).unwrap();
+                    assert_eq!(m.lookup(id).unwrap().tokens, hit);
+                    m.schedule(id, u32::MAX, 0, false).unwrap().unwrap();
+                    let plan = m.build_plan().unwrap();
+                    m.commit(&plan).unwrap();
+                    m.finish(id).unwrap();
+                },
+                BatchSize::SmallInput,
+            );
+        });
+    }
 }
 
 /// 256 sequences sharing a 164K-token context (each with its own last token), all decoding.
@@ -142,7 +151,9 @@ fn bench_decode(c: &mut Criterion) {
                     let plan = m.build_plan().unwrap();
                     m.commit(&plan).unwrap();
                     total += start.elapsed();
-                    assert!(scheduled.iter().all(|s| s.as_ref().is_some_and(|s| s.num_tokens == 1)));
+                    assert!(scheduled
+                        .iter()
+                        .all(|s| s.as_ref().is_some_and(|s| s.num_tokens == 1)));
                 }
                 total
             });

@@ -147,6 +147,8 @@ impl CacheManager {
         let pool = self.groups[g].pool();
         let first = from / unit + 1;
         let last = to / unit;
+        // Digests are collected for the event only when events are on (no allocation else).
+        let record = self.events.enabled();
         let mut added: Vec<Digest> = Vec::new();
         let mut first_added = None;
         for i in first..=last {
@@ -155,7 +157,9 @@ impl CacheManager {
             if self.pools[pool].add_key(block, BlockKey { key, position }) {
                 self.index_insert(key, block, seq, i - 1);
                 first_added.get_or_insert(position);
-                added.push(key.digest);
+                if record {
+                    added.push(key.digest);
+                }
             }
         }
         if let Some(first_position) = first_added {

@@ -14,19 +14,11 @@ use prefixcache_core::hashing::{
 use HashAlgorithm::{Sha256, Xxh3_128};
 
 fn config(algorithm: HashAlgorithm, seed: u64, unit: u32) -> HashConfig {
-    HashConfig {
-        algorithm,
-        seed,
-        unit,
-        verify_tokens: false,
-    }
+    HashConfig { algorithm, seed, unit, verify_tokens: false }
 }
 
 fn hex(algorithm: HashAlgorithm, digests: &[Digest]) -> Vec<String> {
-    digests
-        .iter()
-        .map(|digest| digest.to_hex(algorithm))
-        .collect()
+    digests.iter().map(|digest| digest.to_hex(algorithm)).collect()
 }
 
 fn tokens_0_to_32() -> Vec<u32> {
@@ -34,20 +26,12 @@ fn tokens_0_to_32() -> Vec<u32> {
 }
 
 fn salt_and_lora() -> ExtraKeys {
-    ExtraKeys {
-        cache_salt: Some(b"tenant-a".to_vec()),
-        lora_id: Some(7),
-        multimodal: Vec::new(),
-    }
+    ExtraKeys { cache_salt: Some(b"tenant-a".to_vec()), lora_id: Some(7), multimodal: Vec::new() }
 }
 
 fn image_at_10_to_20() -> ExtraKeys {
     ExtraKeys {
-        multimodal: vec![MultimodalInput {
-            start: 10,
-            end: 20,
-            hash: b"img0".to_vec(),
-        }],
+        multimodal: vec![MultimodalInput { start: 10, end: 20, hash: b"img0".to_vec() }],
         ..ExtraKeys::default()
     }
 }
@@ -63,22 +47,11 @@ fn seed_digests_match_the_reference() {
     let cases = [
         (Xxh3_128, 0, "eef0b02765dd3c02a6b9c6d1e5633704"),
         (Xxh3_128, 42, "daae2c88a64b8ea3b4784008facd6c22"),
-        (
-            Sha256,
-            0,
-            "a4f6c6818200c4a7dce929480be7c4c5c11d3767bb0dd5728442669786ec9e0e",
-        ),
-        (
-            Sha256,
-            42,
-            "68d98dfe4c2fc7d476b438ab1195f4dffdb739b97f3555d6dd1c7bb3737eaf5f",
-        ),
+        (Sha256, 0, "a4f6c6818200c4a7dce929480be7c4c5c11d3767bb0dd5728442669786ec9e0e"),
+        (Sha256, 42, "68d98dfe4c2fc7d476b438ab1195f4dffdb739b97f3555d6dd1c7bb3737eaf5f"),
     ];
     for (algorithm, seed, expected) in cases {
-        assert_eq!(
-            Hasher::new(algorithm, seed).seed_digest().to_hex(algorithm),
-            expected
-        );
+        assert_eq!(Hasher::new(algorithm, seed).seed_digest().to_hex(algorithm), expected);
     }
 }
 
@@ -87,14 +60,8 @@ fn plain_tokens_match_the_reference() {
     let tokens = tokens_0_to_32();
     let none = ExtraKeys::default();
     assert_eq!(
-        hex(
-            Xxh3_128,
-            &hash_prefix(&config(Xxh3_128, 0, 16), &tokens, &none)
-        ),
-        [
-            "1d72a9d44c7c6f7dfd48830cad65b5bf",
-            "da62b31b55051d8b772a25c1fe37ba0f"
-        ]
+        hex(Xxh3_128, &hash_prefix(&config(Xxh3_128, 0, 16), &tokens, &none)),
+        ["1d72a9d44c7c6f7dfd48830cad65b5bf", "da62b31b55051d8b772a25c1fe37ba0f"]
     );
     assert_eq!(
         hex(Sha256, &hash_prefix(&config(Sha256, 0, 16), &tokens, &none)),
@@ -110,20 +77,11 @@ fn seed_42_matches_the_reference() {
     let tokens = tokens_0_to_32();
     let none = ExtraKeys::default();
     assert_eq!(
-        hex(
-            Xxh3_128,
-            &hash_prefix(&config(Xxh3_128, 42, 16), &tokens, &none)
-        ),
-        [
-            "ea1e99faf7ded141ced44932437454c3",
-            "65569577c865c92f7b9f5b93f9590985"
-        ]
+        hex(Xxh3_128, &hash_prefix(&config(Xxh3_128, 42, 16), &tokens, &none)),
+        ["ea1e99faf7ded141ced44932437454c3", "65569577c865c92f7b9f5b93f9590985"]
     );
     assert_eq!(
-        hex(
-            Sha256,
-            &hash_prefix(&config(Sha256, 42, 16), &tokens, &none)
-        ),
+        hex(Sha256, &hash_prefix(&config(Sha256, 42, 16), &tokens, &none)),
         [
             "c9b7fac86344c8c128a668ede18556c7b16bde5df1a9a306b209755c0cc88533",
             "02e56b74305e64311386b3fd4f14f11f68815dbee0d166768c68d1f25c2d7a3b",
@@ -136,20 +94,11 @@ fn cache_salt_and_lora_id_match_the_reference() {
     let tokens = tokens_0_to_32();
     let extra = salt_and_lora();
     assert_eq!(
-        hex(
-            Xxh3_128,
-            &hash_prefix(&config(Xxh3_128, 0, 16), &tokens, &extra)
-        ),
-        [
-            "dd75d4630489853e0c0f61f8b529a910",
-            "5f19d3859d27c1c72db4c7092e200d34"
-        ]
+        hex(Xxh3_128, &hash_prefix(&config(Xxh3_128, 0, 16), &tokens, &extra)),
+        ["dd75d4630489853e0c0f61f8b529a910", "5f19d3859d27c1c72db4c7092e200d34"]
     );
     assert_eq!(
-        hex(
-            Sha256,
-            &hash_prefix(&config(Sha256, 0, 16), &tokens, &extra)
-        ),
+        hex(Sha256, &hash_prefix(&config(Sha256, 0, 16), &tokens, &extra)),
         [
             "46e0d8973eb9f19a4b5af019c8fb206d16c56e1c9d6a2c47e467ad05d2a14622",
             "30b4780a1e5af48bf7cb3d6be5cb05f6fee5fb2a59ff787164c8dccc7974b093",
@@ -162,20 +111,11 @@ fn multimodal_input_matches_the_reference() {
     let tokens = tokens_0_to_32();
     let extra = image_at_10_to_20();
     assert_eq!(
-        hex(
-            Xxh3_128,
-            &hash_prefix(&config(Xxh3_128, 0, 16), &tokens, &extra)
-        ),
-        [
-            "fec780fa09a66a1f4d6218cca8b9f2d2",
-            "07252b11a9b64f010e52d53599b7a367"
-        ]
+        hex(Xxh3_128, &hash_prefix(&config(Xxh3_128, 0, 16), &tokens, &extra)),
+        ["fec780fa09a66a1f4d6218cca8b9f2d2", "07252b11a9b64f010e52d53599b7a367"]
     );
     assert_eq!(
-        hex(
-            Sha256,
-            &hash_prefix(&config(Sha256, 0, 16), &tokens, &extra)
-        ),
+        hex(Sha256, &hash_prefix(&config(Sha256, 0, 16), &tokens, &extra)),
         [
             "f468a002eae0af7711fbfc29eba462cc19184270b200ee898c6b06b02cd97054",
             "067b8b38c7611b121f6f727e44e557f7f99c8ed805842a3ce8eecd5dc234ac94",
@@ -189,20 +129,11 @@ fn long_units_match_the_reference() {
     let tokens: Vec<u32> = (150_000..150_256).collect();
     let none = ExtraKeys::default();
     assert_eq!(
-        hex(
-            Xxh3_128,
-            &hash_prefix(&config(Xxh3_128, 0, 128), &tokens, &none)
-        ),
-        [
-            "3dd372b00db59c857256cf99964d7fc7",
-            "12a5e547ce957fe441b806df0fa6c9e8"
-        ]
+        hex(Xxh3_128, &hash_prefix(&config(Xxh3_128, 0, 128), &tokens, &none)),
+        ["3dd372b00db59c857256cf99964d7fc7", "12a5e547ce957fe441b806df0fa6c9e8"]
     );
     assert_eq!(
-        hex(
-            Sha256,
-            &hash_prefix(&config(Sha256, 0, 128), &tokens, &none)
-        ),
+        hex(Sha256, &hash_prefix(&config(Sha256, 0, 128), &tokens, &none)),
         [
             "f38bf5fc047e5b6fd8e6887d408d0668fc7d9ec5d9fe741d7856562997622ba9",
             "ad6b3f7d0b04f2f988bd75b3552b690e31ba696301e5d58db108f878beec598a",
@@ -220,10 +151,7 @@ fn incremental_hashing_reproduces_the_vectors() {
         for end in [5, 16, 31, 32] {
             hasher.extend(&tokens[..end], 16, &extra, &mut digests);
         }
-        assert_eq!(
-            digests,
-            hash_prefix(&config(algorithm, 0, 16), &tokens, &extra)
-        );
+        assert_eq!(digests, hash_prefix(&config(algorithm, 0, 16), &tokens, &extra));
     }
 }
 

@@ -2,7 +2,8 @@
 use prefixcache_core::*;
 
 fn manager(state: bool) -> CacheManager {
-    let mut groups = vec![GroupConfig { kind: GroupKind::FullAttention { block_size: 16 }, pool: 0 }];
+    let mut groups =
+        vec![GroupConfig { kind: GroupKind::FullAttention { block_size: 16 }, pool: 0 }];
     if state {
         groups.push(GroupConfig {
             kind: GroupKind::State(StateGroupConfig {
