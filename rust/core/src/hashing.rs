@@ -30,7 +30,8 @@
 //!   overlaps the unit's range `[i*U, (i+1)*U)`, in the order the inputs are given.
 //!
 //! The seed enters only through `h[-1]` (XXH3's own seed is always 0), so the whole chain depends
-//! on it. the README ("Prefix hashing") carries test vectors and an independent Python implementation.
+//! on it. The README ("Prefix hashing") carries test vectors and an independent Python
+//! implementation.
 //!
 //! # Invariants
 //! - `h[i]` depends on every token of `[0, (i+1)U)`, the seed, the salt, `lora_id` and the
