@@ -1,0 +1,144 @@
+//! The random traffic: protocol calls with abstract arguments (which sequence, which budget)
+//! that the driver resolves against the current state, so a shrunk sequence still means
+//! something. `Step` and `Decode` bundle the calls of one engine step, so that runs make
+//! progress; the single calls interleave in every other order, misuse included.
+
+use proptest::prelude::*;
+
+/// Longest prompt prefix taken from a base stream or a known sequence.
+pub(crate) const MAX_PROMPT: u8 = 72;
+
+#[derive(Clone, Debug)]
+pub(crate) enum Op {
+    /// A prompt: a prefix of a base stream (`source % 4 == 0`) or of a known sequence, plus
+    /// `suffix` fresh tokens; `extends` names a known sequence, `reuse` re-adds a known id;
+    /// `twin` adds the same prompt a second time (a concurrent identical request).
+    Add {
+        source: u8,
+        len: u8,
+        suffix: u8,
+        extends: Option<u8>,
+        reuse: Option<u8>,
+        twin: bool,
+    },
+    Lookup {
+        pick: u8,
+    },
+    Schedule {
+        pick: u8,
+        budget: u32,
+        exact: bool,
+        lookahead: u32,
+    },
+    /// `schedule_batch` of every runnable sequence, or of every live one (errors included).
+    ScheduleBatch {
+        budget: u32,
+        exact: bool,
+        everyone: bool,
+    },
+    /// `suggest_chunk`, then `schedule` of what it suggested.
+    ScheduleSuggested {
+        pick: u8,
+        budget: u32,
+    },
+    RequestCheckpoint {
+        pick: u8,
+        position: u8,
+    },
+    BuildPlan,
+    /// `which` mostly names the latest plan, sometimes an older or a future one.
+    Commit {
+        which: u8,
+    },
+    Abort {
+        which: u8,
+    },
+    Append {
+        pick: u8,
+        len: u8,
+    },
+    Finish {
+        pick: u8,
+    },
+    Preempt {
+        pick: u8,
+    },
+    Reset,
+    /// One engine step: schedule every runnable sequence, maybe request a checkpoint, build,
+    /// commit (or abort).
+    Step {
+        budget: u32,
+        exact: bool,
+        request: Option<u8>,
+        abort: bool,
+    },
+    /// `rounds` times: `len` sampled tokens for every sequence whose prompt is computed, then a
+    /// step.
+    Decode {
+        len: u8,
+        budget: u32,
+        rounds: u8,
+    },
+}
+
+fn budget() -> impl Strategy<Value = u32> {
+    prop_oneof![3 => 0u32..=12, 2 => 13u32..=40, 3 => Just(u32::MAX)]
+}
+
+fn add() -> impl Strategy<Value = Op> {
+    (
+        any::<u8>(),
+        1..=MAX_PROMPT,
+        prop_oneof![2 => Just(0u8), 1 => 1u8..12],
+        prop::option::of(any::<u8>()),
+        prop::option::weighted(0.2, any::<u8>()),
+        prop::bool::weighted(0.25),
+    )
+        .prop_map(|(source, len, suffix, extends, reuse, twin)| Op::Add {
+            source,
+            len,
+            suffix,
+            extends,
+            reuse,
+            twin,
+        })
+}
+
+fn schedule() -> impl Strategy<Value = Op> {
+    (any::<u8>(), budget(), any::<bool>(), prop_oneof![4 => Just(0u32), 1 => 1u32..=5]).prop_map(
+        |(pick, budget, exact, lookahead)| Op::Schedule { pick, budget, exact, lookahead },
+    )
+}
+
+fn step() -> impl Strategy<Value = Op> {
+    (budget(), any::<bool>(), prop::option::weighted(0.3, any::<u8>()), prop::bool::weighted(0.15))
+        .prop_map(|(budget, exact, request, abort)| Op::Step { budget, exact, request, abort })
+}
+
+pub(crate) fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => add(),
+        2 => any::<u8>().prop_map(|pick| Op::Lookup { pick }),
+        8 => schedule(),
+        3 => (budget(), any::<bool>(), prop::bool::weighted(0.2))
+            .prop_map(|(budget, exact, everyone)| Op::ScheduleBatch { budget, exact, everyone }),
+        3 => (any::<u8>(), budget())
+            .prop_map(|(pick, budget)| Op::ScheduleSuggested { pick, budget }),
+        4 => (any::<u8>(), any::<u8>())
+            .prop_map(|(pick, position)| Op::RequestCheckpoint { pick, position }),
+        5 => Just(Op::BuildPlan),
+        5 => any::<u8>().prop_map(|which| Op::Commit { which }),
+        2 => any::<u8>().prop_map(|which| Op::Abort { which }),
+        3 => (any::<u8>(), 1u8..=3).prop_map(|(pick, len)| Op::Append { pick, len }),
+        5 => any::<u8>().prop_map(|pick| Op::Finish { pick }),
+        2 => any::<u8>().prop_map(|pick| Op::Preempt { pick }),
+        1 => Just(Op::Reset),
+        20 => step(),
+        10 => (prop_oneof![2 => Just(1u8), 1 => 2u8..=3], budget(), 1u8..=4)
+            .prop_map(|(len, budget, rounds)| Op::Decode { len, budget, rounds }),
+    ]
+}
+
+pub(crate) fn ops() -> impl Strategy<Value = Vec<Op>> {
+    prop::collection::vec(op(), 1..=60)
+}

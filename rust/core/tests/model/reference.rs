@@ -1,0 +1,619 @@
+//! The reference model: what the manager must have published, kept deliberately naively.
+//!
+//! Per group, the published keys are token prefixes (at unit granularity) mapped to the blocks
+//! carrying them; per pool, the keys each block carries. Keys enter only through commits and
+//! `finish` (whose `BlockStored` events must equal the model's own prediction) and leave only
+//! through `BlockRemoved` events (which must name an unpinned block with exactly its recorded
+//! keys) or `reset`. From these sets `expected_hit` applies the hit rule of DESIGN section 3
+//! candidate by candidate, with no shortcut. Sequences are mirrored with their committed
+//! position, their scheduled or in-flight step and what the plan gave it.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use prefixcache_core::{
+    hash_prefix, CacheError, CacheEvent, CacheManager, Digest, ExtraKeys, GroupHit, GroupStats,
+    Hit, MissReason, Stats, StepPlan,
+};
+
+use crate::setup::{Kind, Setup};
+
+/// A published key: the token prefix it fingerprints.
+pub(crate) type Prefix = Vec<u32>;
+
+/// A key stored by a commit: (group, block, prefix, checkpoint).
+pub(crate) type Stored = (usize, u32, Prefix, bool);
+
+/// An id no sequence ever has.
+pub(crate) const UNKNOWN_ID: u64 = 999_999;
+/// Fresh tokens (suffixes, sampled tokens) never collide with base streams.
+const FIRST_FRESH_TOKEN: u32 = 1_000_000;
+
+/// A step of one sequence, scheduled or in flight.
+#[derive(Clone, Debug)]
+pub(crate) struct StepModel {
+    pub(crate) start: u32,
+    pub(crate) end: u32,
+    pub(crate) first: bool,
+    pub(crate) requested: Vec<u32>,
+    /// Per group: the block-table row before the schedule.
+    pub(crate) rows_before: Vec<Vec<i32>>,
+    /// Per group, from the plan: the row the step writes into.
+    pub(crate) table: Vec<Vec<i32>>,
+    /// Per group, from the plan: copy-on-write (source, destination, tokens).
+    pub(crate) cow: Vec<Option<(u32, u32, u32)>>,
+    /// Per group, from the plan: checkpoints written (position, block, decode tail).
+    pub(crate) written: Vec<Vec<(u32, u32, bool)>>,
+    /// Per group, from the plan: running buffer written, and the checkpoint resumed from.
+    pub(crate) running: Vec<i32>,
+    pub(crate) resume: Vec<u32>,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct SeqModel {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) started: bool,
+    pub(crate) num_computed: u32,
+    pub(crate) prefill_target: u32,
+    pub(crate) junction: Option<u32>,
+    pub(crate) step: Option<StepModel>,
+    /// Per state group: the buffer holding the committed state, and the one before it.
+    pub(crate) current: Vec<Option<i32>>,
+    pub(crate) previous: Vec<Option<i32>>,
+    /// Per state group: the private decode-tail snapshot (block, position).
+    pub(crate) decode_tail: Vec<Option<(u32, u32)>>,
+    /// Per paged group: the engine's persistent block-table row, kept from the plans alone.
+    pub(crate) engine_rows: Vec<Vec<i32>>,
+}
+
+impl SeqModel {
+    pub(crate) fn new(tokens: Vec<u32>, groups: usize) -> Self {
+        Self {
+            tokens,
+            started: false,
+            num_computed: 0,
+            prefill_target: 0,
+            junction: None,
+            step: None,
+            current: vec![None; groups],
+            previous: vec![None; groups],
+            decode_tail: vec![None; groups],
+            engine_rows: vec![Vec::new(); groups],
+        }
+    }
+
+    pub(crate) fn num_tokens(&self) -> u32 {
+        self.tokens.len() as u32
+    }
+
+    /// Not scheduled, with tokens left to compute.
+    pub(crate) fn runnable(&self) -> bool {
+        self.step.is_none() && self.num_computed < self.num_tokens()
+    }
+
+    /// Started, not scheduled, every token computed: waiting for its sampled token.
+    pub(crate) fn decoding(&self) -> bool {
+        self.started && self.step.is_none() && self.num_computed == self.num_tokens()
+    }
+
+    pub(crate) fn scheduled(&self) -> bool {
+        self.step.is_some()
+    }
+
+    pub(crate) fn any(_: &Self) -> bool {
+        true
+    }
+
+    /// Back to "not started" (preempt, or abort of a first step).
+    pub(crate) fn unstart(&mut self) {
+        let groups = self.current.len();
+        self.started = false;
+        self.num_computed = 0;
+        self.prefill_target = 0;
+        self.junction = None;
+        self.step = None;
+        self.current = vec![None; groups];
+        self.previous = vec![None; groups];
+    }
+}
+
+/// Unit boundaries q with `from < q <= to`.
+pub(crate) fn boundaries(unit: u32, from: u32, to: u32) -> impl Iterator<Item = u32> {
+    (from / unit + 1..=to / unit).map(move |i| i * unit)
+}
+
+pub(crate) fn sorted<T: Ord>(mut v: Vec<T>) -> Vec<T> {
+    v.sort();
+    v
+}
+
+pub(crate) struct Model {
+    pub(crate) s: Setup,
+    pub(crate) m: CacheManager,
+    pub(crate) unit: u32,
+    /// Per group: published key -> blocks carrying it.
+    pub(crate) live: Vec<HashMap<Prefix, Vec<u32>>>,
+    /// Per pool: block -> keys (group, prefix) it carries.
+    pub(crate) carried: Vec<HashMap<u32, Vec<(usize, Prefix)>>>,
+    /// Per group: every key a committed step published (never shrinks).
+    pub(crate) committed: Vec<HashSet<Prefix>>,
+    /// Per group: keys whose last block was evicted.
+    pub(crate) recent: Vec<HashSet<Prefix>>,
+    pub(crate) digests: HashMap<Digest, Prefix>,
+    pub(crate) seqs: BTreeMap<u64, SeqModel>,
+    pub(crate) finished: BTreeMap<u64, Vec<u32>>,
+    pub(crate) scheduled: Vec<u64>,
+    pub(crate) in_flight: Option<StepPlan>,
+    pub(crate) built: Vec<u64>,
+    pub(crate) next_id: u64,
+    pub(crate) next_token: u32,
+    pub(crate) last_event: Option<u64>,
+    /// Per pool: published decode-tail checkpoints (only these may make room for a new one at
+    /// the checkpoint cap).
+    pub(crate) decode_tails: Vec<HashSet<u32>>,
+    /// The statistics the manager must report.
+    pub(crate) stats: Stats,
+    /// How often each interesting path was taken (see `saw`).
+    pub(crate) seen: BTreeMap<&'static str, u64>,
+}
+
+impl Model {
+    pub(crate) fn new(s: Setup) -> Result<Self, String> {
+        let m = CacheManager::new(s.config()).map_err(|e| format!("config refused: {e}"))?;
+        let groups = s.groups.len();
+        let pools = s.pools.len();
+        Ok(Self {
+            unit: s.unit,
+            m,
+            live: vec![HashMap::new(); groups],
+            carried: vec![HashMap::new(); pools],
+            committed: vec![HashSet::new(); groups],
+            recent: vec![HashSet::new(); groups],
+            digests: HashMap::new(),
+            seqs: BTreeMap::new(),
+            finished: BTreeMap::new(),
+            scheduled: Vec::new(),
+            in_flight: None,
+            built: Vec::new(),
+            next_id: 1,
+            next_token: FIRST_FRESH_TOKEN,
+            last_event: None,
+            seen: BTreeMap::new(),
+            decode_tails: vec![HashSet::new(); pools],
+            stats: Stats { groups: vec![GroupStats::default(); groups], ..Stats::default() },
+            s,
+        })
+    }
+
+    /// Counts a path taken, so a test can check that the random traffic reaches it.
+    pub(crate) fn saw(&mut self, path: &'static str) {
+        *self.seen.entry(path).or_default() += 1;
+    }
+
+    pub(crate) fn groups(&self) -> usize {
+        self.s.groups.len()
+    }
+
+    /// The sequence an operation targets: mostly one that `eligible` accepts, sometimes any live
+    /// one, now and then an id nobody has.
+    pub(crate) fn pick(&self, pick: u8, eligible: fn(&SeqModel) -> bool) -> u64 {
+        let fitting: Vec<u64> =
+            self.seqs.iter().filter(|(_, s)| eligible(s)).map(|(&id, _)| id).collect();
+        let live: Vec<u64> = self.seqs.keys().copied().collect();
+        let from = if pick % 16 < 12 && !fitting.is_empty() { fitting } else { live };
+        if pick % 16 == 15 || from.is_empty() {
+            return UNKNOWN_ID;
+        }
+        from[usize::from(pick / 16) % from.len()]
+    }
+
+    /// Ids of the live sequences `eligible` accepts.
+    pub(crate) fn ids(&self, eligible: fn(&SeqModel) -> bool) -> Vec<u64> {
+        self.seqs.iter().filter(|(_, s)| eligible(s)).map(|(&id, _)| id).collect()
+    }
+
+    pub(crate) fn seq(&self, id: u64) -> Result<&SeqModel, String> {
+        self.seqs.get(&id).ok_or_else(|| format!("model has no sequence {id}"))
+    }
+
+    pub(crate) fn seq_mut(&mut self, id: u64) -> Result<&mut SeqModel, String> {
+        self.seqs.get_mut(&id).ok_or_else(|| format!("model has no sequence {id}"))
+    }
+
+    pub(crate) fn fresh_tokens(&mut self, n: usize) -> Vec<u32> {
+        let start = self.next_token;
+        self.next_token += n as u32;
+        (start..self.next_token).collect()
+    }
+
+    /// Remembers which prefix every digest of `tokens` stands for.
+    pub(crate) fn learn(&mut self, tokens: &[u32]) -> Result<(), String> {
+        let unit = self.unit as usize;
+        for (i, d) in hash_prefix(&self.s.hash_config(), tokens, &ExtraKeys::default())
+            .into_iter()
+            .enumerate()
+        {
+            let prefix = &tokens[..(i + 1) * unit];
+            let known = self.digests.entry(d).or_insert_with(|| prefix.to_vec());
+            ensure!(known.as_slice() == prefix, "digest collision between prefixes");
+        }
+        Ok(())
+    }
+
+    pub(crate) fn prefix_of(&self, d: &Digest) -> Result<Prefix, String> {
+        self.digests.get(d).cloned().ok_or_else(|| {
+            "an event names a digest that is no prefix of any sequence (hashing disagrees with \
+             hash_prefix)"
+                .to_string()
+        })
+    }
+
+    pub(crate) fn carries(&self, g: usize, block: u32, prefix: &[u32]) -> bool {
+        self.carried[self.s.pool(g)]
+            .get(&block)
+            .is_some_and(|keys| keys.iter().any(|(kg, p)| *kg == g && p.as_slice() == prefix))
+    }
+
+    pub(crate) fn row(&self, g: usize, id: u64) -> Result<Vec<i32>, String> {
+        let (flat, _, _) = self
+            .m
+            .block_table(g as u32, &[id])
+            .map_err(|e| format!("block_table({g}, {id}): {e}"))?;
+        Ok(flat)
+    }
+
+    pub(crate) fn rows(&self, id: u64) -> Result<Vec<Vec<i32>>, String> {
+        (0..self.groups())
+            .map(|g| match self.s.block_size(g) {
+                Some(_) if self.seqs.contains_key(&id) => self.row(g, id),
+                _ => Ok(Vec::new()),
+            })
+            .collect()
+    }
+
+    // --- the hit rule, candidate by candidate ----------------------------------------------
+
+    /// The key positions group `g` needs to resume at `l`.
+    pub(crate) fn required(&self, g: usize, l: u32) -> Vec<u32> {
+        match self.s.groups[g].0 {
+            Kind::Full { block } => {
+                let mut keys: Vec<u32> = (1..=l / block).map(|j| j * block).collect();
+                if l % block != 0 {
+                    keys.push(l);
+                }
+                keys
+            }
+            Kind::Window { block, window } => {
+                if l == 0 {
+                    return Vec::new();
+                }
+                let first = l.saturating_sub(window) / block;
+                let last = (l - 1) / block;
+                (first..=last).map(|c| ((c + 1) * block).min(l)).collect()
+            }
+            Kind::State(_) => {
+                if l == 0 {
+                    Vec::new()
+                } else {
+                    vec![l]
+                }
+            }
+        }
+    }
+
+    pub(crate) fn expected_hit(&self, tokens: &[u32]) -> Hit {
+        let unit = self.unit;
+        let max_tokens = (tokens.len() as u32 - 1) / unit * unit;
+        let units = (max_tokens / unit) as usize;
+        let live: Vec<Vec<bool>> = (0..self.groups())
+            .map(|g| {
+                (0..=units)
+                    .map(|i| i > 0 && self.live[g].contains_key(&tokens[..i * unit as usize]))
+                    .collect()
+            })
+            .collect();
+        let allows =
+            |g: usize, l: u32| self.required(g, l).iter().all(|&p| live[g][(p / unit) as usize]);
+        let candidates = || (0..=max_tokens / unit).rev().map(|i| i * unit);
+        let groups: Vec<GroupHit> = (0..self.groups())
+            .map(|g| {
+                let own = candidates().find(|&l| allows(g, l)).unwrap_or(0);
+                let evicted = |p: u32| {
+                    !live[g][(p / unit) as usize] && self.recent[g].contains(&tokens[..p as usize])
+                };
+                let stop = (own < max_tokens).then(|| match self.s.groups[g].0 {
+                    // Downward closed: the key at the next candidate is what is missing.
+                    Kind::Full { .. } if evicted(own + unit) => MissReason::RecentlyEvicted,
+                    Kind::Full { .. } => MissReason::NotCached,
+                    // Not downward closed: the reason looks at the candidates above the own
+                    // hit; a window explains its largest candidate (its last key first).
+                    Kind::Window { .. } if evicted(max_tokens) => MissReason::RecentlyEvicted,
+                    Kind::Window { .. } if !live[g][units] => MissReason::NotCached,
+                    Kind::Window { .. } => MissReason::WindowGap,
+                    Kind::State(_) if boundaries(unit, own, max_tokens).any(evicted) => {
+                        MissReason::RecentlyEvicted
+                    }
+                    Kind::State(_) => MissReason::NoStateAtPosition,
+                });
+                GroupHit { group: g as u32, tokens: own, stop }
+            })
+            .collect();
+        let tokens_hit =
+            candidates().find(|&l| (0..self.groups()).all(|g| allows(g, l))).unwrap_or(0);
+        let top = groups.iter().map(|g| g.tokens).max().unwrap_or(0);
+        let junction = (top >= tokens_hit + 2 * unit).then_some(top);
+        Hit { tokens: tokens_hit, max_tokens, groups, junction }
+    }
+
+    /// A hit may only rest on keys that committed steps published.
+    pub(crate) fn check_hit_was_committed(&self, hit: &Hit, tokens: &[u32]) -> Result<(), String> {
+        let max_tokens = (tokens.len() as u32 - 1) / self.unit * self.unit;
+        ensure!(hit.tokens <= max_tokens && hit.tokens % self.unit == 0, "hit {hit:?} off range");
+        ensure!(hit.groups.len() == self.groups(), "hit has {} groups", hit.groups.len());
+        for g in 0..self.groups() {
+            let own = hit.groups[g].tokens;
+            ensure!(own <= max_tokens && own % self.unit == 0, "group hit {own} off range");
+            for l in [own, hit.tokens] {
+                for p in self.required(g, l) {
+                    ensure!(
+                        self.committed[g].contains(&tokens[..p as usize]),
+                        "hit {hit:?} uses key {p} of group {g}, which no committed step published"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // --- events ----------------------------------------------------------------------------
+
+    pub(crate) fn events(&mut self) -> Result<Vec<CacheEvent>, String> {
+        let mut out = Vec::new();
+        for record in self.m.drain_events() {
+            if let Some(last) = self.last_event {
+                ensure!(record.sequence > last, "event sequence {} after {last}", record.sequence);
+            }
+            self.last_event = Some(record.sequence);
+            out.push(record.event);
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn expect_no_events(&mut self, what: &str) -> Result<(), String> {
+        let events = self.events()?;
+        ensure!(events.is_empty(), "{what} emitted {events:?}");
+        Ok(())
+    }
+
+    /// Flattens `BlockStored` events into stored keys, checking each event's fields.
+    pub(crate) fn stored(&self, events: &[CacheEvent]) -> Result<Vec<Stored>, String> {
+        let unit = self.unit;
+        let mut out = Vec::new();
+        for event in events {
+            let CacheEvent::BlockStored {
+                group,
+                block,
+                keys,
+                parent,
+                token_start,
+                token_end,
+                checkpoint,
+            } = event
+            else {
+                return Err(format!("expected only BlockStored events, got {event:?}"));
+            };
+            let g = *group as usize;
+            ensure!(g < self.groups() && !keys.is_empty(), "malformed {event:?}");
+            ensure!(*checkpoint == self.s.state(g).is_some(), "checkpoint flag wrong: {event:?}");
+            ensure!(
+                *token_end == token_start + keys.len() as u32 * unit,
+                "token range [{token_start}, {token_end}) for {} keys",
+                keys.len()
+            );
+            let prefixes = keys.iter().map(|d| self.prefix_of(d)).collect::<Result<Vec<_>, _>>()?;
+            let last = &prefixes[prefixes.len() - 1];
+            for (i, p) in prefixes.iter().enumerate() {
+                ensure!(
+                    p.len() as u32 == token_start + (i as u32 + 1) * unit && last.starts_with(p),
+                    "BlockStored keys are not the consecutive prefixes of [{token_start}, \
+                     {token_end})"
+                );
+            }
+            match parent {
+                None => ensure!(*token_start == 0, "no parent for keys from {token_start}"),
+                Some(d) => {
+                    let parent = self.prefix_of(d)?;
+                    ensure!(
+                        *token_start > 0
+                            && last.starts_with(&parent)
+                            && parent.len() as u32 == *token_start,
+                        "parent of keys from {token_start} is a prefix of {} tokens",
+                        parent.len()
+                    );
+                }
+            }
+            out.extend(prefixes.into_iter().map(|p| (g, *block, p, *checkpoint)));
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn publish(&mut self, g: usize, block: u32, prefix: Prefix) {
+        if self.s.state(g).is_some() {
+            self.stats.groups[g].checkpoints_published += 1;
+        }
+        self.live[g].entry(prefix.clone()).or_default().push(block);
+        self.committed[g].insert(prefix.clone());
+        self.carried[self.s.pool(g)].entry(block).or_default().push((g, prefix));
+    }
+
+    /// Applies one eviction: the block must be unpinned and carry exactly the recorded keys.
+    pub(crate) fn remove_block(
+        &mut self,
+        event: &CacheEvent,
+        held: &[HashSet<u32>],
+    ) -> Result<usize, String> {
+        let CacheEvent::BlockRemoved { group, block, keys } = event else {
+            return Err(format!("expected only BlockRemoved events, got {event:?}"));
+        };
+        let g = *group as usize;
+        ensure!(g < self.groups(), "BlockRemoved of unknown group {g}");
+        let pool = self.s.pool(g);
+        ensure!(!held[pool].contains(block), "evicted block {block} of pool {pool} is in use");
+        self.decode_tails[pool].remove(block);
+        self.stats.evictions += 1;
+        self.stats.groups[g].evictions += 1;
+        let recorded = self.carried[pool]
+            .remove(block)
+            .ok_or_else(|| format!("evicted block {block} of pool {pool} carried no key"))?;
+        let removed =
+            keys.iter().map(|d| Ok((g, self.prefix_of(d)?))).collect::<Result<Vec<_>, String>>()?;
+        ensure!(
+            sorted(removed) == sorted(recorded.clone()),
+            "BlockRemoved of block {block} does not list exactly its keys"
+        );
+        for (kg, prefix) in recorded {
+            let blocks = self.live[kg].get_mut(&prefix).ok_or("key not live")?;
+            blocks.retain(|&b| b != *block);
+            if blocks.is_empty() {
+                self.live[kg].remove(&prefix);
+                if self.s.recent_capacity > 0 {
+                    self.recent[kg].insert(prefix);
+                }
+            }
+        }
+        Ok(pool)
+    }
+
+    /// Blocks that carry keys and are pinned (tables, copy sources, resume checkpoints), per pool.
+    pub(crate) fn held(&self) -> Result<Vec<HashSet<u32>>, String> {
+        let mut held = vec![HashSet::new(); self.s.pools.len()];
+        for (&id, seq) in &self.seqs {
+            if !seq.started {
+                continue;
+            }
+            for (g, row) in self.rows(id)?.into_iter().enumerate() {
+                held[self.s.pool(g)].extend(row.into_iter().filter(|&b| b != 0).map(|b| b as u32));
+            }
+            if let Some(step) = &seq.step {
+                for g in 0..self.groups() {
+                    if let Some((src, _, _)) = step.cow[g] {
+                        held[self.s.pool(g)].insert(src);
+                    }
+                    if step.resume[g] != 0 {
+                        held[self.s.pool(g)].insert(step.resume[g]);
+                    }
+                }
+            }
+        }
+        Ok(held)
+    }
+
+    pub(crate) fn lookup(&mut self, id: u64) -> Result<(), String> {
+        let result = self.m.lookup(id);
+        let Some(seq) = self.seqs.get(&id) else {
+            ensure!(
+                matches!(result, Err(CacheError::UnknownSequence { .. })),
+                "lookup of unknown id: {result:?}"
+            );
+            return Ok(());
+        };
+        let tokens = seq.tokens.clone();
+        let hit = result.map_err(|e| format!("lookup {id}: {e}"))?;
+        self.stats.lookups += 1;
+        self.stats.lookup_hit_tokens += u64::from(hit.tokens);
+        self.check_hit_was_committed(&hit, &tokens)?;
+        let expected = self.expected_hit(&tokens);
+        ensure!(hit == expected, "lookup of {id}:\n  got      {hit:?}\n  expected {expected:?}");
+        if hit.tokens > 0 {
+            self.saw("hit");
+            let unit = self.unit as usize;
+            let unpublished = (1..=hit.tokens as usize / unit)
+                .any(|i| self.live.iter().all(|keys| !keys.contains_key(&tokens[..i * unit])));
+            if self.s.verify_tokens && unpublished {
+                self.saw("verified hit above a unit nobody publishes");
+            }
+        }
+        if hit.junction.is_some() {
+            self.saw("junction");
+        }
+        for g in &hit.groups {
+            self.saw(match g.stop {
+                None => "group hit reaches the end",
+                Some(MissReason::NotCached) => "stop not_cached",
+                Some(MissReason::RecentlyEvicted) => "stop recently_evicted",
+                Some(MissReason::NoStateAtPosition) => "stop no_state_at_position",
+                Some(MissReason::WindowGap) => "stop window_gap",
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_all(&mut self) -> Result<(), String> {
+        self.m.check_invariants().map_err(|e| e.to_string())?;
+        let usage = self.m.pool_usage();
+        let ids: Vec<u64> = self.seqs.keys().copied().collect();
+        for id in ids {
+            self.lookup(id)?;
+            let seq = self.seq(id)?;
+            ensure!(
+                self.m.num_computed(id) == Ok(seq.num_computed)
+                    && self.m.num_tokens(id) == Ok(seq.num_tokens()),
+                "sequence {id}: manager at {:?} of {:?}, model at {} of {}",
+                self.m.num_computed(id),
+                self.m.num_tokens(id),
+                seq.num_computed,
+                seq.num_tokens()
+            );
+        }
+        self.expect_no_events("lookup")?;
+        ensure!(self.m.pool_usage() == usage, "lookups changed the pools");
+        ensure!(self.m.num_sequences() == self.seqs.len(), "{} sequences", self.m.num_sequences());
+        ensure!(
+            self.m.plan_in_flight() == self.in_flight.as_ref().map(|p| p.step_id),
+            "plan in flight {:?}",
+            self.m.plan_in_flight()
+        );
+        let stats = self.m.stats();
+        ensure!(
+            stats == self.stats,
+            "statistics\n  got      {stats:?}\n  expected {:?}",
+            self.stats
+        );
+        for (p, u) in usage.iter().enumerate() {
+            ensure!(
+                u.cached as usize <= self.carried[p].len(),
+                "pool {p} caches {} blocks but the model knows {} published ones",
+                u.cached,
+                self.carried[p].len()
+            );
+        }
+        Ok(())
+    }
+
+    /// Commits what is in flight and finishes everything: no block may stay owned.
+    pub(crate) fn wind_down(&mut self) -> Result<(), String> {
+        if self.in_flight.is_some() {
+            self.commit(0)?;
+        }
+        let ids: Vec<u64> = self.seqs.keys().copied().collect();
+        for id in ids {
+            self.release(id, true)?;
+            self.check_all()?;
+        }
+        for (p, u) in self.m.pool_usage().iter().enumerate() {
+            let checkpoints = self.carried[p]
+                .values()
+                .filter(|keys| keys.iter().any(|(g, _)| self.s.state(*g).is_some()))
+                .count();
+            ensure!(
+                u.owned == 0
+                    && u.cached as usize == self.carried[p].len()
+                    && u.checkpoints as usize == checkpoints,
+                "pool {p} after finishing everything: {u:?}, model knows {} published blocks, \
+                 {checkpoints} checkpoints",
+                self.carried[p].len()
+            );
+        }
+        self.reset()?;
+        self.check_all()
+    }
+}
