@@ -309,11 +309,15 @@ impl CacheManager {
             let GroupRuntime::State { config, pool } = &self.groups[g] else {
                 continue;
             };
-            let (config, pool) = (config.clone(), *pool);
             let seq = self.seq(slot);
             let Some(step) = &seq.step else { return };
             let (start, end) = (step.start, step.end);
             let decode = !step.first && start >= seq.prefill_target;
+            // The common decode step crosses no unit boundary: nothing to retain or count.
+            if decode && step.requested.is_empty() && end / unit == start / unit {
+                continue;
+            }
+            let (config, pool) = (config.clone(), *pool);
             let mut interior = Vec::new();
             let mut snapshot = None;
             let mut skipped: Vec<SkipReason> = Vec::new();
