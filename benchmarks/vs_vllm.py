@@ -454,8 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         write_chart(
             results,
             args.chart,
-            f"prefixcache vs vLLM {meta['vllm_version']} KVCacheManager, scale {args.scale}, "
-            f"{meta['date']}, {meta['machine'].split(', Python')[0]}",
+            f"prefixcache vs vLLM {meta['vllm_version']} KVCacheManager: manager + hashing time\n"
+            f"scale {args.scale}, {args.pairs} pairs, {meta['date']}, "
+            f"{meta['machine'].split(', Python')[0]}",
         )
         print(f"wrote {args.json} and {args.chart}")
     print(f"# load average at the end: {os.getloadavg()[0]:.2f}")

@@ -27,20 +27,35 @@ from vs_vllm import CONFIGS, simulate
 from vs_vllm_backends import ManagerConfig, make_backend
 from vs_vllm_workloads import make_workload
 
-# Leaf-frame substrings per component, first match wins.
+# Frame substrings per core component, first match wins. A sample belongs to the innermost
+# frame that matches; a leaf in libc (memcpy, malloc, free, page faults behind them) is counted
+# under that component with " [libc]" appended, so copies show where they are made.
 COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
-    ("hashing (sha256 / xxh3, Hasher::extend)", ("sha2::", "xxh3", "Hasher", "digest_blocks")),
-    ("hit lookup (compute_hit, choose_block)", ("compute_hit", "choose_block", "hit::")),
-    ("hash index (HashIndex, hashbrown)", ("hashbrown", "HashIndex", "index::", "unindex")),
-    ("commit (publish_range, commit_step)", ("commit::", "publish")),
-    ("build_plan", ("plan::", "emit_paged", "build_plan")),
-    ("schedule (schedule_slot, admission)", ("schedule::", "schedule_slot")),
-    ("block pool (allocate, decref, LRU)", ("pool::", "BlockPool")),
-    ("token conversion (convert::from_array)", ("convert::", "from_array", "int_sequence")),
-    ("add / finish (prefix compare, copies)", ("CacheManager::add", "shared_units", "Finished")),
-    ("libc memcpy / malloc / free", ("libc.so", "malloc", "realloc", "free", "RawVec")),
-    ("PyO3 / NumPy argument and result glue", ("pyo3", "PyArray", "numpy", "_core::")),
+    ("hashing", ("sha2::", "xxh3", "Hasher", "digest_blocks")),
+    ("hit lookup", ("hit::", "compute_hit", "choose_block")),
+    ("hash index", ("hashbrown", "HashIndex", "index::", "unindex")),
+    ("commit", ("commit::",)),
+    ("build_plan", ("plan::",)),
+    ("schedule", ("schedule::",)),
+    ("block pool", ("pool::",)),
+    ("token conversion", ("convert::",)),
+    ("add", ("prefixcache_core::manager::CacheManager::add", "shared_units")),
+    ("finish", ("CacheManager::finish", "release_all", "Finished")),
+    ("append", ("append_slot", "append_batch")),
 ]
+LIBC = ("libc.so", "malloc", "realloc", "free", "RawVec", "finish_grow", "alloc::")
+
+
+def component(frames: list[str]) -> str:
+    """The component a native sample's stack belongs to (``frames``: outermost first)."""
+    in_libc = any(key in frames[-1] for key in LIBC)
+    for frame in reversed(frames):
+        for name, keys in COMPONENTS:
+            if any(key in frame for key in keys):
+                return name + (" [libc]" if in_libc else "")
+        if "_core.abi3.so" not in frame and not any(key in frame for key in LIBC):
+            break
+    return "PyO3 / NumPy glue" + (" [libc]" if in_libc else "")
 
 
 def run(workload_name: str, config_name: str, extends: bool, runs: int) -> None:
@@ -60,7 +75,7 @@ def run(workload_name: str, config_name: str, extends: bool, runs: int) -> None:
 
 
 def summarize(raw: Path) -> list[tuple[str, float]]:
-    """Shares of the samples taken inside the native module, by component of the leaf."""
+    """Shares of the samples taken inside the native module, by component."""
     shares: Counter[str] = Counter()
     total = 0
     for line in raw.read_text().splitlines():
@@ -68,12 +83,8 @@ def summarize(raw: Path) -> list[tuple[str, float]]:
         frames = stack.split(";")
         if not any("_core.abi3.so" in frame for frame in frames):
             continue
-        leaf = frames[-1]
         total += int(count)
-        component = next(
-            (name for name, keys in COMPONENTS if any(key in leaf for key in keys)), "other"
-        )
-        shares[component] += int(count)
+        shares[component(frames)] += int(count)
     return [(name, 100.0 * n / max(total, 1)) for name, n in shares.most_common()]
 
 
