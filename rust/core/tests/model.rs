@@ -36,6 +36,8 @@ mod ops;
 mod plan;
 #[path = "model/protocol.rs"]
 mod protocol;
+#[path = "model/recency.rs"]
+mod recency;
 #[path = "model/reference.rs"]
 mod reference;
 #[path = "model/setup.rs"]
@@ -75,7 +77,7 @@ fn run(setup: &Setup, ops: &[Op]) -> Result<BTreeMap<&'static str, u64>, String>
 
 /// What the random traffic must reach over a fixed sample of cases: a property whose generator
 /// stopped reaching these would still pass, without testing them.
-const PATHS: [&str; 33] = [
+const PATHS: [&str; 36] = [
     "add reused hashes",
     "hit",
     "verified hit above a unit nobody publishes",
@@ -90,6 +92,9 @@ const PATHS: [&str; 33] = [
     "schedule refused",
     "first schedule from a hit",
     "schedule evicted a block",
+    "eviction ordered by recency",
+    "hit used the copy in use",
+    "hit used the most recent copy",
     "copy on write",
     "checkpoint requested",
     "checkpoint request off the grid",

@@ -357,6 +357,23 @@ impl Model {
                         return Err(format!("build_plan emitted {event:?}"));
                     };
                     let victim_is_checkpoint = self.s.state(*group as usize).is_some();
+                    let is_checkpoint = |b: u32| {
+                        self.carried[pool].get(&b).is_some_and(|keys| {
+                            keys.iter().any(|(kg, _)| self.s.state(*kg).is_some())
+                        })
+                    };
+                    let ordered = match (at_cap, decode_tail) {
+                        (true, true) => self.check_victim(pool, *victim, &held[pool], |b| {
+                            self.decode_tails[pool].contains(&b)
+                        })?,
+                        (true, false) => {
+                            self.check_victim(pool, *victim, &held[pool], is_checkpoint)?
+                        }
+                        (false, _) => self.check_victim(pool, *victim, &held[pool], |_| true)?,
+                    };
+                    if ordered {
+                        self.saw("eviction ordered by recency");
+                    }
                     ensure!(!at_cap || victim_is_checkpoint, "the cap evicted a paged block");
                     ensure!(
                         !(at_cap && decode_tail) || self.decode_tails[pool].contains(victim),

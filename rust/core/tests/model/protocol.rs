@@ -24,6 +24,8 @@ struct Batch {
     events: std::vec::IntoIter<CacheEvent>,
     /// Keyed blocks in use, which no eviction may take.
     held: Vec<HashSet<u32>>,
+    /// Blocks the first schedules of this call may have pinned without showing it.
+    maybe: Vec<HashSet<u32>>,
 }
 
 impl Model {
@@ -316,6 +318,7 @@ impl Model {
             evicted: vec![0; pools],
             events: self.events()?.into_iter(),
             held,
+            maybe: vec![HashSet::new(); pools],
         };
         for (((&id, &budget), result), rows) in
             ids.iter().zip(budgets).zip(results).zip(rows_before)
@@ -393,6 +396,49 @@ impl Model {
                 }
             }
         }
+        let evicted = Self::take_blocks(&need, &pins, batch)?;
+        // The hit was pinned before anything was allocated: the rows' hit columns, and maybe a
+        // copy source or resume checkpoint among the holders of the key at the hit.
+        let tokens = self.seq(id)?.tokens.clone();
+        let rows_now = self.rows(id)?;
+        if first {
+            self.check_hit_choices(&tokens, start, &rows_now, batch)?;
+            for (pool, blocks) in self.possible_pins(&tokens, start).into_iter().enumerate() {
+                batch.maybe[pool].extend(blocks);
+            }
+        }
+        let mut excluded: Vec<HashSet<u32>> =
+            batch.held.iter().zip(&batch.maybe).map(|(h, m)| h | m).collect();
+        for (g, row) in rows_now.iter().enumerate() {
+            excluded[self.s.pool(g)].extend(row.iter().filter(|&&b| b != 0).map(|&b| b as u32));
+        }
+        let mut seen = vec![0u64; pools];
+        for _ in 0..evicted.iter().sum::<u64>() {
+            let event =
+                batch.events.next().ok_or("fewer evictions than allocations from the LRU")?;
+            if let CacheEvent::BlockRemoved { group, block, .. } = &event {
+                let pool = self.s.pool(*group as usize);
+                if self.check_victim(pool, *block, &excluded[pool], |_| true)? {
+                    self.saw("eviction ordered by recency");
+                }
+            }
+            seen[self.remove_block(&event, &batch.held)?] += 1;
+            self.saw("schedule evicted a block");
+        }
+        ensure!(seen == evicted, "evictions per pool {seen:?}, expected {evicted:?}");
+        self.admit(id, (first, start, end), junction, rows)?;
+        self.check_rows_after_schedule(id, end + lookahead, &batch.held)?;
+        for (g, row) in self.rows(id)?.into_iter().enumerate() {
+            batch.held[self.s.pool(g)]
+                .extend(row.into_iter().filter(|&b| b != 0).map(|b| b as u32));
+        }
+        Ok(())
+    }
+
+    /// Takes a chunk's new blocks from the batch's accounting: free blocks first, then the
+    /// least recently used cached ones. Returns the evictions per pool.
+    fn take_blocks(need: &[u64], pins: &[u64], batch: &mut Batch) -> Result<Vec<u64>, String> {
+        let pools = need.len();
         let mut evicted = vec![0u64; pools];
         for p in 0..pools {
             ensure!(
@@ -409,19 +455,33 @@ impl Model {
             batch.pins[p] += pins[p];
             batch.evicted[p] += evicted[p];
         }
-        let mut seen = vec![0u64; pools];
-        for _ in 0..evicted.iter().sum::<u64>() {
-            let event =
-                batch.events.next().ok_or("fewer evictions than allocations from the LRU")?;
-            seen[self.remove_block(&event, &batch.held)?] += 1;
-            self.saw("schedule evicted a block");
-        }
-        ensure!(seen == evicted, "evictions per pool {seen:?}, expected {evicted:?}");
-        self.admit(id, (first, start, end), junction, rows)?;
-        self.check_rows_after_schedule(id, end + lookahead, &batch.held)?;
-        for (g, row) in self.rows(id)?.into_iter().enumerate() {
-            batch.held[self.s.pool(g)]
-                .extend(row.into_iter().filter(|&b| b != 0).map(|b| b as u32));
+        Ok(evicted)
+    }
+
+    /// The hit columns of a first schedule use the copies the recency rule names.
+    fn check_hit_choices(
+        &mut self,
+        tokens: &[u32],
+        hit: u32,
+        rows: &[Vec<i32>],
+        batch: &Batch,
+    ) -> Result<(), String> {
+        for (g, row) in rows.iter().enumerate() {
+            let (block, first_col) = match self.s.groups[g].0 {
+                Kind::Full { block } => (block, 0),
+                Kind::Window { block, window } => (block, hit.saturating_sub(window) / block),
+                Kind::State(_) => continue,
+            };
+            let pool = self.s.pool(g);
+            for c in first_col..hit / block {
+                let key = tokens[..((c + 1) * block) as usize].to_vec();
+                let chosen = row[c as usize] as u32;
+                if let Some(rule) =
+                    self.check_hit_choice(g, &key, chosen, &batch.held[pool], &batch.maybe[pool])?
+                {
+                    self.saw(rule);
+                }
+            }
         }
         Ok(())
     }

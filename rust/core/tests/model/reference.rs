@@ -15,6 +15,7 @@ use prefixcache_core::{
     Hit, MissReason, Stats, StepPlan,
 };
 
+use crate::recency::Recency;
 use crate::setup::{Kind, Setup};
 
 /// A published key: the token prefix it fingerprints.
@@ -150,6 +151,10 @@ pub(crate) struct Model {
     /// Per pool: published decode-tail checkpoints (only these may make room for a new one at
     /// the checkpoint cap).
     pub(crate) decode_tails: Vec<HashSet<u32>>,
+    /// Per pool: what the model knows of each published block's recency (`recency.rs`).
+    pub(crate) recency: Vec<HashMap<u32, Recency>>,
+    /// Calls so far (the recency clock).
+    pub(crate) clock: i64,
     /// The statistics the manager must report.
     pub(crate) stats: Stats,
     /// How often each interesting path was taken (see `saw`).
@@ -179,6 +184,8 @@ impl Model {
             last_event: None,
             seen: BTreeMap::new(),
             decode_tails: vec![HashSet::new(); pools],
+            recency: vec![HashMap::new(); pools],
+            clock: 0,
             stats: Stats { groups: vec![GroupStats::default(); groups], ..Stats::default() },
             s,
         })
@@ -459,6 +466,7 @@ impl Model {
         let pool = self.s.pool(g);
         ensure!(!held[pool].contains(block), "evicted block {block} of pool {pool} is in use");
         self.decode_tails[pool].remove(block);
+        self.recency[pool].remove(block);
         self.stats.evictions += 1;
         self.stats.groups[g].evictions += 1;
         let recorded = self.carried[pool]
@@ -549,6 +557,7 @@ impl Model {
 
     pub(crate) fn check_all(&mut self) -> Result<(), String> {
         self.m.check_invariants().map_err(|e| e.to_string())?;
+        self.refresh_recency()?;
         let usage = self.m.pool_usage();
         let ids: Vec<u64> = self.seqs.keys().copied().collect();
         for id in ids {
