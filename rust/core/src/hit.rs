@@ -12,7 +12,7 @@
 //! bound downward in steps of U. Nothing here changes cache state.
 
 use crate::manager::{CacheManager, GroupRuntime};
-use crate::pool::{BlockId, Key};
+use crate::pool::{BlockId, BlockPool, Key};
 use crate::sequence::Sequence;
 
 /// Why a group's own hit stops where it does.
@@ -92,16 +92,31 @@ impl CacheManager {
     }
 
     /// Full-attention bound of one group (downward closed scan), capped at `limit`.
-    fn full_attention_bound(&self, seq: &Sequence, group: u32, block: u32, limit: u32) -> u32 {
+    /// Full-attention bound of one group (downward closed scan), capped at `limit`. The block
+    /// chosen for every full block on the way is pushed to `chain`, so the first schedule
+    /// does not probe the index again.
+    fn full_attention_bound(
+        &self,
+        seq: &Sequence,
+        group: u32,
+        block: u32,
+        limit: u32,
+        chain: &mut Vec<BlockId>,
+    ) -> u32 {
         let unit = self.unit;
+        let pool = &self.pools[self.groups[group as usize].pool()];
         let mut bound = 0;
         let mut block_start = 0;
         loop {
             let full_end = block_start + block;
-            if full_end <= limit && self.has_key(seq, group, full_end) {
-                bound = full_end;
-                block_start = full_end;
-                continue;
+            if full_end <= limit {
+                let holders = self.index.get(&Self::key_at(seq, group, unit, full_end));
+                if !holders.is_empty() {
+                    chain.push(Self::pick(pool, holders));
+                    bound = full_end;
+                    block_start = full_end;
+                    continue;
+                }
             }
             let last = limit.min(full_end - unit);
             let mut q = block_start + unit;
@@ -166,6 +181,13 @@ impl CacheManager {
 
     /// The reconciled hit of a sequence (no statistics, no state change).
     pub(crate) fn compute_hit(&self, seq: &Sequence) -> Hit {
+        self.compute_hit_with_chains(seq).0
+    }
+
+    /// The hit, and per group the blocks chosen for the full-attention chain (empty for
+    /// other groups).
+    pub(crate) fn compute_hit_with_chains(&self, seq: &Sequence) -> (Hit, Vec<Vec<BlockId>>) {
+        let mut chains: Vec<Vec<BlockId>> = vec![Vec::new(); self.groups.len()];
         let unit = self.unit;
         let n = seq.num_tokens();
         let max_tokens = if n == 0 { 0 } else { ((n - 1) / unit) * unit };
@@ -176,7 +198,8 @@ impl CacheManager {
             let gid = g as u32;
             let (own, stop) = match *runtime {
                 GroupRuntime::FullAttention { block_size, .. } => {
-                    let own = self.full_attention_bound(seq, gid, block_size, limit);
+                    let own =
+                        self.full_attention_bound(seq, gid, block_size, limit, &mut chains[g]);
                     bound = bound.min(own);
                     let stop = (own < max_tokens).then(|| self.miss_reason(seq, gid, own + unit));
                     (own, stop)
@@ -234,13 +257,21 @@ impl CacheManager {
         }
         let top = groups.iter().map(|g| g.tokens).max().unwrap_or(0);
         let junction = (top >= tokens + 2 * unit).then_some(top);
-        Hit { tokens, max_tokens, groups, junction }
+        (Hit { tokens, max_tokens, groups, junction }, chains)
     }
 
     /// The block to use for a key: one already in use if any, else the most recently used.
     pub(crate) fn choose_block(&self, seq: &Sequence, group: u32, position: u32) -> BlockId {
         let pool = &self.pools[self.groups[group as usize].pool()];
-        let holders = self.index.get(&Self::key_at(seq, group, self.unit, position));
+        Self::pick(pool, self.index.get(&Self::key_at(seq, group, self.unit, position)))
+    }
+
+    /// Among the blocks published under one key: one already in use if any, else the most
+    /// recently used (ties to the lowest id), so the choice is deterministic.
+    fn pick(pool: &BlockPool, holders: &[BlockId]) -> BlockId {
+        if let [only] = holders {
+            return *only;
+        }
         holders
             .iter()
             .copied()

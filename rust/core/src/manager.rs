@@ -12,22 +12,28 @@
 //! (see `pool.rs`); a started sequence holds exactly the blocks of its tables, its running
 //! buffers, its resume pin, its decode-tail snapshot and the blocks of its pending step.
 
+use std::borrow::Cow;
+
 use rustc_hash::FxHashMap;
 
 use crate::config::{CacheConfig, GroupKind, StateGroupConfig};
 use crate::error::{CacheError, Result};
 use crate::events::{CacheEvent, EventLog, EventRecord};
-use crate::hashing::{ExtraKeys, Hasher};
+use crate::hashing::{Digest, ExtraKeys, Hasher};
 use crate::hit::Hit;
 use crate::index::HashIndex;
 use crate::pool::{BlockId, BlockKey, BlockKind, BlockPool, LruEnd, NULL_BLOCK};
 use crate::sequence::{
-    shared_units, FinishedCache, FinishedSequence, PagedSeq, SeqGroup, Sequence, StateSeq,
+    common_prefix, shared_units, Continued, FinishedCache, FinishedSequence, PagedSeq, SeqGroup,
+    Sequence, StateSeq,
 };
 use crate::stats::{GroupStats, Stats};
 
 /// Longest sequence accepted: positions and plan offsets are `i32` in the step plan.
 pub const MAX_SEQUENCE_TOKENS: usize = i32::MAX as usize;
+
+/// What `extends` resolves to: tokens, extra keys and unit hashes.
+type ExtendsSource<'a> = (Cow<'a, [u32]>, Cow<'a, ExtraKeys>, Cow<'a, [Digest]>);
 
 /// A group as the manager uses it (validated, flattened).
 #[derive(Clone, Debug)]
@@ -102,6 +108,8 @@ pub struct CacheManager {
     pub(crate) scheduled: Vec<usize>,
     pub(crate) in_flight: Option<InFlight>,
     pub(crate) next_step: u64,
+    /// Serial of the next sequence added.
+    pub(crate) next_serial: u64,
     /// Started sequences (holding blocks).
     pub(crate) started: usize,
     pub(crate) events: EventLog,
@@ -142,6 +150,7 @@ impl CacheManager {
             scheduled: Vec::new(),
             in_flight: None,
             next_step: 1,
+            next_serial: 0,
             started: 0,
             events: EventLog::new(config.enable_events, config.max_pending_events),
             stats,
@@ -222,39 +231,54 @@ impl CacheManager {
         }
         Self::validate_tokens(tokens.len(), &extra)?;
         let unit = self.unit;
-        let mut hashes =
-            Vec::with_capacity((tokens.len() + tokens.len() / 16 + 256) / unit as usize);
-        let mut extends_found = false;
-        if let Some(other) = extends {
-            let source = match self.by_id.get(&other) {
-                Some(&slot) => {
-                    let s = self.seq(slot);
-                    Some((&s.tokens, &s.extra, &s.hashes))
-                }
-                None => self.finished.get(other).map(|f| (&f.tokens, &f.extra, &f.hashes)),
+        // Headroom for decoded tokens, so the first appends do not copy a long prompt.
+        let capacity = tokens.len() + tokens.len() / 16 + 256;
+        let (extends_found, n) = match extends.and_then(|o| self.extends_source(o)) {
+            Some((t, e, h)) => (true, shared_units(unit, tokens, &extra, &t, &e, h.len())),
+            None => (false, 0),
+        };
+        // A finished sequence extended by its next turn hands its buffers over: the shared
+        // prefix is compared, neither copied nor rehashed. A record keeps what the new turn
+        // does not share, so the finished id stays available to `extends` exactly as it was.
+        let serial = self.next_serial;
+        self.next_serial += 1;
+        let direct = extends
+            .filter(|&o| n > 0 && !self.by_id.contains_key(&o))
+            .and_then(|o| self.finished.serial_of(o));
+        let taken = direct.and_then(|serial| self.finished.take_serial(serial));
+        let (owned, mut hashes) = if let Some(previous) = taken {
+            let (mut owned, mut hashes) = (previous.tokens, previous.hashes);
+            let keep = common_prefix(tokens, &owned);
+            let record = Continued {
+                by: seq_id,
+                by_serial: serial,
+                tokens: keep,
+                units: n,
+                tail_tokens: owned.split_off(keep),
+                tail_hashes: hashes.split_off(n),
+                extra: previous.extra,
             };
-            if let Some((other_tokens, other_extra, other_hashes)) = source {
-                extends_found = true;
-                let n = shared_units(
-                    unit,
-                    tokens,
-                    &extra,
-                    other_tokens,
-                    other_extra,
-                    other_hashes.len(),
-                );
+            self.finished.set_continued(previous.serial, record);
+            owned.reserve(capacity.saturating_sub(owned.len()));
+            owned.extend_from_slice(&tokens[keep..]);
+            (owned, hashes)
+        } else {
+            let mut hashes = Vec::with_capacity(capacity / unit as usize);
+            if let Some((_, _, other_hashes)) = extends.and_then(|o| self.extends_source(o)) {
                 hashes.extend_from_slice(&other_hashes[..n]);
             }
-        }
+            let mut owned = Vec::with_capacity(capacity);
+            owned.extend_from_slice(tokens);
+            (owned, hashes)
+        };
+        hashes.reserve((capacity / unit as usize).saturating_sub(hashes.len()));
         let reused = hashes.len();
-        self.hasher.extend(tokens, unit, &extra, &mut hashes);
+        self.hasher.extend(&owned, unit, &extra, &mut hashes);
         let hashed_units = (hashes.len() - reused) as u32;
-        self.finished.remove(seq_id);
-        // Headroom for decoded tokens, so the first appends do not copy a long prompt.
-        let mut owned = Vec::with_capacity(tokens.len() + tokens.len() / 16 + 256);
-        owned.extend_from_slice(tokens);
+        self.finished.unmap(seq_id);
         let seq = Sequence {
             id: seq_id,
+            serial,
             tokens: owned,
             extra,
             hashes,
@@ -277,6 +301,55 @@ impl CacheManager {
         Ok(Added { reused_tokens: reused as u32 * unit, hashed_units, extends_found })
     }
 
+    /// The tokens, extra keys and hashes `extends = id` refers to: a live sequence, a finished
+    /// one, or a finished one whose buffers its continuation took over (rebuilt from the
+    /// continuation's prefix and the record's tail: exactly what the finished sequence held).
+    fn extends_source(&self, id: u64) -> Option<ExtendsSource<'_>> {
+        if let Some(&slot) = self.by_id.get(&id) {
+            let s = self.seq(slot);
+            return Some((
+                Cow::Borrowed(&s.tokens),
+                Cow::Borrowed(&s.extra),
+                Cow::Borrowed(&s.hashes),
+            ));
+        }
+        self.source_by_serial(self.finished.serial_of(id)?, id, 0)
+    }
+
+    /// The sequence with this serial, last known under `id`.
+    fn source_by_serial(&self, serial: u64, id: u64, depth: usize) -> Option<ExtendsSource<'_>> {
+        if let Some(s) = self.by_id.get(&id).map(|&slot| self.seq(slot)) {
+            if s.serial == serial {
+                return Some((
+                    Cow::Borrowed(&s.tokens),
+                    Cow::Borrowed(&s.extra),
+                    Cow::Borrowed(&s.hashes),
+                ));
+            }
+        }
+        if let Some(f) = self.finished.get_serial(serial) {
+            return Some((
+                Cow::Borrowed(&f.tokens),
+                Cow::Borrowed(&f.extra),
+                Cow::Borrowed(&f.hashes),
+            ));
+        }
+        // Turn after turn, continuations chain; a bounded depth keeps this cheap and finite.
+        if depth >= 64 {
+            return None;
+        }
+        let record = self.finished.continued(serial)?;
+        let (tokens, _, hashes) = self.source_by_serial(record.by_serial, record.by, depth + 1)?;
+        if tokens.len() < record.tokens || hashes.len() < record.units {
+            return None;
+        }
+        let mut own_tokens = tokens[..record.tokens].to_vec();
+        own_tokens.extend_from_slice(&record.tail_tokens);
+        let mut own_hashes = hashes[..record.units].to_vec();
+        own_hashes.extend_from_slice(&record.tail_hashes);
+        Some((Cow::Owned(own_tokens), Cow::Borrowed(&record.extra), Cow::Owned(own_hashes)))
+    }
+
     pub(crate) fn empty_seq_groups(&self) -> Vec<SeqGroup> {
         self.groups
             .iter()
@@ -290,11 +363,11 @@ impl CacheManager {
     /// The reconciled hit of a live sequence now. Changes no cache state (counts a statistic).
     pub fn lookup(&mut self, seq_id: u64) -> Result<Hit> {
         let slot = self.slot(seq_id)?;
-        let hit = self.compute_hit(self.seq(slot));
+        let (hit, chains) = self.compute_hit_with_chains(self.seq(slot));
         self.stats.lookups += 1;
         self.stats.lookup_hit_tokens += u64::from(hit.tokens);
         let generation = self.index.generation();
-        self.seq_mut(slot).last_hit = Some((generation, hit.clone()));
+        self.seq_mut(slot).last_hit = Some((generation, hit.clone(), chains));
         Ok(hit)
     }
 
@@ -351,7 +424,12 @@ impl CacheManager {
         if let Some(seq) = self.seqs[slot].take() {
             self.finished.insert(
                 seq_id,
-                FinishedSequence { tokens: seq.tokens, extra: seq.extra, hashes: seq.hashes },
+                FinishedSequence {
+                    serial: seq.serial,
+                    tokens: seq.tokens,
+                    extra: seq.extra,
+                    hashes: seq.hashes,
+                },
             );
         }
         self.free_slots.push(slot);

@@ -10,7 +10,7 @@
 use crate::error::{CacheError, Result};
 use crate::hit::Hit;
 use crate::manager::{CacheManager, GroupRuntime};
-use crate::pool::{BlockKind, NULL_BLOCK};
+use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
 use crate::sequence::{GroupStep, PagedSeq, SeqGroup, StateSeq, StepRecord};
 
 /// What `schedule` gave a sequence.
@@ -126,11 +126,15 @@ impl CacheManager {
         let seq = self.seq_mut(slot);
         let first = !seq.started;
         let cached = match seq.last_hit.take() {
-            Some((at, hit)) if first && at == generation => Some(hit),
+            Some((at, hit, chains)) if first && at == generation => Some((hit, chains)),
             _ => None,
         };
         let seq = self.seq(slot);
-        let hit = first.then(|| cached.unwrap_or_else(|| self.compute_hit(seq)));
+        let (hit, chains) =
+            match first.then(|| cached.unwrap_or_else(|| self.compute_hit_with_chains(seq))) {
+                Some((hit, chains)) => (Some(hit), chains),
+                None => (None, Vec::new()),
+            };
         let start = hit.as_ref().map_or(seq.num_computed, |h| h.tokens);
         let total = seq.num_tokens();
         let mut end = start.saturating_add(max_tokens).min(total);
@@ -141,7 +145,7 @@ impl CacheManager {
         if end <= start {
             return Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit });
         }
-        let admissions = hit.as_ref().map(|h| self.admissions(slot, h.tokens));
+        let admissions = hit.as_ref().map(|h| self.admissions(slot, h.tokens, chains));
         if !self.blocks_available(slot, end + lookahead, admissions.as_deref()) {
             self.stats.refused_schedules += 1;
             return None;
@@ -172,7 +176,13 @@ impl CacheManager {
     }
 
     /// Which published blocks a first step uses, per group, for a hit of `hit` tokens.
-    fn admissions(&self, slot: usize, hit: u32) -> Vec<GroupAdmission> {
+    /// `chains` are the full-attention blocks the hit's lookup chose (possibly empty).
+    fn admissions(
+        &self,
+        slot: usize,
+        hit: u32,
+        mut chains: Vec<Vec<BlockId>>,
+    ) -> Vec<GroupAdmission> {
         let seq = self.seq(slot);
         self.groups
             .iter()
@@ -189,15 +199,22 @@ impl CacheManager {
                             _ => 0,
                         };
                         let full = hit / block_size;
-                        let table = (0..full)
-                            .map(|c| {
-                                if c < first_col {
-                                    NULL_BLOCK
-                                } else {
-                                    self.choose_block(seq, gid, (c + 1) * block_size)
-                                }
-                            })
-                            .collect();
+                        let chain = chains.get_mut(g).map(std::mem::take).unwrap_or_default();
+                        let table = if first_col == 0 && chain.len() >= full as usize {
+                            let mut chain = chain;
+                            chain.truncate(full as usize);
+                            chain
+                        } else {
+                            (0..full)
+                                .map(|c| {
+                                    if c < first_col {
+                                        NULL_BLOCK
+                                    } else {
+                                        self.choose_block(seq, gid, (c + 1) * block_size)
+                                    }
+                                })
+                                .collect()
+                        };
                         let cow = (hit % block_size != 0)
                             .then(|| (self.choose_block(seq, gid, hit), hit % block_size));
                         GroupAdmission { table, cow, resume: NULL_BLOCK }

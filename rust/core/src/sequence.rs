@@ -105,6 +105,8 @@ pub(crate) struct StepRecord {
 #[derive(Clone, Debug)]
 pub(crate) struct Sequence {
     pub id: u64,
+    /// Unique for the manager's lifetime, unlike ids, which may be added again.
+    pub serial: u64,
     pub tokens: Vec<u32>,
     pub extra: ExtraKeys,
     /// `hashes[i]` fingerprints `tokens[..(i + 1) * U]`.
@@ -119,7 +121,8 @@ pub(crate) struct Sequence {
     pub step: Option<StepRecord>,
     /// The last lookup's result and the index generation it was computed at: the first
     /// schedule reuses it when nothing was published or evicted since.
-    pub last_hit: Option<(u64, Hit)>,
+    /// The chosen full-attention chains ride along (see `compute_hit_with_chains`).
+    pub last_hit: Option<(u64, Hit, Vec<Vec<BlockId>>)>,
 }
 
 impl Sequence {
@@ -131,6 +134,8 @@ impl Sequence {
 /// Tokens and hashes of a finished sequence, for `extends`.
 #[derive(Clone, Debug)]
 pub(crate) struct FinishedSequence {
+    /// The sequence's serial (ids may be reused; serials never are).
+    pub serial: u64,
     pub tokens: Vec<u32>,
     pub extra: ExtraKeys,
     pub hashes: Vec<Digest>,
@@ -142,14 +147,41 @@ impl FinishedSequence {
     }
 }
 
-/// Finished sequences, oldest dropped first once over the byte budget.
+/// Finished sequences, oldest dropped first once over the byte budget. Entries are keyed by
+/// serial: an id may be added again while continuation records still need the sequence that
+/// last finished under it.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct FinishedCache {
+    /// serial -> finished sequence.
     entries: FxHashMap<u64, FinishedSequence>,
+    /// id -> serial of the last sequence that finished under it (until the id is added again).
+    ids: FxHashMap<u64, u64>,
+    /// Serials, oldest first; taken entries are skipped lazily.
     order: VecDeque<u64>,
     bytes: usize,
     capacity: usize,
+    /// serial -> where a finished sequence's buffers went when its continuation took them.
+    continued: FxHashMap<u64, Continued>,
+    continued_order: VecDeque<u64>,
 }
+
+/// Where the history of a finished sequence went when another sequence extended it: its
+/// first `tokens` tokens and `units` hashes are the continuing sequence's, the rest (the
+/// outputs the next turn did not send back, typically) is kept here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Continued {
+    pub by: u64,
+    /// Serial of the continuing sequence (its id may later name another sequence).
+    pub by_serial: u64,
+    pub tokens: usize,
+    pub units: usize,
+    pub tail_tokens: Vec<u32>,
+    pub tail_hashes: Vec<Digest>,
+    pub extra: ExtraKeys,
+}
+
+/// Continuation records kept (each holds only the part the continuation does not share).
+const MAX_CONTINUED: usize = 4096;
 
 impl FinishedCache {
     pub fn new(capacity: usize) -> Self {
@@ -157,14 +189,15 @@ impl FinishedCache {
     }
 
     pub fn insert(&mut self, id: u64, entry: FinishedSequence) {
-        self.remove(id);
         let size = entry.bytes();
         if size > self.capacity {
+            self.ids.remove(&id);
             return;
         }
+        self.ids.insert(id, entry.serial);
         self.bytes += size;
-        self.entries.insert(id, entry);
-        self.order.push_back(id);
+        self.order.push_back(entry.serial);
+        self.entries.insert(entry.serial, entry);
         while self.bytes > self.capacity {
             let Some(old) = self.order.pop_front() else {
                 break;
@@ -175,20 +208,62 @@ impl FinishedCache {
         }
     }
 
-    pub fn get(&self, id: u64) -> Option<&FinishedSequence> {
-        self.entries.get(&id)
+    /// The serial of the last sequence finished under `id`, if the id is not live again.
+    pub fn serial_of(&self, id: u64) -> Option<u64> {
+        self.ids.get(&id).copied()
     }
 
-    pub fn remove(&mut self, id: u64) -> Option<FinishedSequence> {
-        let entry = self.entries.remove(&id)?;
+    pub fn get_serial(&self, serial: u64) -> Option<&FinishedSequence> {
+        self.entries.get(&serial)
+    }
+
+    /// Takes a finished sequence's buffers out (its continuation owns them now).
+    pub fn take_serial(&mut self, serial: u64) -> Option<FinishedSequence> {
+        let entry = self.entries.remove(&serial)?;
         self.bytes -= entry.bytes();
-        self.order.retain(|&x| x != id);
         Some(entry)
     }
 
+    /// The id is live again: `extends` of it means the live sequence from now on.
+    pub fn unmap(&mut self, id: u64) {
+        self.ids.remove(&id);
+    }
+
+    /// Records where the buffers of finished sequence `serial` went.
+    pub fn set_continued(&mut self, serial: u64, continued: Continued) {
+        if self.continued.insert(serial, continued).is_none() {
+            self.continued_order.push_back(serial);
+        }
+        while self.continued_order.len() > MAX_CONTINUED {
+            if let Some(old) = self.continued_order.pop_front() {
+                self.continued.remove(&old);
+            }
+        }
+    }
+
+    pub fn continued(&self, serial: u64) -> Option<&Continued> {
+        self.continued.get(&serial)
+    }
+
+    /// Finished sequences kept (their buffers, not continuation records).
     pub fn len(&self) -> usize {
         self.entries.len()
     }
+}
+
+/// Length of the common prefix of two token lists, compared 64 tokens at a time (a memcmp)
+/// before the last partial run.
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    const RUN: usize = 64;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + RUN <= n && a[i..i + RUN] == b[i..i + RUN] {
+        i += RUN;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
 }
 
 /// How many leading units two sequences share, hashes included: the common token prefix,
@@ -204,8 +279,7 @@ pub(crate) fn shared_units(
     if extra.cache_salt != other_extra.cache_salt || extra.lora_id != other_extra.lora_id {
         return 0;
     }
-    let common = tokens.iter().zip(other_tokens).take_while(|(a, b)| a == b).count();
-    let mut limit = common;
+    let mut limit = common_prefix(tokens, other_tokens);
     let (a, b) = (&extra.multimodal, &other_extra.multimodal);
     for i in 0..a.len().max(b.len()) {
         match (a.get(i), b.get(i)) {

@@ -849,6 +849,33 @@ fn add_extending_another_sequence_reuses_the_hashes_of_the_common_prefix() {
 }
 
 #[test]
+fn a_finished_turn_continued_by_the_next_stays_resolvable_for_extends() {
+    let mut h = Harness::new(full_attention(B, U, 64));
+    let p = tokens(1, 40);
+    h.serve(1, &p);
+    // The next turn takes the finished turn's buffers over...
+    let q = extend(&p, 2, 24);
+    let added = h.add_extending(2, &q, 1);
+    assert_eq!((added.reused_tokens, added.hashed_units), (40, 6));
+    // ...and a second branch from the same finished turn still reuses its 40 tokens, found
+    // through the continuation, not the 16 that only the second branch and q share beyond.
+    let branch = extend(&p, 3, 16);
+    let added = h.add_extending(3, &branch, 1);
+    assert!(added.extends_found);
+    assert_eq!((added.reused_tokens, added.hashed_units), (40, 4));
+    // Chains of turns resolve too, capped at what the original sequence really held.
+    h.finish(2);
+    let q2 = extend(&q, 4, 8);
+    assert_eq!(h.add_extending(4, &q2, 2).reused_tokens, 64);
+    let p2 = extend(&p, 5, 8);
+    let added = h.add_extending(5, &p2, 1);
+    assert_eq!((added.reused_tokens, added.hashed_units), (40, 2));
+    // The reused hashes are the real ones: lookups match a plain add's.
+    h.add(6, &p2);
+    assert_eq!(h.lookup(5), h.lookup(6));
+}
+
+#[test]
 fn verify_tokens_serves_the_same_hits() {
     let mut config = full_attention(B, U, 8);
     config.hash.verify_tokens = true;
