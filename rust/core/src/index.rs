@@ -15,20 +15,8 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use crate::hashing::Digest;
 use crate::pool::{BlockId, Key};
 
-#[derive(Clone, Debug)]
-enum Holders {
-    One(BlockId),
-    Many(Vec<BlockId>),
-}
-
-impl Holders {
-    fn as_slice(&self) -> &[BlockId] {
-        match self {
-            Self::One(b) => std::slice::from_ref(b),
-            Self::Many(v) => v,
-        }
-    }
-}
+/// Map value meaning "several blocks: see `HashIndex::many`". Block ids never reach it.
+const MANY: BlockId = BlockId::MAX;
 
 /// Tokens behind a published digest (only with `verify_tokens`).
 #[derive(Clone, Debug)]
@@ -41,7 +29,12 @@ struct StoredUnit {
 /// Key -> blocks, recently evicted keys, and optionally the stored unit tokens.
 #[derive(Clone, Debug, Default)]
 pub struct HashIndex {
-    map: FxHashMap<Key, Holders>,
+    /// Key -> its block. Four bytes a value keep the table dense: a lookup of a long prompt
+    /// probes one key per block, and each probe is a cache miss once the index outgrows the
+    /// caches.
+    map: FxHashMap<Key, BlockId>,
+    /// Keys published by several blocks (two sequences computed the same content): all of them.
+    many: FxHashMap<Key, Vec<BlockId>>,
     recent: FxHashSet<Key>,
     recent_order: VecDeque<Key>,
     recent_capacity: usize,
@@ -59,7 +52,11 @@ impl HashIndex {
     /// Blocks published under `key` (empty if none).
     #[must_use]
     pub fn get(&self, key: &Key) -> &[BlockId] {
-        self.map.get(key).map_or(&[], Holders::as_slice)
+        match self.map.get(key) {
+            None => &[],
+            Some(&MANY) => self.many.get(key).map_or(&[], Vec::as_slice),
+            Some(block) => std::slice::from_ref(block),
+        }
     }
 
     #[must_use]
@@ -73,13 +70,15 @@ impl HashIndex {
         self.generation += 1;
         match self.map.entry(key) {
             Entry::Vacant(v) => {
-                v.insert(Holders::One(block));
+                v.insert(block);
             }
             Entry::Occupied(mut o) => {
-                let holders = o.get_mut();
-                match holders {
-                    Holders::One(first) => *holders = Holders::Many(vec![*first, block]),
-                    Holders::Many(v) => v.push(block),
+                let first = o.get_mut();
+                if *first == MANY {
+                    self.many.entry(key).or_default().push(block);
+                } else {
+                    self.many.insert(key, vec![*first, block]);
+                    *first = MANY;
                 }
             }
         }
@@ -102,16 +101,18 @@ impl HashIndex {
             return;
         };
         self.generation += 1;
-        let holders = o.get_mut();
-        let now_empty = match holders {
-            Holders::One(b) => *b == block,
-            Holders::Many(v) => {
+        let first = o.get_mut();
+        let now_empty = if *first == MANY {
+            if let Some(v) = self.many.get_mut(key) {
                 v.retain(|&b| b != block);
                 if let [last] = v.as_slice() {
-                    *holders = Holders::One(*last);
+                    *first = *last;
+                    self.many.remove(key);
                 }
-                false
             }
+            false
+        } else {
+            *first == block
         };
         if now_empty {
             o.remove();
@@ -168,7 +169,7 @@ impl HashIndex {
 
     /// Iterates over every (key, block) pair (for invariant checks).
     pub fn entries(&self) -> impl Iterator<Item = (&Key, BlockId)> + '_ {
-        self.map.iter().flat_map(|(k, h)| h.as_slice().iter().map(move |&b| (k, b)))
+        self.map.keys().flat_map(move |k| self.get(k).iter().map(move |&b| (k, b)))
     }
 
     /// A counter that changes with every insertion or removal.
@@ -181,6 +182,7 @@ impl HashIndex {
     pub fn clear(&mut self) {
         self.generation += 1;
         self.map.clear();
+        self.many.clear();
         self.recent.clear();
         self.recent_order.clear();
         if let Some(units) = self.units.as_mut() {
