@@ -105,27 +105,27 @@ impl CacheManager {
     ) -> u32 {
         let unit = self.unit;
         let pool = &self.pools[self.groups[group as usize].pool()];
-        let mut bound = 0;
+        // Unit indices advance by whole blocks: no division per probe on this hot loop.
+        let units_per_block = (block / unit) as usize;
+        let full_blocks = (limit / block) as usize;
         let mut block_start = 0;
-        loop {
-            let full_end = block_start + block;
-            if full_end <= limit {
-                let holders = self.index.get(&Self::key_at(seq, group, unit, full_end));
-                if !holders.is_empty() {
-                    chain.push(Self::pick(pool, holders));
-                    bound = full_end;
-                    block_start = full_end;
-                    continue;
-                }
+        for col in 0..full_blocks {
+            let digest = seq.hashes[(col + 1) * units_per_block - 1];
+            let holders = self.index.get(&Key { group, digest });
+            if holders.is_empty() {
+                break;
             }
-            let last = limit.min(full_end - unit);
-            let mut q = block_start + unit;
-            while q <= last && self.has_key(seq, group, q) {
-                bound = q;
-                q += unit;
-            }
-            return bound;
+            chain.push(Self::pick(pool, holders));
+            block_start += block;
         }
+        let mut bound = block_start;
+        let last = limit.min(block_start + block - unit);
+        let mut q = block_start + unit;
+        while q <= last && self.has_key(seq, group, q) {
+            bound = q;
+            q += unit;
+        }
+        bound
     }
 
     fn window_probe(&self, seq: &Sequence, group: u32, block: u32, window: u32, l: u32) -> Probe {
