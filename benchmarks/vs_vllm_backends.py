@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -64,7 +65,7 @@ class ManagerConfig:
         return 2 * workload.shape.max_running * per_sequence + 64
 
 
-class Backend:
+class Backend(ABC):
     """What the scheduler loop asks of a manager; every manager call is timed."""
 
     label: str
@@ -73,33 +74,38 @@ class Backend:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def start_step(self) -> None:
+    def start_step(self) -> None:  # noqa: B027 (optional hook: most managers need nothing)
         """Opens a scheduler step."""
 
+    @abstractmethod
     def admit(self, request: Request, budget: int) -> tuple[int, int] | None:
         """Looks the request up and schedules its first chunk: ``(hit, tokens)``, or ``None``
         when the manager has no blocks for it (it stays waiting). ``tokens`` may be 0 (the
         chunk rounding left nothing); the request then waits with its lookup done."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def schedule_prefill(self, request: Request, budget: int) -> int:
         """Schedules the next chunk of a running prefill; returns its tokens (may be 0)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def schedule_decodes(self, requests: list[Request]) -> None:
         """Schedules one token for each decoding request."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def end_step(self, scheduled: list[tuple[Request, int]]) -> None:
         """Closes a step in which ``scheduled`` ran (the forward happens here)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def append(self, requests: list[Request], tokens: list[int]) -> None:
         """Appends one sampled token to each request."""
-        raise NotImplementedError
+        ...
 
-    def finish(self, request: Request) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def finish(self, request: Request) -> None: ...
 
     def total_seconds(self) -> float:
         return sum(self.seconds.values())

@@ -18,6 +18,7 @@ shared-prompts keeps its lengths and multiplies the number of requests.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,22 +59,23 @@ class WorkloadShape:
     max_running: int
 
 
-class Workload:
+class Workload(ABC):
     """A closed-loop request source: initial requests, then follow-ups of finished ones."""
 
     name: str
     shape: WorkloadShape
 
-    def initial(self) -> list[Request]:
-        raise NotImplementedError
+    @abstractmethod
+    def initial(self) -> list[Request]: ...
 
     def on_finished(self, request: Request) -> list[Request]:
         del request
         return []
 
+    @abstractmethod
     def prompt_tokens(self) -> int:
         """Largest number of tokens a running sequence may hold (prompt plus output)."""
-        raise NotImplementedError
+        ...
 
 
 def _round_block(value: float, block: int = 16) -> int:
