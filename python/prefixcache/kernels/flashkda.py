@@ -30,6 +30,7 @@ tokens are gathered when the batch has several rows.
 from __future__ import annotations
 
 import os
+from abc import abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,46 @@ def _lower_bound(params: KDALayerParams) -> float:
     return float(params.lower_bound)
 
 
-class FlashKDABackend(KDABackend):
+class _SegmentedFlashKDA(KDABackend):
+    """What both FlashKDA backends share: the layer check and the segment-round driver. A
+    subclass says how many interior checkpoints one kernel call writes per row and makes the
+    call (``_call``)."""
+
+    #: Interior checkpoints one call writes per row (0: states only at call boundaries).
+    checkpoints_per_call = 0
+
+    def check_layer(self, params: KDALayerParams, dtype: torch.dtype, device: torch.device) -> None:
+        """Bounded gate, K = V = 128, bf16, CUDA."""
+        _check_flashkda_layer(self.name, params, dtype, device)
+
+    @abstractmethod
+    def _call(
+        self, params: KDALayerParams, batch: SegmentBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One kernel call over a packed segment round: (output, final states, checkpoints)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        params: KDALayerParams,
+        recurrent: torch.Tensor,
+        plan: StatePlan,
+    ) -> torch.Tensor:
+        """See :meth:`KDABackend.forward`; rows are chained over segment rounds, each round one
+        packed varlen call."""
+        g = g.to(q.dtype).contiguous()
+        beta = beta.to(q.dtype).contiguous()
+        rounds = plan_rounds(plan, per_call=self.checkpoints_per_call)
+        return run_rounds(
+            plan, rounds, q, k, v, g, beta, recurrent, lambda batch: self._call(params, batch)
+        )
+
+
+class FlashKDABackend(_SegmentedFlashKDA):
     """``flash_kda.fwd`` with segment chaining (``get_backend("flashkda", fwd=None)``)."""
 
     name = "flashkda"
@@ -106,10 +146,6 @@ class FlashKDABackend(KDABackend):
         self._fwd: FlashKDAFwd = fwd
         self.checkpoint_alignment = FLASHKDA_CHUNK
         self.max_checkpoints_per_step = None
-
-    def check_layer(self, params: KDALayerParams, dtype: torch.dtype, device: torch.device) -> None:
-        """Bounded gate, K = V = 128, bf16, CUDA."""
-        _check_flashkda_layer(self.name, params, dtype, device)
 
     def _call(
         self, params: KDALayerParams, batch: SegmentBatch
@@ -132,25 +168,6 @@ class FlashKDABackend(KDABackend):
             cu_seqlens=batch.cu_seqlens,
         )
         return out, final, None
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        params: KDALayerParams,
-        recurrent: torch.Tensor,
-        plan: StatePlan,
-    ) -> torch.Tensor:
-        """See :meth:`KDABackend.forward`; one varlen call per segment round."""
-        g = g.to(q.dtype).contiguous()
-        beta = beta.to(q.dtype).contiguous()
-        rounds = plan_rounds(plan, per_call=0)
-        return run_rounds(
-            plan, rounds, q, k, v, g, beta, recurrent, lambda batch: self._call(params, batch)
-        )
 
 
 def load_flashkda_op(library: str | os.PathLike[str] | None = None) -> Any:
@@ -188,10 +205,11 @@ def load_flashkda_op(library: str | os.PathLike[str] | None = None) -> Any:
     return namespace
 
 
-class FlashKDAOpBackend(KDABackend):
+class FlashKDAOpBackend(_SegmentedFlashKDA):
     """vLLM's FlashKDA op with one checkpoint per call (``get_backend("flashkda-op")``)."""
 
     name = "flashkda-op"
+    checkpoints_per_call = 1
 
     def __init__(self, library: str | os.PathLike[str] | None = None) -> None:
         device = require_cuda(self.name, SM90)
@@ -202,10 +220,6 @@ class FlashKDAOpBackend(KDABackend):
         self._ops = load_flashkda_op(library)
         self.checkpoint_alignment = FLASHKDA_CHUNK
         self.max_checkpoints_per_step = None
-
-    def check_layer(self, params: KDALayerParams, dtype: torch.dtype, device: torch.device) -> None:
-        """Bounded gate, K = V = 128, bf16, CUDA."""
-        _check_flashkda_layer(self.name, params, dtype, device)
 
     def _run(
         self,
@@ -283,22 +297,3 @@ class FlashKDAOpBackend(KDABackend):
             batch.initial_state, final, batch.cu_seqlens, staging, batch.checkpoint_offsets,
         )  # fmt: skip
         return out, final, staging
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        params: KDALayerParams,
-        recurrent: torch.Tensor,
-        plan: StatePlan,
-    ) -> torch.Tensor:
-        """See :meth:`KDABackend.forward`; one interior checkpoint per row per call."""
-        g = g.to(q.dtype).contiguous()
-        beta = beta.to(q.dtype).contiguous()
-        rounds = plan_rounds(plan, per_call=1)
-        return run_rounds(
-            plan, rounds, q, k, v, g, beta, recurrent, lambda batch: self._call(params, batch)
-        )
