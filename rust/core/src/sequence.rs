@@ -156,13 +156,12 @@ pub(crate) struct FinishedCache {
     entries: FxHashMap<u64, FinishedSequence>,
     /// id -> serial of the last sequence that finished under it (until the id is added again).
     ids: FxHashMap<u64, u64>,
-    /// Serials, oldest first; taken entries are skipped lazily.
+    /// Serials of finished sequences and records, oldest first; what is gone is skipped.
     order: VecDeque<u64>,
     bytes: usize,
     capacity: usize,
     /// serial -> where a finished sequence's buffers went when its continuation took them.
     continued: FxHashMap<u64, Continued>,
-    continued_order: VecDeque<u64>,
 }
 
 /// Where the history of a finished sequence went when another sequence extended it: its
@@ -180,8 +179,11 @@ pub(crate) struct Continued {
     pub extra: ExtraKeys,
 }
 
-/// Continuation records kept (each holds only the part the continuation does not share).
-const MAX_CONTINUED: usize = 4096;
+impl Continued {
+    fn bytes(&self) -> usize {
+        self.tail_tokens.len() * 4 + self.tail_hashes.len() * std::mem::size_of::<Digest>() + 128
+    }
+}
 
 impl FinishedCache {
     pub fn new(capacity: usize) -> Self {
@@ -198,12 +200,19 @@ impl FinishedCache {
         self.bytes += size;
         self.order.push_back(entry.serial);
         self.entries.insert(entry.serial, entry);
+        self.shrink();
+    }
+
+    /// Drops the oldest finished sequences and continuation records until within the budget.
+    fn shrink(&mut self) {
         while self.bytes > self.capacity {
             let Some(old) = self.order.pop_front() else {
                 break;
             };
             if let Some(e) = self.entries.remove(&old) {
                 self.bytes -= e.bytes();
+            } else if let Some(r) = self.continued.remove(&old) {
+                self.bytes -= r.bytes();
             }
         }
     }
@@ -229,16 +238,15 @@ impl FinishedCache {
         self.ids.remove(&id);
     }
 
-    /// Records where the buffers of finished sequence `serial` went.
+    /// Records where the buffers of finished sequence `serial` went. The record's tail counts
+    /// against the same byte budget as finished sequences.
     pub fn set_continued(&mut self, serial: u64, continued: Continued) {
-        if self.continued.insert(serial, continued).is_none() {
-            self.continued_order.push_back(serial);
+        self.bytes += continued.bytes();
+        if let Some(old) = self.continued.insert(serial, continued) {
+            self.bytes -= old.bytes();
         }
-        while self.continued_order.len() > MAX_CONTINUED {
-            if let Some(old) = self.continued_order.pop_front() {
-                self.continued.remove(&old);
-            }
-        }
+        self.order.push_back(serial);
+        self.shrink();
     }
 
     pub fn continued(&self, serial: u64) -> Option<&Continued> {
@@ -292,4 +300,56 @@ pub(crate) fn shared_units(
         }
     }
     (limit / unit as usize).min(other_units)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn finished(serial: u64, tokens: usize) -> FinishedSequence {
+        FinishedSequence {
+            serial,
+            tokens: vec![7; tokens],
+            extra: ExtraKeys::default(),
+            hashes: vec![Digest::default(); tokens / 4],
+        }
+    }
+
+    fn record(by_serial: u64, tail: usize) -> Continued {
+        Continued {
+            by: by_serial,
+            by_serial,
+            tokens: 0,
+            units: 0,
+            tail_tokens: vec![1; tail],
+            tail_hashes: Vec::new(),
+            extra: ExtraKeys::default(),
+        }
+    }
+
+    #[test]
+    fn continuation_records_share_the_byte_budget_oldest_first() {
+        let entry_bytes = finished(0, 100).bytes();
+        let mut cache = FinishedCache::new(3 * entry_bytes);
+        for serial in 0..3 {
+            cache.insert(serial, finished(serial, 100));
+        }
+        assert_eq!(cache.len(), 3);
+        // Serial 0 is continued: its buffers leave, a record of its 60-token tail stays.
+        assert!(cache.take_serial(0).is_some());
+        cache.set_continued(0, record(9, 60));
+        assert!(cache.bytes <= cache.capacity);
+        assert!(cache.continued(0).is_some());
+        // A fourth sequence pushes the oldest things out, the record first (it is serial 0's).
+        cache.insert(3, finished(3, 100));
+        assert!(cache.bytes <= cache.capacity);
+        assert!(cache.continued(0).is_none());
+        assert!(cache.get_serial(3).is_some());
+        // A record larger than what is left evicts finished sequences too, never overshooting.
+        cache.set_continued(1, record(9, 150));
+        assert!(cache.bytes <= cache.capacity, "{} > {}", cache.bytes, cache.capacity);
+        let accounted: usize = cache.entries.values().map(FinishedSequence::bytes).sum::<usize>()
+            + cache.continued.values().map(Continued::bytes).sum::<usize>();
+        assert_eq!(accounted, cache.bytes);
+    }
 }
