@@ -180,14 +180,20 @@ impl CacheManager {
     }
 
     fn index_insert(&mut self, key: Key, block: BlockId, seq: &Sequence, unit_index: u32) {
-        if !self.index.verifies_tokens() {
-            self.index.insert(key, block, None);
-            return;
+        let duplicate = if self.index.verifies_tokens() {
+            let i = unit_index as usize;
+            let unit = self.unit as usize;
+            let parent = if i == 0 { self.hasher.seed_digest() } else { seq.hashes[i - 1] };
+            self.index.insert(key, block, Some((&parent, &seq.tokens[i * unit..(i + 1) * unit])))
+        } else {
+            self.index.insert(key, block, None)
+        };
+        if duplicate {
+            let pool = self.groups[key.group as usize].pool();
+            for &holder in self.index.get(&key) {
+                self.pools[pool].mark_shared_key(holder);
+            }
         }
-        let i = unit_index as usize;
-        let unit = self.unit as usize;
-        let parent = if i == 0 { self.hasher.seed_digest() } else { seq.hashes[i - 1] };
-        self.index.insert(key, block, Some((&parent, &seq.tokens[i * unit..(i + 1) * unit])));
     }
 
     fn store_event(

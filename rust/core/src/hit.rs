@@ -109,13 +109,21 @@ impl CacheManager {
         let units_per_block = (block / unit) as usize;
         let full_blocks = (limit / block) as usize;
         let mut block_start = 0;
+        let hint = seq.hint_chains.get(group as usize).map_or(&[][..], Vec::as_slice);
         for col in 0..full_blocks {
-            let digest = seq.hashes[(col + 1) * units_per_block - 1];
-            let holders = self.index.get(&Key { group, digest });
-            if holders.is_empty() {
-                break;
+            let key = Key { group, digest: seq.hashes[(col + 1) * units_per_block - 1] };
+            // The block the extended sequence held here, if it is still the key's only holder,
+            // is what the index would return: confirmed through the pool, no index probe.
+            match hint.get(col) {
+                Some(&b) if pool.sole_holder_of(b, &key) => chain.push(b),
+                _ => {
+                    let holders = self.index.get(&key);
+                    if holders.is_empty() {
+                        break;
+                    }
+                    chain.push(Self::pick(pool, holders));
+                }
             }
-            chain.push(Self::pick(pool, holders));
             block_start += block;
         }
         let mut bound = block_start;

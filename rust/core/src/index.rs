@@ -66,11 +66,13 @@ impl HashIndex {
 
     /// Publishes `block` under `key`. `unit` carries (parent digest, unit tokens) when tokens
     /// are verified.
-    pub fn insert(&mut self, key: Key, block: BlockId, unit: Option<(&Digest, &[u32])>) {
+    /// Returns whether the key already had a block (the key now has duplicates).
+    pub fn insert(&mut self, key: Key, block: BlockId, unit: Option<(&Digest, &[u32])>) -> bool {
         self.generation += 1;
-        match self.map.entry(key) {
+        let duplicate = match self.map.entry(key) {
             Entry::Vacant(v) => {
                 v.insert(block);
+                false
             }
             Entry::Occupied(mut o) => {
                 let first = o.get_mut();
@@ -80,8 +82,9 @@ impl HashIndex {
                     self.many.insert(key, vec![*first, block]);
                     *first = MANY;
                 }
+                true
             }
-        }
+        };
         if let (Some(units), Some((parent, tokens))) = (self.units.as_mut(), unit) {
             units
                 .entry(key.digest)
@@ -92,6 +95,7 @@ impl HashIndex {
                 })
                 .holders += 1;
         }
+        duplicate
     }
 
     /// Unpublishes `block` from `key`; `evicted` records the key as recently evicted when no

@@ -240,6 +240,11 @@ impl CacheManager {
         // A finished sequence extended by its next turn hands its buffers over: the shared
         // prefix is compared, neither copied nor rehashed. A record keeps what the new turn
         // does not share, so the finished id stays available to `extends` exactly as it was.
+        let shared_tokens = n * unit as usize;
+        let mut hint_chains = match extends {
+            Some(o) if n > 0 => self.extends_hint(o, shared_tokens),
+            _ => Vec::new(),
+        };
         let serial = self.next_serial;
         self.next_serial += 1;
         let direct = extends
@@ -248,6 +253,9 @@ impl CacheManager {
         let taken = direct.and_then(|serial| self.finished.take_serial(serial));
         let (owned, mut hashes) = if let Some(previous) = taken {
             let (mut owned, mut hashes) = (previous.tokens, previous.hashes);
+            if hint_chains.is_empty() {
+                hint_chains = previous.chains;
+            }
             let keep = common_prefix(tokens, &owned);
             let record = Continued {
                 by: seq_id,
@@ -288,6 +296,7 @@ impl CacheManager {
             junction: None,
             groups: self.empty_seq_groups(),
             step: None,
+            hint_chains,
             last_hit: None,
         };
         let slot = if let Some(slot) = self.free_slots.pop() {
@@ -299,6 +308,40 @@ impl CacheManager {
         };
         self.by_id.insert(seq_id, slot);
         Ok(Added { reused_tokens: reused as u32 * unit, hashed_units, extends_found })
+    }
+
+    /// Per group, the first blocks of a sequence's full-attention table covering at most
+    /// `tokens` tokens in whole blocks (empty for other groups).
+    fn full_attention_tables(&self, seq: &Sequence, tokens: usize) -> Vec<Vec<BlockId>> {
+        self.groups
+            .iter()
+            .zip(&seq.groups)
+            .map(|(runtime, group)| match (runtime, group) {
+                (GroupRuntime::FullAttention { block_size, .. }, SeqGroup::Paged(paged)) => {
+                    let full = tokens / *block_size as usize;
+                    paged.table[..full.min(paged.table.len())].to_vec()
+                }
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// The blocks `extends = id` held for the first `tokens` tokens (live or finished).
+    fn extends_hint(&self, id: u64, tokens: usize) -> Vec<Vec<BlockId>> {
+        if let Some(&slot) = self.by_id.get(&id) {
+            return self.full_attention_tables(self.seq(slot), tokens);
+        }
+        let Some(f) = self.finished.serial_of(id).and_then(|s| self.finished.get_serial(s)) else {
+            return Vec::new();
+        };
+        f.chains
+            .iter()
+            .zip(&self.groups)
+            .map(|(chain, runtime)| {
+                let full = runtime.block_size().map_or(0, |b| tokens / b as usize);
+                chain[..full.min(chain.len())].to_vec()
+            })
+            .collect()
     }
 
     /// The tokens, extra keys and hashes `extends = id` refers to: a live sequence, a finished
@@ -419,6 +462,7 @@ impl CacheManager {
         self.refuse_in_flight("finish")?;
         let slot = self.slot(seq_id)?;
         self.drop_scheduled(slot);
+        let chains = self.full_attention_tables(self.seq(slot), usize::MAX);
         self.release_all(slot, true);
         self.by_id.remove(&seq_id);
         if let Some(seq) = self.seqs[slot].take() {
@@ -426,6 +470,7 @@ impl CacheManager {
                 seq_id,
                 FinishedSequence {
                     serial: seq.serial,
+                    chains,
                     tokens: seq.tokens,
                     extra: seq.extra,
                     hashes: seq.hashes,

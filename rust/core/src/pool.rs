@@ -85,6 +85,9 @@ pub struct BlockPool {
     ref_count: Vec<u32>,
     keys: Vec<Vec<BlockKey>>,
     kind: Vec<BlockKind>,
+    /// The block shares a key with another block (set when the second one is published,
+    /// cleared when the block is reused): a chain hint naming it is not taken on trust.
+    shared_key: Vec<bool>,
     prev: Vec<u32>,
     next: Vec<u32>,
     in_lru: Vec<bool>,
@@ -106,6 +109,7 @@ impl BlockPool {
             ref_count: vec![0; n],
             keys: vec![Vec::new(); n],
             kind: vec![BlockKind::Free; n],
+            shared_key: vec![false; n],
             prev: vec![NIL; n],
             next: vec![NIL; n],
             in_lru: vec![false; n],
@@ -181,6 +185,24 @@ impl BlockPool {
         self.stamp.get(block as usize).copied().unwrap_or(0)
     }
 
+    /// Marks a block as sharing a key with another block.
+    pub fn mark_shared_key(&mut self, block: BlockId) {
+        if let Some(flag) = self.shared_key.get_mut(block as usize) {
+            *flag = true;
+        }
+    }
+
+    /// Whether `block` is the only block published under `key`, as far as the pool knows:
+    /// it carries the key and never shared a key with another block since it was allocated.
+    #[must_use]
+    pub fn sole_holder_of(&self, block: BlockId, key: &Key) -> bool {
+        let b = block as usize;
+        block != NULL_BLOCK
+            && b < self.keys.len()
+            && !self.shared_key[b]
+            && self.keys[b].iter().any(|k| k.key == *key)
+    }
+
     fn set_kind(&mut self, block: BlockId, kind: BlockKind) {
         let slot = &mut self.kind[block as usize];
         if slot.is_checkpoint() {
@@ -214,6 +236,7 @@ impl BlockPool {
             return None;
         };
         self.ref_count[block as usize] = 1;
+        self.shared_key[block as usize] = false;
         self.set_kind(block, kind);
         Some(block)
     }
@@ -231,6 +254,7 @@ impl BlockPool {
         }
         self.take_cached(block, evicted);
         self.ref_count[block as usize] = 1;
+        self.shared_key[block as usize] = false;
         self.set_kind(block, kind);
         true
     }

@@ -153,6 +153,7 @@ impl CacheManager {
         let groups = self.take_blocks(slot, end + lookahead, admissions);
         let seq = self.seq_mut(slot);
         if first {
+            seq.hint_chains = Vec::new();
             seq.started = true;
             seq.num_computed = start;
             seq.prefill_target = total;

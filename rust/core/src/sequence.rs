@@ -121,6 +121,10 @@ pub(crate) struct Sequence {
     pub step: Option<StepRecord>,
     /// The last lookup's result and the index generation it was computed at: the first
     /// schedule reuses it when nothing was published or evicted since.
+    /// Per group, the full-attention blocks the sequence it extends held for the shared
+    /// prefix: a hint that lets the first lookup confirm a block through the pool instead of
+    /// probing the index (always verified; dropped at the first schedule).
+    pub hint_chains: Vec<Vec<BlockId>>,
     /// The chosen full-attention chains ride along (see `compute_hit_with_chains`).
     pub last_hit: Option<(u64, Hit, Vec<Vec<BlockId>>)>,
 }
@@ -136,6 +140,9 @@ impl Sequence {
 pub(crate) struct FinishedSequence {
     /// The sequence's serial (ids may be reused; serials never are).
     pub serial: u64,
+    /// Per group, the full-attention block table it held (a hint for the next turn's lookup;
+    /// empty for other groups).
+    pub chains: Vec<Vec<BlockId>>,
     pub tokens: Vec<u32>,
     pub extra: ExtraKeys,
     pub hashes: Vec<Digest>,
@@ -143,7 +150,10 @@ pub(crate) struct FinishedSequence {
 
 impl FinishedSequence {
     fn bytes(&self) -> usize {
-        self.tokens.len() * 4 + self.hashes.len() * std::mem::size_of::<Digest>() + 64
+        self.tokens.len() * 4
+            + self.hashes.len() * std::mem::size_of::<Digest>()
+            + self.chains.iter().map(|c| c.len() * 4).sum::<usize>()
+            + 64
     }
 }
 
@@ -309,6 +319,7 @@ mod tests {
     fn finished(serial: u64, tokens: usize) -> FinishedSequence {
         FinishedSequence {
             serial,
+            chains: Vec::new(),
             tokens: vec![7; tokens],
             extra: ExtraKeys::default(),
             hashes: vec![Digest::default(); tokens / 4],

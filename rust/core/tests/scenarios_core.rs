@@ -876,6 +876,39 @@ fn a_finished_turn_continued_by_the_next_stays_resolvable_for_extends() {
 }
 
 #[test]
+fn extending_a_turn_still_prefers_a_duplicate_copy_in_use() {
+    let mut h = Harness::new(full_attention(B, U, 64));
+    let p = tokens(1, 40);
+    // Two sequences compute the same prompt in one step: every key gets two blocks.
+    h.add(1, &p);
+    h.add(2, &p);
+    h.schedule(1, ALL);
+    h.schedule(2, ALL);
+    let plan = h.plan();
+    h.commit(&plan);
+    let in_use = h.table(0, 2);
+    let released = h.table(0, 1);
+    assert_ne!(in_use[..2], released[..2]);
+    h.finish(1);
+    // A turn extending the finished one is handed its blocks as a hint, but the rule wins:
+    // the copy still in use (sequence 2's) is the one the hit takes.
+    let q = extend(&p, 3, 8);
+    h.add_extending(3, &q, 1);
+    assert_eq!(h.lookup(3).tokens, 40);
+    h.schedule(3, ALL);
+    assert_eq!(h.table(0, 3)[..2], in_use[..2]);
+    let plan = h.plan();
+    h.commit(&plan);
+    // Once both are released, the most recently used copy: the one 2 and 3 used last.
+    h.finish(2);
+    h.finish(3);
+    let r = extend(&q, 4, 8);
+    h.add_extending(4, &r, 3);
+    h.schedule(4, ALL);
+    assert_eq!(h.table(0, 4)[..2], in_use[..2]);
+}
+
+#[test]
 fn verify_tokens_serves_the_same_hits() {
     let mut config = full_attention(B, U, 8);
     config.hash.verify_tokens = true;
