@@ -23,6 +23,9 @@ pub const NULL_BLOCK: BlockId = 0;
 
 const NIL: u32 = u32::MAX;
 
+/// `last_key` of a block that carries none (no group has this id).
+const NO_KEY: Key = Key { group: u32::MAX, digest: Digest([0; 32]) };
+
 /// A cache key: group and prefix digest. A block may carry several (one per unit boundary).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct Key {
@@ -88,6 +91,9 @@ pub struct BlockPool {
     /// The block shares a key with another block (set when the second one is published,
     /// cleared when the block is reused): a chain hint naming it is not taken on trust.
     shared_key: Vec<bool>,
+    /// The key most recently added to each block (a full block's full key), inline so that
+    /// confirming a chain of blocks reads one dense array instead of a heap list per block.
+    last_key: Vec<Key>,
     prev: Vec<u32>,
     next: Vec<u32>,
     in_lru: Vec<bool>,
@@ -110,6 +116,7 @@ impl BlockPool {
             keys: vec![Vec::new(); n],
             kind: vec![BlockKind::Free; n],
             shared_key: vec![false; n],
+            last_key: vec![NO_KEY; n],
             prev: vec![NIL; n],
             next: vec![NIL; n],
             in_lru: vec![false; n],
@@ -200,7 +207,7 @@ impl BlockPool {
         block != NULL_BLOCK
             && b < self.keys.len()
             && !self.shared_key[b]
-            && self.keys[b].iter().any(|k| k.key == *key)
+            && (self.last_key[b] == *key || self.keys[b].iter().any(|k| k.key == *key))
     }
 
     fn set_kind(&mut self, block: BlockId, kind: BlockKind) {
@@ -262,6 +269,7 @@ impl BlockPool {
     fn take_cached(&mut self, block: BlockId, evicted: &mut Vec<BlockKey>) {
         self.unlink(block);
         evicted.append(&mut self.keys[block as usize]);
+        self.last_key[block as usize] = NO_KEY;
     }
 
     /// Adds a holder. A cached block leaves the LRU (it can no longer be evicted).
@@ -303,6 +311,7 @@ impl BlockPool {
             return false;
         }
         keys.push(key);
+        self.last_key[block as usize] = key.key;
         true
     }
 
@@ -439,6 +448,14 @@ impl BlockPool {
             }
             if self.kind[b].is_checkpoint() {
                 checkpoints += 1;
+            }
+            let last_ok = if keyed {
+                self.keys[b].iter().any(|k| k.key == self.last_key[b])
+            } else {
+                self.last_key[b] == NO_KEY
+            };
+            if !last_ok {
+                return Err(format!("block {b}: its last key is not one it carries"));
             }
         }
         if checkpoints != self.num_checkpoints {
