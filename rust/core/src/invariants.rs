@@ -29,6 +29,19 @@ impl CacheManager {
         let mut started = 0;
         for seq in self.seqs.iter().flatten() {
             started += usize::from(seq.started);
+            for group in &seq.groups {
+                if let SeqGroup::Paged(p) = group {
+                    if let Some(col) =
+                        p.table[p.window_start..].iter().position(|&b| b == NULL_BLOCK)
+                    {
+                        return Err(CacheError::invariant(format!(
+                            "sequence {}: column {} inside its window holds the null block",
+                            seq.id,
+                            p.window_start + col
+                        )));
+                    }
+                }
+            }
             for (g, group) in seq.groups.iter().enumerate() {
                 let counts = &mut expected[self.groups[g].pool()];
                 let mut hold = |b: u32| {
