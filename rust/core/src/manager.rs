@@ -24,8 +24,8 @@ use crate::hit::Hit;
 use crate::index::HashIndex;
 use crate::pool::{BlockId, BlockKey, BlockKind, BlockPool, LruEnd, NULL_BLOCK};
 use crate::sequence::{
-    common_prefix, shared_units, Continued, FinishedCache, FinishedSequence, PagedSeq, SeqGroup,
-    Sequence, StateSeq,
+    shared_units, Continued, FinishedCache, FinishedSequence, PagedSeq, SeqGroup, Sequence,
+    StateSeq,
 };
 use crate::stats::{GroupStats, Stats};
 
@@ -233,9 +233,9 @@ impl CacheManager {
         let unit = self.unit;
         // Headroom for decoded tokens, so the first appends do not copy a long prompt.
         let capacity = tokens.len() + tokens.len() / 16 + 256;
-        let (extends_found, n) = match extends.and_then(|o| self.extends_source(o)) {
+        let (extends_found, (common, n)) = match extends.and_then(|o| self.extends_source(o)) {
             Some((t, e, h)) => (true, shared_units(unit, tokens, &extra, &t, &e, h.len())),
-            None => (false, 0),
+            None => (false, (0, 0)),
         };
         // A finished sequence extended by its next turn hands its buffers over: the shared
         // prefix is compared, neither copied nor rehashed. A record keeps what the new turn
@@ -256,7 +256,8 @@ impl CacheManager {
             if hint_chains.is_empty() {
                 hint_chains = previous.chains;
             }
-            let keep = common_prefix(tokens, &owned);
+            // `common` was measured against exactly these tokens (a direct finished entry).
+            let keep = common;
             let record = Continued {
                 by: seq_id,
                 by_serial: serial,

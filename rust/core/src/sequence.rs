@@ -284,8 +284,10 @@ pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     i
 }
 
-/// How many leading units two sequences share, hashes included: the common token prefix,
-/// cut before the first unit whose extra keys could differ.
+/// What two sequences share: `(common tokens, shared units)`. The units are the leading units
+/// whose hashes can be reused: the common token prefix, cut before the first unit whose extra
+/// keys could differ, at most `other_units`. With a different salt or adapter nothing is shared
+/// (and the common prefix is not computed: `(0, 0)`).
 pub(crate) fn shared_units(
     unit: u32,
     tokens: &[u32],
@@ -293,11 +295,12 @@ pub(crate) fn shared_units(
     other_tokens: &[u32],
     other_extra: &ExtraKeys,
     other_units: usize,
-) -> usize {
+) -> (usize, usize) {
     if extra.cache_salt != other_extra.cache_salt || extra.lora_id != other_extra.lora_id {
-        return 0;
+        return (0, 0);
     }
-    let mut limit = common_prefix(tokens, other_tokens);
+    let common = common_prefix(tokens, other_tokens);
+    let mut limit = common;
     let (a, b) = (&extra.multimodal, &other_extra.multimodal);
     for i in 0..a.len().max(b.len()) {
         match (a.get(i), b.get(i)) {
@@ -309,7 +312,7 @@ pub(crate) fn shared_units(
             }
         }
     }
-    (limit / unit as usize).min(other_units)
+    (common, (limit / unit as usize).min(other_units))
 }
 
 #[cfg(test)]
