@@ -6,6 +6,10 @@
 //! - `lookup/164k_b1536_u128_state`: the same with B = 1536, U = 128 and a state group: <= 60 us;
 //! - `request/4096_half_hit_b16`: one 4,096-token request at 50 % hit, add + lookup + schedule +
 //!   plan + commit + finish: <= 30 us;
+//! - `request/turn_extending_142k_b16`: the next turn of a conversation (142,000 tokens already
+//!   cached, 2,000 new) admitted with `extends` naming the finished previous turn: add + lookup +
+//!   schedule of an 8,192-token chunk + plan + commit (no target of its own; the growing-prefix
+//!   workload is made of these);
 //! - `decode_step/256x164k_*`: a decode step of 256 running sequences at 164K context, append +
 //!   schedule + plan + commit: <= 50 us in total (block tables are incremental).
 //!
@@ -109,6 +113,32 @@ fn bench_request(c: &mut Criterion) {
     }
 }
 
+fn bench_turn(c: &mut Criterion) {
+    let previous = tokens(11, 142_000);
+    let mut next = previous.clone();
+    next.extend(tokens(12, 2_000));
+    c.bench_function("request/turn_extending_142k_b16", |b| {
+        b.iter_batched(
+            || {
+                // A fresh manager whose previous turn is computed and finished (untimed).
+                let mut m = CacheManager::new(config(16, 16, false, 20_000, 0)).unwrap();
+                prefill(&mut m, 1, &previous);
+                m
+            },
+            |mut m| {
+                let added = m.add(2, &next, ExtraKeys::default(), Some(1)).unwrap();
+                assert_eq!(added.reused_tokens, 142_000);
+                assert_eq!(m.lookup(2).unwrap().tokens, 142_000);
+                m.schedule(2, 8_192, 0, false).unwrap().unwrap();
+                let plan = m.build_plan().unwrap();
+                m.commit(&plan).unwrap();
+                m
+            },
+            BatchSize::PerIteration,
+        );
+    });
+}
+
 /// 256 sequences sharing a 164K-token context (each with its own last token), all decoding.
 fn decode_setup(state: bool) -> (CacheManager, Vec<u64>) {
     let rows = 256u32;
@@ -162,5 +192,5 @@ fn bench_decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_lookup, bench_request, bench_decode);
+criterion_group!(benches, bench_lookup, bench_request, bench_turn, bench_decode);
 criterion_main!(benches);
