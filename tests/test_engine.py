@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("prefixcache._core")
 
+import prefixcache as pc
+from prefixcache import kernels
 from prefixcache.engine import (
     FLOAT32_RTOL,
     Engine,
@@ -280,8 +282,9 @@ def test_policies_differ_only_in_unit_and_retention() -> None:
         )
     with pytest.raises(ValueError, match="unknown policy"):
         Policy.named("all", block_size=96, fine_unit=8)
-    with pytest.raises(ValueError, match="divide"):
-        Policy.named("fine", block_size=96, fine_unit=7)
+    odd = Policy.named("fine", block_size=96, fine_unit=7)
+    with pytest.raises(pc.ConfigError, match="U must divide"):
+        odd.cache_config(kernels.TorchBackend(), paged_blocks=64, state_blocks=16)
 
 
 def result(

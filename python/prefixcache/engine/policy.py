@@ -50,10 +50,9 @@ class Policy:
     def named(cls, name: str, *, block_size: int, fine_unit: int) -> Policy:
         """The policy called ``name`` for attention blocks of ``block_size`` tokens.
 
-        ``fine_unit`` is the ``fine`` policy's U (it must divide ``block_size``).
+        ``fine_unit`` is the ``fine`` policy's U. That it divides ``block_size`` is the core's
+        rule: :meth:`cache_config` raises ``ConfigError`` otherwise.
         """
-        if block_size % fine_unit:
-            raise ValueError(f"fine_unit {fine_unit} must divide block_size {block_size}")
         if name == "none":
             return cls("none", block_size, block_size, False, None, False, False)
         if name == "block":
