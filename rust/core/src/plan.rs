@@ -227,7 +227,8 @@ impl CacheManager {
             ..StepPlan::default()
         };
         plan.query_start_loc.push(0);
-        let mut checkpoints: Vec<Vec<Vec<PlannedCheckpoint>>> = Vec::new();
+        // Per state group: (row, column, offset, slot) of every interior checkpoint.
+        let mut checkpoints: Vec<Vec<(usize, usize, i32, i32)>> = Vec::new();
         for (g, runtime) in self.groups.iter().enumerate() {
             if runtime.block_size().is_some() {
                 plan.paged.push(PagedGroupPlan { group: g as u32, ..PagedGroupPlan::default() });
@@ -238,15 +239,16 @@ impl CacheManager {
                     initial_slot: Vec::with_capacity(rows),
                     ..StateGroupPlan::default()
                 });
-                checkpoints.push(Vec::with_capacity(rows));
+                checkpoints.push(Vec::new());
             }
         }
         let mut total = 0i32;
-        for (row, &slot) in slots.iter().enumerate() {
+        for &slot in &slots {
             self.select_checkpoints(slot);
             let seq = self.seq(slot);
             let Some(step) = &seq.step else { continue };
             let (start, end) = (step.start, step.end);
+            let row = plan.seq_ids.len();
             plan.seq_ids.push(seq.id);
             plan.num_computed.push(start as i32);
             plan.num_scheduled.push((end - start) as i32);
@@ -277,24 +279,26 @@ impl CacheManager {
                             out.snapshots.extend([state.write_block() as i32, c.block as i32]);
                         }
                         out.max_checkpoints = out.max_checkpoints.max(interior.len());
-                        checkpoints[s].push(interior.clone());
+                        checkpoints[s].extend(
+                            interior.iter().enumerate().map(|(i, c)| {
+                                (row, i, (c.position - start) as i32, c.block as i32)
+                            }),
+                        );
                         s += 1;
                     }
                     _ => {}
                 }
             }
         }
-        for (s, rows_ckpt) in checkpoints.iter().enumerate() {
+        let rows = plan.seq_ids.len();
+        for (s, entries) in checkpoints.iter().enumerate() {
             let out = &mut plan.state[s];
             let cmax = out.max_checkpoints;
-            out.checkpoint_offsets = vec![0; rows_ckpt.len() * cmax];
-            out.checkpoint_slots = vec![-1; rows_ckpt.len() * cmax];
-            for (row, list) in rows_ckpt.iter().enumerate() {
-                let start = plan.num_computed[row] as u32;
-                for (i, c) in list.iter().enumerate() {
-                    out.checkpoint_offsets[row * cmax + i] = (c.position - start) as i32;
-                    out.checkpoint_slots[row * cmax + i] = c.block as i32;
-                }
+            out.checkpoint_offsets = vec![0; rows * cmax];
+            out.checkpoint_slots = vec![-1; rows * cmax];
+            for &(row, i, offset, slot) in entries {
+                out.checkpoint_offsets[row * cmax + i] = offset;
+                out.checkpoint_slots[row * cmax + i] = slot;
             }
         }
         self.stats.copies += (plan.copies.len() / 4) as u64;
