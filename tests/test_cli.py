@@ -6,6 +6,7 @@ command, three policies included, takes seconds.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -79,6 +80,7 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--policies",
         "--device",
         "--backend",
+        "--kda-timing",
         "--json",
         "--plot",
     ):
@@ -175,6 +177,30 @@ def test_policies_can_be_chosen_and_none_is_always_the_reference(tmp_path: Path)
     assert list(document["policies"]) == ["none", "fine"]
 
 
+def test_finished_policies_are_saved_before_the_next_one_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The module, not the function the package re-exports under the same name.
+    simulate_module = importlib.import_module("prefixcache.engine.simulate")
+    trace = small_trace(tmp_path / "trace.jsonl")
+    out = tmp_path / "out.json"
+    original = simulate_module.Engine.run
+
+    def run_then_fail_on_block(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        if engine.policy.name == "block":
+            raise RuntimeError("the device was taken away")
+        return original(engine, *args, **kwargs)
+
+    monkeypatch.setattr(simulate_module.Engine, "run", run_then_fail_on_block)
+    with pytest.raises(RuntimeError, match="taken away"):
+        main(["simulate", "--workload", "trace", str(trace), "--json", str(out)])
+    document = json.loads(out.read_text(encoding="utf-8"))
+    assert document["complete"] is False
+    assert list(document["policies"]) == ["none"]
+    assert document["policies"]["none"]["requests"] == 4
+    assert document["policies"]["none"]["outputs_match_no_cache"] is True
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
@@ -197,7 +223,11 @@ def test_bad_arguments_exit_with_status_2(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messages of a CPU-only host")
 @pytest.mark.parametrize(
     ("arguments", "message"),
-    [(["--backend", "fla"], "needs a CUDA GPU"), (["--device", "cuda"], "no CUDA device")],
+    [
+        (["--backend", "fla"], "needs a CUDA GPU"),
+        (["--device", "cuda"], "no CUDA device"),
+        (["--kda-timing", "gpu"], "timing mode 'gpu' needs a CUDA device"),
+    ],
 )
 def test_unavailable_devices_and_backends_are_reported(
     arguments: list[str], message: str, capsys: pytest.CaptureFixture[str]

@@ -8,6 +8,7 @@ packing sequences together changes nothing, and decode equals prefill.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from prefixcache.engine import relative_difference
 from prefixcache.kernels import KernelPlanError, PagedKVCache, TorchBackend, paged_attention
 from prefixcache.models import (
     HybridModel,
+    KernelTimer,
     ModelCaches,
     ModelConfig,
     StepInputs,
@@ -195,22 +197,40 @@ def test_the_seed_fixes_the_weights() -> None:
     assert not torch.allclose(logits[0], logits[2])
 
 
-def test_attention_equals_the_kernel_layers_reference() -> None:
-    # Rows: a fresh prefill, a chunk at the end of a longer context, and a decode token.
+def _attention_case(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Paged attention over rows of every kind, with the kernel layer's reference.
+
+    Rows: a fresh prefill, a chunk at the end of a longer context, and a decode token.
+    """
     generator = torch.Generator().manual_seed(0)
-    cache = PagedKVCache(16, BLOCK, 2, 8)
+    cache = PagedKVCache(16, BLOCK, 2, 8, dtype=dtype, device=device)
     tables = np.array([[1, 2, 3, 0], [4, 5, 6, 7], [8, 9, 0, 0]], dtype=np.int32)
     seq_lens = np.array([40, 60, 17])
     query_lens = [40, 25, 1]
     for row, context in enumerate(seq_lens.tolist()):
         slots = [int(tables[row, p // BLOCK]) * BLOCK + p % BLOCK for p in range(context)]
         keys = torch.randn(context, 2, 8, generator=generator)
-        cache.write(np.array(slots), keys, torch.randn(context, 2, 8, generator=generator))
+        values = torch.randn(context, 2, 8, generator=generator)
+        cache.write(np.array(slots), keys.to(device, dtype), values.to(device, dtype))
     loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    query = torch.randn(int(loc[-1]), 4, 8, generator=generator)
+    query = torch.randn(int(loc[-1]), 4, 8, generator=generator).to(device, dtype)
     ours = paged_causal_attention(query, cache, tables, seq_lens, loc)
     reference = paged_attention(query, cache, tables, seq_lens, loc)
+    return ours, reference
+
+
+def test_attention_equals_the_kernel_layers_reference() -> None:
+    ours, reference = _attention_case(torch.device("cpu"), torch.float32)
     assert relative_difference(ours.numpy(), reference.numpy()) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_attention_on_the_gpu_equals_the_reference() -> None:
+    # On CUDA a chunk after a cached prefix takes the flash kernel's bottom-right causal path.
+    ours, reference = _attention_case(torch.device("cuda"), torch.bfloat16)
+    ours_host = ours.float().cpu().numpy()
+    assert relative_difference(ours_host, reference.float().cpu().numpy()) <= 2e-2
 
 
 def test_greedy_sampling_takes_the_argmax() -> None:
@@ -230,3 +250,46 @@ def test_greedy_sampling_takes_the_argmax() -> None:
 def test_bad_model_configs_are_refused(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_kernel_timer_measures_only_enabled_blocks() -> None:
+    timer = KernelTimer(torch.device("cpu"))
+    with timer.measure():
+        time.sleep(0.02)
+    timer.enabled = False
+    with timer.measure():
+        time.sleep(0.05)
+    seconds = timer.take()
+    assert 0.02 <= seconds < 0.05
+    assert timer.take() == 0.0
+
+
+def test_gpu_timing_needs_a_cuda_device() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        KernelTimer(torch.device("cpu"), "gpu")
+    with pytest.raises(ValueError, match="'wall' or 'gpu'"):
+        KernelTimer(torch.device("cpu"), "cpu")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_timing_excludes_the_host_time_to_launch() -> None:
+    device = torch.device("cuda")
+    x = torch.randn(1024, 1024, device=device)
+    torch.cuda.synchronize()
+    wall, gpu = KernelTimer(device, "wall"), KernelTimer(device, "gpu")
+    for timer in (wall, gpu):
+        for _ in range(3):
+            with timer.measure():
+                time.sleep(0.005)  # host time inside the block (within the backlog)
+                x @ x
+    assert wall.take() >= 0.015
+    assert gpu.take() < 0.005
+    assert gpu.underruns == 0
+    # Host time beyond the backlog would be idle GPU time: it is counted, and the backlog grows.
+    backlog = gpu.backlog_cycles
+    with gpu.measure():
+        time.sleep(0.05)
+        x @ x
+    assert gpu.underruns == 1
+    assert gpu.backlog_cycles == 2 * backlog

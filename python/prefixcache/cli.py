@@ -135,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
         "$PREFIXCACHE_FLASHKDA_LIB)",
     )
     simulate.add_argument(
+        "--kda-timing",
+        choices=("wall", "gpu"),
+        default="wall",
+        help="how KDA prefill time is measured: wall (default; synchronised wall clock, the "
+        "GPU's work plus the host's time to launch it) or gpu (CUDA events after a GPU-side "
+        "backlog: the kernels' execution time alone; needs --device cuda)",
+    )
+    simulate.add_argument(
         "--json",
         type=Path,
         metavar="FILE",
@@ -272,7 +280,9 @@ def render_report(document: dict[str, Any]) -> str:
                 f"fine vs block over rounds {later[0]}-{later[-1]}: {int(fine):,} vs "
                 f"{int(block):,} prefill tokens computed ({100.0 * (fine / block - 1):+.1f}%); "
                 f"prefill time {total('fine', 'prefill_seconds'):.2f} s vs "
-                f"{total('block', 'prefill_seconds'):.2f} s"
+                f"{total('block', 'prefill_seconds'):.2f} s; KDA prefill time "
+                f"{total('fine', 'kda_prefill_seconds'):.2f} s vs "
+                f"{total('block', 'kda_prefill_seconds'):.2f} s"
             )
     for name in names:
         if not policies[name]["outputs_match_no_cache"]:
@@ -313,7 +323,7 @@ def _plot(document: dict[str, Any], path: Path) -> None:
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
-    from .engine import build_model, simulate
+    from .engine import SimulationReport, build_model, simulate
     from .kernels import KernelError
     from .workloads import TraceError, workload_preset
 
@@ -323,7 +333,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # busy machine OpenMP's spinning threads slow every op down by an order of magnitude.
         torch.set_num_threads(1)
     try:
-        model = build_model(args.device, args.backend)
+        model = build_model(args.device, args.backend, kda_timing=args.kda_timing)
         workload = workload_preset(
             name, args.preset, trace_path=trace_path, vocab_size=model.config.vocab_size
         )
@@ -351,6 +361,15 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         + (" (raised to the backend's alignment)" if adjusted else "")
     )
     started = time.perf_counter()
+
+    def save_partial(partial: SimulationReport) -> None:
+        # A seed-size run takes many minutes per policy: keep what is finished on disk.
+        if args.json is not None:
+            document = partial.to_json()
+            document["seconds"] = time.perf_counter() - started
+            document["complete"] = False
+            args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+
     report = simulate(
         workload,
         args.policies,
@@ -358,9 +377,11 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         device_name=args.device,
         backend_name=args.backend,
         progress=_progress_factory(),
+        on_policy=save_partial,
     )
     document = report.to_json()
     document["seconds"] = time.perf_counter() - started
+    document["complete"] = True
     print()
     print(render_report(document))
     print(f"\n{document['seconds']:.1f} s in total")

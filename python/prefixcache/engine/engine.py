@@ -352,6 +352,9 @@ class _Loop:
         rows = [by_id[int(seq_id)] for seq_id in plan.seq_ids]
         undo = _TableUndo()
         kda_timer = self.model.kda_timer
+        # Only prefill rows are charged KDA time: a decode-only step runs untimed.
+        kda_timer.enabled = any(seq.prefilling for seq in rows)
+        underruns = kda_timer.underruns
         try:
             inputs = self.prepare(plan, rows, undo)
             kda_timer.take()
@@ -380,6 +383,7 @@ class _Loop:
         self.failures = 0
         seconds = time.perf_counter() - started
         kda_seconds = kda_timer.take()
+        self.result.kda_timing_underruns += kda_timer.underruns - underruns
         self.result.steps += 1
         self.after_commit(plan, rows, sampled, logits_host, seconds, kda_seconds)
         return True

@@ -95,6 +95,8 @@ class RunResult:
         steps: forward steps committed.
         aborted_steps: steps whose forward raised (aborted, then retried).
         preemptions: preemptions (sequences released to make room, recomputed later).
+        kda_timing_underruns: KDA blocks timed in ``"gpu"`` mode whose launches outlasted the
+            backlog (their time includes idle GPU time; see ``prefixcache.models.timing``).
         manager_stats: the cache manager's statistics at the end (as a dict).
     """
 
@@ -104,6 +106,7 @@ class RunResult:
     steps: int = 0
     aborted_steps: int = 0
     preemptions: int = 0
+    kda_timing_underruns: int = 0
     manager_stats: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from ..kernels import KDALayerParams, get_backend
-from ..models import HybridModel, ModelConfig
+from ..models import HybridModel, KernelTimer, ModelConfig
+from ..models.timing import TimingMode
 from ..workloads import Geometry, PresetWorkload
 from .engine import Engine, EngineConfig
 from .policy import POLICY_NAMES, Policy
@@ -51,6 +52,7 @@ def build_model(
     *,
     config: ModelConfig | None = None,
     backend_options: dict[str, Any] | None = None,
+    kda_timing: TimingMode = "wall",
 ) -> HybridModel:
     """The reference model on ``device`` with the kernel backend ``backend``.
 
@@ -58,7 +60,9 @@ def build_model(
     on CUDA. dtype: float32 on the CPU and with the torch backend, bf16 with the GPU kernels.
     On the CPU ``"auto"`` is the torch backend (the others need CUDA), in chunks of 32 tokens.
     ``backend_options`` go to the backend's constructor (e.g. ``checkpoint_alignment`` of the
-    torch backend). Raises ``BackendUnavailableError`` when the backend cannot run here.
+    torch backend). ``kda_timing`` is how the model's KDA timer measures
+    (:mod:`prefixcache.models.timing`; ``"gpu"`` needs CUDA). Raises ``BackendUnavailableError``
+    when the backend cannot run here.
     """
     torch_device = torch.device(device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
@@ -77,7 +81,9 @@ def build_model(
         kernel_backend = get_backend("auto", params=probe, dtype=torch.bfloat16, **options)
     else:
         kernel_backend = get_backend(backend, **options)
-    return HybridModel(config, kernel_backend, device=torch_device)
+    model = HybridModel(config, kernel_backend, device=torch_device)
+    model.kda_timer = KernelTimer(torch_device, kda_timing)
+    return model
 
 
 def engine_config_for(
@@ -115,6 +121,8 @@ class SimulationReport:
     model: ModelConfig
     dtype: str
     rtol: float
+    engine_config: EngineConfig | None = None
+    kda_timing: str = "wall"
     runs: dict[str, RunResult] = field(default_factory=dict)
     policies: dict[str, Policy] = field(default_factory=dict)
     matches: dict[str, tuple[bool, str]] = field(default_factory=dict)
@@ -142,6 +150,7 @@ class SimulationReport:
                 "steps": run.steps,
                 "aborted_steps": run.aborted_steps,
                 "preemptions": run.preemptions,
+                "kda_timing_underruns": run.kda_timing_underruns,
                 "seconds": run.seconds,
                 "manager_stats": run.manager_stats,
             }
@@ -166,6 +175,14 @@ class SimulationReport:
                 "dtype": self.dtype,
             },
             "outputs_rtol": self.rtol,
+            "kda_timing": self.kda_timing,
+            "pools": None
+            if self.engine_config is None
+            else {
+                "paged_blocks": self.engine_config.paged_blocks,
+                "state_blocks": self.engine_config.state_blocks,
+                "checkpoint_cap": self.engine_config.checkpoint_cap,
+            },
         }
 
 
@@ -181,12 +198,15 @@ def simulate(
     backend_name: str = "auto",
     engine_config: EngineConfig | None = None,
     progress: ProgressFactory | None = None,
+    on_policy: Callable[[SimulationReport], None] | None = None,
 ) -> SimulationReport:
     """Run ``none`` (always, first: it is the reference) and the other ``policies``.
 
     The geometry is the preset's, with U raised to the backend's checkpoint alignment when
     needed (:meth:`Geometry.aligned`). ``progress(policy, num_requests)`` returns a callback
-    called for every finished request.
+    called for every finished request; ``on_policy(report)`` is called after each policy's run
+    (the report then holds the policies run so far, each checked), so a long run's finished
+    policies can be saved before the next one starts.
     """
     unknown = [name for name in policies if name not in POLICY_NAMES]
     if unknown:
@@ -204,6 +224,8 @@ def simulate(
         model=model.config,
         dtype=str(model.dtype).removeprefix("torch."),
         rtol=rtol,
+        engine_config=config,
+        kda_timing=model.kda_timer.mode,
     )
     for name in names:
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
@@ -215,4 +237,6 @@ def simulate(
         report.matches[name] = outputs_match(
             run, report.runs["none"], rtol, tie_aware=rtol > FLOAT32_RTOL
         )
+        if on_policy is not None:
+            on_policy(report)
     return report

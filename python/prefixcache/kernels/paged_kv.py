@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._convert import as_index_tensor
+from ._convert import as_host_tensor, as_index_tensor, to_device
 
 __all__ = ["PagedKVCache"]
 
@@ -76,7 +76,14 @@ class PagedKVCache:
         Slots ``-1`` are skipped. Raises ``IndexError`` on a slot beyond the cache and
         ``ValueError`` on mismatched shapes.
         """
-        slots = as_index_tensor(slot_mapping, "slot_mapping", device=self.device)
+        on_device = isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu"
+        # Indices that come from the host (the plan's NumPy arrays) are checked there, before
+        # the upload: no device synchronisation per layer and step.
+        slots = (
+            as_index_tensor(slot_mapping, "slot_mapping", device=self.device)
+            if on_device
+            else as_host_tensor(slot_mapping, "slot_mapping").reshape(-1).to(torch.int64)
+        )
         if key.shape != value.shape or key.dim() != 3 or key.shape[0] != slots.shape[0]:
             raise ValueError(
                 f"key and value must both be [T={slots.shape[0]}, num_kv_heads, head_dim], got "
@@ -89,10 +96,15 @@ class PagedKVCache:
             )
         keep = slots >= 0
         if not bool(keep.all()):
-            slots, key, value = slots[keep], key[keep], value[keep]
+            slots = slots[keep]
+            if not on_device:
+                keep = to_device(keep, key.device)
+            key, value = key[keep], value[keep]
         capacity = self.num_blocks * self.block_size
         if slots.numel() and int(slots.max()) >= capacity:
             raise IndexError(f"slot {int(slots.max())} is beyond the cache's {capacity} slots")
+        if not on_device:
+            slots = to_device(slots, self.device)
         self.key.view(capacity, self.num_kv_heads, self.head_dim).index_copy_(
             0, slots, key.to(self.key.dtype)
         )
@@ -108,7 +120,14 @@ class PagedKVCache:
         ``block_table_row`` lists the sequence's blocks in order; entries past the last block
         the sequence needs are ignored (padding may hold any value).
         """
-        row = as_index_tensor(block_table_row, "block_table_row", device=self.device)
+        on_device = (
+            isinstance(block_table_row, torch.Tensor) and block_table_row.device.type != "cpu"
+        )
+        row = (
+            as_index_tensor(block_table_row, "block_table_row", device=self.device)
+            if on_device
+            else as_host_tensor(block_table_row, "block_table_row").reshape(-1).to(torch.int64)
+        )
         needed = -(-length // self.block_size)
         if length < 0 or needed > row.shape[0]:
             raise ValueError(
@@ -119,6 +138,8 @@ class PagedKVCache:
             raise IndexError(
                 f"block table row {blocks.tolist()} has a block outside [0, {self.num_blocks})"
             )
+        if not on_device:
+            blocks = to_device(blocks, self.device)
         shape = (needed * self.block_size, self.num_kv_heads, self.head_dim)
         key = self.key.index_select(0, blocks).reshape(shape)[:length]
         value = self.value.index_select(0, blocks).reshape(shape)[:length]
