@@ -28,9 +28,9 @@ __all__ = ["KernelTimer", "TimingMode"]
 
 TimingMode = Literal["wall", "gpu"]
 
-# GPU clock cycles of the initial backlog: about 10 ms at the H200's 1.98 GHz, several times the
+# GPU clock cycles of the initial backlog: about 5 ms at the H200's 1.98 GHz, several times the
 # host time to launch one KDA layer of the reference model.
-INITIAL_BACKLOG_CYCLES = 20_000_000
+INITIAL_BACKLOG_CYCLES = 10_000_000
 MAX_BACKLOG_CYCLES = 1_000_000_000
 
 
