@@ -14,7 +14,7 @@
 set -euo pipefail
 site=${SITE:-/tmp/prefixcache-site}
 mkdir -p "$site"
-python3 -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$site" \
+python3 -m pip install -q --upgrade --no-index --no-deps --disable-pip-version-check --target "$site" \
     .device/wheels/*.whl
 export PYTHONPATH="$site" PREFIXCACHE_FLASHKDA_LIB="$PWD/.device/flashkda/_flashkda_C.abi3.so"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

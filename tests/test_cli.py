@@ -177,6 +177,25 @@ def test_policies_can_be_chosen_and_none_is_always_the_reference(tmp_path: Path)
     assert list(document["policies"]) == ["none", "fine"]
 
 
+def test_no_reference_skips_the_none_run_and_leaves_outputs_unchecked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = small_trace(tmp_path / "trace.jsonl")
+    out = tmp_path / "out.json"
+    arguments = ["simulate", "--workload", "trace", str(trace), "--json", str(out)]
+    assert main([*arguments, "--policies", "block,fine", "--no-reference"]) == 0
+    document = json.loads(out.read_text(encoding="utf-8"))
+    assert list(document["policies"]) == ["block", "fine"]
+    for policy in document["policies"].values():
+        assert policy["outputs_match_no_cache"] is None
+        assert "not checked" in policy["outputs_match_detail"]
+    assert "unchecked" in capsys.readouterr().out
+    # Named explicitly, none still runs and checks the others.
+    assert main([*arguments, "--no-reference"]) == 0
+    document = json.loads(out.read_text(encoding="utf-8"))
+    assert [p["outputs_match_no_cache"] for p in document["policies"].values()] == [True] * 3
+
+
 def test_finished_policies_are_saved_before_the_next_one_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -125,7 +125,7 @@ class SimulationReport:
     kda_timing: str = "wall"
     runs: dict[str, RunResult] = field(default_factory=dict)
     policies: dict[str, Policy] = field(default_factory=dict)
-    matches: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    matches: dict[str, tuple[bool | None, str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` document (the issue's shape; extra keys are additions)."""
@@ -199,8 +199,13 @@ def simulate(
     engine_config: EngineConfig | None = None,
     progress: ProgressFactory | None = None,
     on_policy: Callable[[SimulationReport], None] | None = None,
+    reference: bool = True,
 ) -> SimulationReport:
-    """Run ``none`` (always, first: it is the reference) and the other ``policies``.
+    """Run ``none`` (first: it is the reference) and the other ``policies``.
+
+    With ``reference=False`` the ``none`` run is skipped unless ``policies`` names it, and the
+    other policies' outputs are not checked (their match is ``None``): for timing runs whose
+    reference was checked in another run.
 
     The geometry is the preset's, with U raised to the backend's checkpoint alignment when
     needed (:meth:`Geometry.aligned`). ``progress(policy, num_requests)`` returns a callback
@@ -211,7 +216,7 @@ def simulate(
     unknown = [name for name in policies if name not in POLICY_NAMES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose among {', '.join(POLICY_NAMES)}")
-    names = ["none", *[name for name in POLICY_NAMES if name in policies and name != "none"]]
+    names = [name for name in POLICY_NAMES if name in policies or (name == "none" and reference)]
     geometry = workload.geometry.aligned(model.backend.checkpoint_alignment)
     config = engine_config or engine_config_for(workload, geometry)
     rtol = FLOAT32_RTOL if model.dtype in (torch.float32, torch.float64) else LOW_PRECISION_RTOL
@@ -234,9 +239,12 @@ def simulate(
         run = engine.run(workload.build(model.config.vocab_size), on_finished=callback)
         report.runs[name] = run
         report.policies[name] = policy
-        report.matches[name] = outputs_match(
-            run, report.runs["none"], rtol, tie_aware=rtol > FLOAT32_RTOL
-        )
+        if "none" in report.runs:
+            report.matches[name] = outputs_match(
+                run, report.runs["none"], rtol, tie_aware=rtol > FLOAT32_RTOL
+            )
+        else:
+            report.matches[name] = (None, "not checked: run without the none reference")
         if on_policy is not None:
             on_policy(report)
     return report

@@ -12,7 +12,8 @@ Two ways to time a block of kernel launches, :class:`KernelTimer`'s ``mode``:
   the kernels then run back to back and the elapsed time between the start and end events is
   their execution time. A block whose launches outlast the backlog would count idle GPU time:
   the timer then counts an *underrun* (:attr:`KernelTimer.underruns`) and doubles the backlog for
-  later blocks.
+  later blocks; after 64 blocks in a row without one it halves it again, down to the initial
+  backlog (a one-off slow launch, such as a first call's set-up, does not slow a whole run).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ TimingMode = Literal["wall", "gpu"]
 # host time to launch one KDA layer of the reference model.
 INITIAL_BACKLOG_CYCLES = 10_000_000
 MAX_BACKLOG_CYCLES = 1_000_000_000
+BLOCKS_BEFORE_SHRINKING = 64
 
 
 class KernelTimer:
@@ -52,6 +54,7 @@ class KernelTimer:
         self.seconds = 0.0
         self.underruns = 0
         self.backlog_cycles = INITIAL_BACKLOG_CYCLES
+        self._blocks_without_underrun = 0
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -90,6 +93,12 @@ class KernelTimer:
             if start.query():  # type: ignore[no-untyped-call]
                 self.underruns += 1
                 self.backlog_cycles = min(2 * self.backlog_cycles, MAX_BACKLOG_CYCLES)
+                self._blocks_without_underrun = 0
+            else:
+                self._blocks_without_underrun += 1
+                if self._blocks_without_underrun >= BLOCKS_BEFORE_SHRINKING:
+                    self._blocks_without_underrun = 0
+                    self.backlog_cycles = max(self.backlog_cycles // 2, INITIAL_BACKLOG_CYCLES)
             end.synchronize()
             self.seconds += start.elapsed_time(end) / 1000.0
 
