@@ -28,6 +28,7 @@ from kernels_support import (
     make_batch,
     make_cache,
     make_params,
+    pad_checkpoints,
     reference_kernel,
 )
 from test_kernels import max_difference, prefill, scenario
@@ -330,3 +331,60 @@ def test_flashkda_layers_must_use_the_bounded_gate_and_128_wide_heads():
     with pytest.raises(kernels.UnsupportedLayerError, match="runs on CUDA"):
         backend.check_layer(make_params(key_dim=128), torch.bfloat16, torch.device("cpu"))
     backend.check_layer(make_params(key_dim=128), torch.bfloat16, cuda)
+
+
+@pytest.mark.parametrize("name", ["flashkda-op", "fla-chain"])
+def test_layers_sharing_one_plan_reuse_its_indices_and_equal_separate_plans(name):
+    # A model runs one validated plan through every KDA layer; what the conv and the rounds
+    # derive from it (index tensors, segment rounds) is computed once and must serve each
+    # layer exactly as a freshly validated plan would.
+    backend = GPU_BACKENDS[name]()
+    grid = backend.checkpoint_alignment
+    lengths = [3 * grid + 5, 2 * grid, 7]
+    checkpoints = [[3 * grid, grid], [grid], []]
+    layers = [make_params(heads=2, key_dim=8, gate="bounded", seed=seed) for seed in (41, 42)]
+    initial, running, planned, num_blocks = scenario(
+        lengths, checkpoints, [True, False, True], layers[0]
+    )
+    offsets, slots = pad_checkpoints(planned)
+
+    def validated():
+        return backend.check_plan(
+            query_start_loc=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+            initial_slot=initial, running_slot=running, checkpoint_offsets=offsets,
+            checkpoint_slots=slots, num_slots=num_blocks, num_tokens=sum(lengths),
+        )  # fmt: skip
+
+    shared = validated()
+    calls = []
+    original = chaining._RoundInputs.build
+    chaining._RoundInputs.build = classmethod(
+        lambda cls, *a: calls.append(1) or original.__func__(cls, *a)
+    )
+    try:
+        for layer, params in enumerate(layers):
+            batch = make_batch(params, sum(lengths), seed=50 + layer)
+            caches = []
+            for plan in (shared, validated()):
+                cache = make_cache(params, num_blocks)
+                for slot in initial:
+                    if slot >= 0:
+                        fill_slot(cache, slot, seed=400 + slot)
+                out = kernels.run_prefill(
+                    backend, batch.x, batch.g, batch.beta, params, cache, plan
+                )
+                caches.append((out, cache))
+            (out_a, cache_a), (out_b, cache_b) = caches
+            assert torch.equal(out_a, out_b)
+            # Untouched slots keep their NaN poison in both: compare them as equal.
+            for a, b in ((cache_a.recurrent, cache_b.recurrent), (cache_a.conv, cache_b.conv)):
+                assert torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    finally:
+        chaining._RoundInputs.build = original
+    rounds = len(chaining.plan_rounds(shared, backend_per_call(name)))
+    # Shared plan: built for the first layer only; fresh plans: once per layer.
+    assert len(calls) == rounds * (1 + len(layers))
+
+
+def backend_per_call(name):
+    return 1 if name == "flashkda-op" else 0

@@ -70,9 +70,16 @@ KernelCall = Callable[[SegmentBatch], tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def plan_rounds(plan: StatePlan, per_call: int) -> list[Round]:
-    """Cut every row into segments ending at its cuts; ``per_call`` (0 or 1) interior exports."""
+    """Cut every row into segments ending at its cuts; ``per_call`` (0 or 1) interior exports.
+
+    Computed once per plan (every layer of a step gets the same list: do not modify it).
+    """
     if per_call not in (0, 1):
         raise ValueError(f"per_call must be 0 or 1, got {per_call}")
+    return plan.derived(("rounds", per_call), lambda: _cut_rounds(plan, per_call))
+
+
+def _cut_rounds(plan: StatePlan, per_call: int) -> list[Round]:
     by_round: list[list[Segment]] = []
     for row in range(plan.num_rows):
         cuts = plan.cuts(row)
@@ -103,6 +110,69 @@ def plan_rounds(plan: StatePlan, per_call: int) -> list[Round]:
     return [Round(tuple(segments)) for segments in by_round]
 
 
+@dataclass(frozen=True)
+class _RoundInputs:
+    """One round's index arrays on the device, and how its tokens are laid out.
+
+    ``whole``: the round covers every row entirely, in order (runs on the inputs in place);
+    ``contiguous``: its segments are back to back (runs on a slice); otherwise ``token_index``
+    gathers its tokens. ``exported_rows`` / ``exported_slots``: the segments whose interior
+    checkpoint the kernel writes, and where it goes (None when there are none).
+    """
+
+    whole: bool
+    contiguous: bool
+    token_index: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    cu_seqlens_host: torch.Tensor
+    initial_slots: torch.Tensor
+    final_slots: torch.Tensor
+    missing: bool
+    checkpoint_offsets: torch.Tensor | None
+    exported_rows: torch.Tensor | None
+    exported_slots: torch.Tensor | None
+
+    @classmethod
+    def build(cls, plan: StatePlan, round_: Round, device: torch.device) -> _RoundInputs:
+        segments = round_.segments
+        cu = [0]
+        for s in segments:
+            cu.append(cu[-1] + s.end - s.start)
+        whole = len(segments) == plan.num_rows and all(
+            s.row == r and s.start == plan.start(r) and s.end == plan.start(r + 1)
+            for r, s in enumerate(segments)
+        )
+        contiguous = all(a.end == b.start for a, b in itertools.pairwise(segments))
+        exported = [(i, s.interior) for i, s in enumerate(segments) if s.interior is not None]
+        token_index = torch.empty(0, dtype=torch.int64)
+        if not (whole or contiguous):
+            token_index = torch.cat([torch.arange(s.start, s.end) for s in segments])
+        # Every index array of the round in one host-to-device copy.
+        cu_d, initial_d, final_d, offsets_d, rows_d, slots_d, index_d = upload(
+            device,
+            cu,
+            [s.initial_slot for s in segments],
+            [s.final_slot for s in segments],
+            [0 if s.interior is None else s.interior[0] for s in segments] if exported else [],
+            [i for i, _ in exported],
+            [interior[1] for _, interior in exported],
+            token_index,
+        )
+        return cls(
+            whole=whole,
+            contiguous=contiguous,
+            token_index=index_d if token_index.numel() else None,
+            cu_seqlens=cu_d,
+            cu_seqlens_host=torch.tensor(cu, dtype=torch.int64),
+            initial_slots=initial_d,
+            final_slots=final_d,
+            missing=any(s.initial_slot < 0 for s in segments),
+            checkpoint_offsets=offsets_d if exported else None,
+            exported_rows=rows_d if exported else None,
+            exported_slots=slots_d if exported else None,
+        )
+
+
 def run_rounds(
     plan: StatePlan,
     rounds: list[Round],
@@ -123,51 +193,39 @@ def run_rounds(
     device = q.device
     total = plan.num_tokens
     out: torch.Tensor | None = None
-    for round_ in rounds:
+    # The rounds' index arrays, uploaded once per plan: every layer of a step reuses them.
+    pinned, inputs = plan.derived(
+        ("round-inputs", device, id(rounds)),
+        lambda: (rounds, [_RoundInputs.build(plan, r, device) for r in rounds]),
+    )
+    if pinned is not rounds:  # a different list under a recycled id: never reuse it
+        inputs = [_RoundInputs.build(plan, r, device) for r in rounds]
+    for round_, prepared in zip(rounds, inputs, strict=True):
         segments = round_.segments
-        count = len(segments)
-        cu = [0]
-        for s in segments:
-            cu.append(cu[-1] + s.end - s.start)
-        whole = count == plan.num_rows and all(
-            s.row == r and s.start == plan.start(r) and s.end == plan.start(r + 1)
-            for r, s in enumerate(segments)
-        )
-        contiguous = all(a.end == b.start for a, b in itertools.pairwise(segments))
-        exported = [(i, s.interior) for i, s in enumerate(segments) if s.interior is not None]
-        token_index = torch.empty(0, dtype=torch.int64)
-        if not (whole or contiguous):
-            token_index = torch.cat([torch.arange(s.start, s.end) for s in segments])
-        # Every index array of the round in one host-to-device copy.
-        cu_d, initial_d, final_d, offsets_d, rows_d, slots_d, index_d = upload(
-            device,
-            cu,
-            [s.initial_slot for s in segments],
-            [s.final_slot for s in segments],
-            [0 if s.interior is None else s.interior[0] for s in segments] if exported else [],
-            [i for i, _ in exported],
-            [interior[1] for _, interior in exported],
-            token_index,
-        )
+        whole, index_d = prepared.whole, prepared.token_index
         parts: tuple[torch.Tensor, ...]
         if whole:
             parts = (q, k, v, g, beta)
-        elif contiguous:
+        elif prepared.contiguous:
             span = slice(segments[0].start, segments[-1].end)
             parts = (q[span], k[span], v[span], g[span], beta[span])
         else:
-            parts = tuple(x.index_select(0, index_d) for x in (q, k, v, g, beta))
-        missing = any(s.initial_slot < 0 for s in segments)
+            gather = index_d
+            if gather is None:
+                raise RuntimeError("a round whose segments are not contiguous has a token index")
+            parts = tuple(x.index_select(0, gather) for x in (q, k, v, g, beta))
         batch = SegmentBatch(
             q=parts[0].unsqueeze(0),
             k=parts[1].unsqueeze(0),
             v=parts[2].unsqueeze(0),
             g=parts[3].unsqueeze(0),
             beta=parts[4].unsqueeze(0),
-            cu_seqlens=cu_d,
-            cu_seqlens_host=torch.tensor(cu, dtype=torch.int64),
-            initial_state=read_states_at(recurrent, initial_d, state_dtype, missing=missing),
-            checkpoint_offsets=offsets_d if exported else None,
+            cu_seqlens=prepared.cu_seqlens,
+            cu_seqlens_host=prepared.cu_seqlens_host,
+            initial_state=read_states_at(
+                recurrent, prepared.initial_slots, state_dtype, missing=prepared.missing
+            ),
+            checkpoint_offsets=prepared.checkpoint_offsets,
         )
         o, final, interior = call(batch)
         o = o.squeeze(0)
@@ -176,15 +234,17 @@ def run_rounds(
         else:
             if out is None:
                 out = o.new_empty((total, *o.shape[1:]))
-            if token_index.numel():
+            if index_d is not None:
                 out.index_copy_(0, index_d, o)
             else:
                 out[segments[0].start : segments[-1].end] = o
-        if exported:
+        if prepared.exported_rows is not None and prepared.exported_slots is not None:
             if interior is None:
                 raise RuntimeError("the kernel call returned no interior checkpoint states")
-            write_states_at(recurrent, slots_d, interior.index_select(0, rows_d))
-        write_states_at(recurrent, final_d, final)
+            write_states_at(
+                recurrent, prepared.exported_slots, interior.index_select(0, prepared.exported_rows)
+            )
+        write_states_at(recurrent, prepared.final_slots, final)
     if out is None:
         raise ValueError("a plan has at least one row, so at least one round")
     return out

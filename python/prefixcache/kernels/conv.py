@@ -18,6 +18,7 @@ loop), and conv windows are plain row ranges of that buffer. Works on CPU and GP
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,56 @@ __all__ = ["causal_conv"]
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
+class _ConvIndex:
+    """The index tensors of one plan's convolution, on the device (shared by every layer).
+
+    The batch is laid out in an extended buffer where each row is preceded by its W-1 initial
+    rows: ``token_position`` / ``initial_position`` place the tokens / initial windows there,
+    ``output`` picks each token's output row, ``window_position`` the W-1 rows of each cut's
+    window and ``cut_slots`` its slot. ``initial`` lists the slots of rows with an initial state
+    (all rows when ``present`` is None, else the rows ``present``).
+    """
+
+    token_position: torch.Tensor
+    initial_position: torch.Tensor
+    output: torch.Tensor
+    window_position: torch.Tensor
+    cut_slots: torch.Tensor
+    initial: torch.Tensor
+    present: torch.Tensor | None
+
+    @classmethod
+    def build(cls, plan: StatePlan, history: int, device: torch.device) -> _ConvIndex:
+        # Host-side index arithmetic (plain int64), moved to the device once.
+        rows, num_tokens = plan.num_rows, plan.num_tokens
+        lengths = torch.tensor(plan.lengths(), dtype=torch.int64)
+        starts = torch.tensor(plan.query_start_loc[:-1], dtype=torch.int64)
+        row_of_token = torch.repeat_interleave(torch.arange(rows), lengths)
+        extended_start = starts + torch.arange(rows) * history  # first initial row of each row
+        token_position = torch.arange(num_tokens) + history * (row_of_token + 1)
+        initial_position = (extended_start[:, None] + torch.arange(history)).reshape(-1)
+        cuts = [(row, cut) for row in range(rows) for cut in plan.cuts(row)]
+        cut_rows = [row for row, _ in cuts]
+        cut_offsets = torch.tensor([cut.offset for _, cut in cuts], dtype=torch.int64)
+        window_position = (
+            (extended_start[cut_rows] + cut_offsets)[:, None] + torch.arange(history)
+        ).reshape(-1)
+        initial = torch.tensor(plan.initial_slot, dtype=torch.int64)
+        has_initial = initial >= 0
+        every = bool(has_initial.all())
+        present = None if every else to_device(torch.nonzero(has_initial).reshape(-1), device)
+        return cls(
+            token_position=to_device(token_position, device),
+            initial_position=to_device(initial_position, device),
+            output=to_device(token_position - history, device),
+            window_position=to_device(window_position, device),
+            cut_slots=to_device(torch.tensor([cut.slot for _, cut in cuts]), device),
+            initial=to_device(initial if every else initial[has_initial], device),
+            present=present,
+        )
 
 
 def causal_conv(
@@ -60,42 +111,18 @@ def causal_conv(
             f"conv cache rows are {tuple(conv_cache.shape[1:])}, expected ({channels}, {history})"
         )
     device = x.device
-
-    # Host-side index arithmetic (plain int64), moved to the device once.
-    lengths = torch.tensor(plan.lengths(), dtype=torch.int64)
-    starts = torch.tensor(plan.query_start_loc[:-1], dtype=torch.int64)
-    row_of_token = torch.repeat_interleave(torch.arange(rows), lengths)
-    extended_start = starts + torch.arange(rows) * history  # first initial row of each sequence
-    token_position = torch.arange(num_tokens) + history * (row_of_token + 1)
-    initial_position = (extended_start[:, None] + torch.arange(history)).reshape(-1)
-    cut_rows = [row for row in range(rows) for _ in plan.cuts(row)]
-    cut_offsets = torch.tensor([c.offset for row in range(rows) for c in plan.cuts(row)])
-    cut_slots = torch.tensor([c.slot for row in range(rows) for c in plan.cuts(row)])
-    window_position = (
-        (extended_start[cut_rows] + cut_offsets)[:, None] + torch.arange(history)
-    ).reshape(-1)
-    initial = torch.tensor(plan.initial_slot, dtype=torch.int64)
-    has_initial = initial >= 0
-
-    token_position_d = to_device(token_position, device)
-    initial_position_d = to_device(initial_position, device)
-    window_position_d = to_device(window_position, device)
-    cut_slots_d = to_device(cut_slots, device)
-    output_index_d = to_device(token_position - history, device)
+    index = plan.derived(("conv", device, history), lambda: _ConvIndex.build(plan, history, device))
 
     extended = x.new_empty(num_tokens + rows * history, channels)
-    extended.index_copy_(0, token_position_d, x)
+    extended.index_copy_(0, index.token_position, x)
     if history:
-        if bool(has_initial.all()):
-            windows = conv_cache.index_select(0, to_device(initial, device))
+        if index.present is None:
+            windows = conv_cache.index_select(0, index.initial)
         else:
             windows = conv_cache.new_zeros(rows, channels, history)
-            present = to_device(torch.nonzero(has_initial).reshape(-1), device)
-            windows.index_copy_(
-                0, present, conv_cache.index_select(0, to_device(initial[has_initial], device))
-            )
+            windows.index_copy_(0, index.present, conv_cache.index_select(0, index.initial))
         extended.index_copy_(
-            0, initial_position_d, windows.transpose(1, 2).reshape(-1, channels).to(x.dtype)
+            0, index.initial_position, windows.transpose(1, 2).reshape(-1, channels).to(x.dtype)
         )
 
     compute = _compute_dtype(x.dtype)
@@ -113,12 +140,12 @@ def causal_conv(
         acc = extended[0:valid, part] * weight[part, 0]
         for j in range(1, width):
             acc.addcmul_(extended[j : j + valid, part], weight[part, j])
-        out = acc.index_select(0, output_index_d)
+        out = acc.index_select(0, index.output)
         if params.conv_activation == "silu":
             out = F.silu(out)
         outputs.append(out.to(x.dtype))
 
     if history:
-        cut_windows = extended.index_select(0, window_position_d).view(-1, history, channels)
-        conv_cache.index_copy_(0, cut_slots_d, cut_windows.transpose(1, 2).to(conv_cache.dtype))
+        cut_windows = extended.index_select(0, index.window_position).view(-1, history, channels)
+        conv_cache.index_copy_(0, index.cut_slots, cut_windows.transpose(1, 2).to(conv_cache.dtype))
     return outputs

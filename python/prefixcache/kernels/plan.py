@@ -13,9 +13,13 @@ at each cut into the cut's slot (the running slot last).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 __all__ = ["Checkpoint", "StatePlan"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,20 @@ class StatePlan:
     initial_slot: tuple[int, ...]
     running_slot: tuple[int, ...]
     checkpoints: tuple[tuple[Checkpoint, ...], ...]
+    # What backends derive from the plan (index tensors on a device, segment rounds), kept so
+    # that every layer of a step reuses it: a model runs the same plan through each layer.
+    _derived: dict[Hashable, Any] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+
+    def derived(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """``build()``, computed once per plan and ``key`` (``key`` names what and where, e.g.
+        the device); the result is shared, so it must never be modified in place."""
+        try:
+            value: _T = self._derived[key]
+        except KeyError:
+            value = self._derived[key] = build()
+        return value
 
     @property
     def num_rows(self) -> int:
