@@ -7,6 +7,10 @@ NumPy arrays):
 - ``decode``: 256 sequences sharing a 164K-token context, all decoding: one step is
   ``append_batch`` + ``schedule_batch`` + ``build_plan`` + ``commit`` (NumPy id and token arrays),
   with a full-attention group (B = 16) alone and with a state group added;
+- ``hybrid decode``: the geometry of the hybrid comparison with vLLM (``benchmarks/vs_vllm.py``):
+  B = 1536, U = 128, a state group (A = 64), 8 sequences of 20K tokens decoding; the whole step
+  and each of its four calls timed alone, next to ``num_computed`` (one id in, one int out,
+  under the manager's lock: the floor of any call);
 - ``admission``: one 164K-token prompt, ``add`` + ``lookup`` + ``schedule`` + ``build_plan`` +
   ``commit`` + ``finish``, cold (nothing cached: the whole prompt is scheduled) and warm (an
   identical resend), with the tokens given as a NumPy array and as a list.
@@ -30,6 +34,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +99,56 @@ def bench_decode(state: bool, steps: int) -> list[float]:
     return times[steps // 10 :]  # drop the warm-up
 
 
+HYBRID_ROWS = 8
+HYBRID_CALLS = ("step", "append_batch", "schedule_batch", "build_plan", "commit", "num_computed")
+
+
+def bench_hybrid_decode(call: str, steps: int) -> list[float]:
+    """One decode step of 8 sequences at B = 1536 / U = 128 with a state group; ``call``
+    names what is timed ("step": all four calls)."""
+    pools = [pc.PoolConfig(HYBRID_ROWS * 16 + 64), pc.PoolConfig(16 * HYBRID_ROWS + 1024)]
+    groups: list[pc.Group] = [
+        pc.FullAttention(block_size=1536, pool=0),
+        pc.StateGroup(alignment=64, max_checkpoints_per_step=None, pool=1),
+    ]
+    hash_config = pc.HashConfig(unit=128)
+    mgr = pc.CacheManager(
+        pc.CacheConfig(pools=pools, groups=groups, hash=hash_config, enable_events=False)
+    )
+    ids = np.arange(HYBRID_ROWS, dtype=np.int64)
+    for seq in ids.tolist():
+        mgr.add(seq, tokens(seq, 20_000).astype(np.uint32))
+        while mgr.num_computed(seq) < 20_000:
+            assert mgr.schedule(seq, 8192) is not None
+            mgr.commit(mgr.build_plan())
+    times = []
+    for step in range(steps):
+        sampled = ((ids + step) % 150_000).astype(np.uint32)
+        t0 = time.perf_counter_ns()
+        mgr.append_batch(ids, sampled)
+        t1 = time.perf_counter_ns()
+        scheduled = mgr.schedule_batch(ids, 1)
+        t2 = time.perf_counter_ns()
+        plan = mgr.build_plan()
+        t3 = time.perf_counter_ns()
+        mgr.commit(plan)
+        t4 = time.perf_counter_ns()
+        mgr.num_computed(0)
+        t5 = time.perf_counter_ns()
+        spans = {
+            "step": t4 - t0,
+            "append_batch": t1 - t0,
+            "schedule_batch": t2 - t1,
+            "build_plan": t3 - t2,
+            "commit": t4 - t3,
+            "num_computed": t5 - t4,
+        }
+        times.append(spans[call] / 1e3)
+        assert all(s is not None and s.num_tokens == 1 for s in scheduled)
+    mgr.check_invariants()
+    return times[steps // 10 :]
+
+
 def admission(mgr: pc.CacheManager, seq_id: int, prompt: object) -> pc.Scheduled:
     mgr.add(seq_id, prompt)  # type: ignore[arg-type]
     mgr.lookup(seq_id)
@@ -148,6 +203,10 @@ def main() -> None:
     cases: list[tuple[str, Callable[[], list[float]], str]] = [
         (decode, lambda: bench_decode(False, args.steps), decode),
         (f"{decode} + state", lambda: bench_decode(True, args.steps), f"{decode} + state"),
+        *[
+            (f"hybrid decode 8 x 20K: {call}", partial(bench_hybrid_decode, call, args.steps), "")
+            for call in HYBRID_CALLS
+        ],
         (f"{cold}, numpy tokens", lambda: bench_admission(False, False, args.reps), cold),
         (f"{cold}, list tokens", lambda: bench_admission(False, True, args.reps), cold),
         (f"{warm}, numpy tokens", lambda: bench_admission(True, False, args.reps), warm),
