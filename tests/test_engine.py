@@ -32,6 +32,7 @@ from prefixcache.engine import (
     engine_config_for,
     outputs_match,
     relative_difference,
+    simulate,
 )
 from prefixcache.models import HybridModel, ModelCaches, StepInputs
 from prefixcache.workloads import (
@@ -326,3 +327,31 @@ def test_outputs_match_catches_every_kind_of_difference() -> None:
     clear = RunResult("fine", {0: result(0, [5, 2, 3], [1.0, 2.0], [0.5] * 3)})
     assert not outputs_match(clear, reference, 1e-4, tie_aware=True)[0]
     assert relative_difference(np.ones(3), np.ones(4)) == float("inf")
+
+
+def test_the_warm_up_runs_every_policy_and_changes_no_measured_figure(
+    model: HybridModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workload = PresetWorkload("growing-prefix", "test", GROWING, GEOMETRY)
+    runs: list[str] = []
+    original = Engine.run
+
+    def counting(engine: Engine, *args: object, **kwargs: object) -> RunResult:
+        runs.append(engine.policy.name)
+        return original(engine, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Engine, "run", counting)
+    cold = simulate(workload, ["block", "fine"], model, warm_up=False).to_json()
+    assert runs == ["none", "block", "fine"]
+    runs.clear()
+    warm = simulate(workload, ["block", "fine"], model, warm_up=True).to_json()
+    assert runs == ["none", "block", "fine"] * 2  # the warm-up first, then the measured runs
+    assert model.kda_timer.seconds == 0.0
+    for name in ("none", "block", "fine"):
+        a, b = cold["policies"][name], warm["policies"][name]
+        for key in ("requests", "hit_tokens", "computed_prefill_tokens", "steps"):
+            assert a[key] == b[key], (name, key)
+        assert b["outputs_match_no_cache"] is True
+        assert [r["computed_prefill_tokens"] for r in a["rounds"]] == [
+            r["computed_prefill_tokens"] for r in b["rounds"]
+        ]

@@ -27,7 +27,7 @@ import torch
 from ..kernels import KDALayerParams, get_backend
 from ..models import HybridModel, KernelTimer, ModelConfig
 from ..models.timing import TimingMode
-from ..workloads import Geometry, PresetWorkload
+from ..workloads import Geometry, GrowingPrefixSpec, PresetWorkload
 from .engine import Engine, EngineConfig
 from .policy import POLICY_NAMES, Policy
 from .results import RequestResult, RunResult, outputs_match
@@ -200,12 +200,18 @@ def simulate(
     progress: ProgressFactory | None = None,
     on_policy: Callable[[SimulationReport], None] | None = None,
     reference: bool = True,
+    warm_up: bool | None = None,
 ) -> SimulationReport:
     """Run ``none`` (first: it is the reference) and the other ``policies``.
 
     With ``reference=False`` the ``none`` run is skipped unless ``policies`` names it, and the
     other policies' outputs are not checked (their match is ``None``): for timing runs whose
     reference was checked in another run.
+
+    ``warm_up`` (default: on a GPU) first runs each policy over a small growing-prefix workload
+    in the same geometry, unmeasured, so that no measured run pays the first calls' one-time
+    costs (kernel loading and compilation, allocator growth): otherwise whichever policy runs
+    first is charged them.
 
     The geometry is the preset's, with U raised to the backend's checkpoint alignment when
     needed (:meth:`Geometry.aligned`). ``progress(policy, num_requests)`` returns a callback
@@ -232,6 +238,10 @@ def simulate(
         engine_config=config,
         kda_timing=model.kda_timer.mode,
     )
+    if warm_up is None:
+        warm_up = model.device.type == "cuda"
+    if warm_up:
+        _warm_up(model, names, geometry)
     for name in names:
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
         engine = Engine(model, policy, config)
@@ -248,3 +258,24 @@ def simulate(
         if on_policy is not None:
             on_policy(report)
     return report
+
+
+def _warm_up(model: HybridModel, names: Sequence[str], geometry: Geometry) -> None:
+    """Each policy over two streams of two rounds (prompts of a few blocks, chunked prefill,
+    checkpoints, resumes, decode), on fresh caches, results discarded."""
+    spec = GrowingPrefixSpec(
+        streams=2,
+        first_prompt=2 * geometry.block_size + geometry.unit + 7,
+        growth=geometry.block_size // 2 + 5,
+        rounds=2,
+        output_len=3,
+    )
+    small = PresetWorkload("growing-prefix", "warm-up", spec, geometry)
+    config = engine_config_for(small, geometry)
+    timer = model.kda_timer
+    backlog, underruns = timer.backlog_cycles, timer.underruns
+    for name in names:
+        policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
+        Engine(model, policy, config).run(small.build(model.config.vocab_size))
+    timer.take()
+    timer.backlog_cycles, timer.underruns = backlog, underruns
