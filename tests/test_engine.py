@@ -355,3 +355,25 @@ def test_the_warm_up_runs_every_policy_and_changes_no_measured_figure(
         assert [r["computed_prefill_tokens"] for r in a["rounds"]] == [
             r["computed_prefill_tokens"] for r in b["rounds"]
         ]
+
+
+def test_decode_only_steps_are_not_timed_and_the_timer_is_left_enabled(
+    model: HybridModel,
+) -> None:
+    timed: list[bool] = []
+    original = model.kda_timer.measure
+
+    def recording() -> object:
+        timed.append(model.kda_timer.enabled)
+        return original()
+
+    model.kda_timer.measure = recording  # type: ignore[method-assign]
+    try:
+        result = run(model, GROWING, "fine")
+    finally:
+        del model.kda_timer.measure
+    layers = model.config.num_kda_layers
+    # Every step runs each KDA layer once; steps with a prefill row are timed, the rest not.
+    assert len(timed) == layers * (result.steps + result.aborted_steps)
+    assert any(timed) and not all(timed)
+    assert model.kda_timer.enabled

@@ -270,6 +270,12 @@ class _Loop:
     # --- the loop -----------------------------------------------------------------------------
 
     def run(self) -> RunResult:
+        try:
+            return self._serve()
+        finally:
+            self.model.kda_timer.enabled = True  # steps switch it per step; leave it as found
+
+    def _serve(self) -> RunResult:
         self.submit(self.workload.initial_requests())
         while True:
             self.admit_arrivals()
