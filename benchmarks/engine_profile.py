@@ -30,10 +30,11 @@ def main() -> None:
     parser.add_argument("--policies", default="block,fine")
     parser.add_argument("--rows", type=int, default=30, help="profiler table rows")
     parser.add_argument("--kda-timing", choices=("wall", "gpu"), default="wall")
+    parser.add_argument("--conv", choices=("torch", "triton"), default="torch")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
     args = parser.parse_args()
 
-    model = build_model(args.device, args.backend, kda_timing=args.kda_timing)
+    model = build_model(args.device, args.backend, kda_timing=args.kda_timing, conv=args.conv)
     spec = GrowingPrefixSpec(
         first_prompt=args.first_prompt, rounds=args.rounds, output_len=args.output_len
     )

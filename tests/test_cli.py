@@ -81,6 +81,8 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--device",
         "--backend",
         "--kda-timing",
+        "--conv",
+        "--no-reference",
         "--json",
         "--plot",
     ):
@@ -253,6 +255,15 @@ def test_unavailable_devices_and_backends_are_reported(
 ) -> None:
     assert main(["simulate", *arguments]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the messages of a CPU-only host")
+def test_the_triton_conv_on_a_cpu_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the interpreter is for tests only
+    assert main(["simulate", "--conv", "triton"]) == 2
+    assert "--conv triton" in capsys.readouterr().err
 
 
 def test_a_broken_trace_is_reported_with_its_line(

@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         "backlog: the kernels' execution time alone; needs --device cuda)",
     )
     simulate.add_argument(
+        "--conv",
+        choices=("torch", "triton"),
+        default="torch",
+        help="the KDA short convolution: torch (default; several passes in torch) or triton "
+        "(two fused Triton kernels, prefixcache.kernels.conv_triton; needs --device cuda)",
+    )
+    simulate.add_argument(
         "--no-reference",
         action="store_true",
         help="skip the none run unless --policies names it: for timing runs of block and fine "
@@ -341,7 +348,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # busy machine OpenMP's spinning threads slow every op down by an order of magnitude.
         torch.set_num_threads(1)
     try:
-        model = build_model(args.device, args.backend, kda_timing=args.kda_timing)
+        model = build_model(args.device, args.backend, kda_timing=args.kda_timing, conv=args.conv)
         workload = workload_preset(
             name, args.preset, trace_path=trace_path, vocab_size=model.config.vocab_size
         )

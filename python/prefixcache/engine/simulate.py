@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ..kernels import KDALayerParams, get_backend
+from ..kernels import BackendUnavailableError, KDALayerParams, get_backend
+from ..kernels.backend import ConvImpl
 from ..models import HybridModel, KernelTimer, ModelConfig
 from ..models.timing import TimingMode
 from ..workloads import Geometry, GrowingPrefixSpec, PresetWorkload
@@ -53,6 +54,7 @@ def build_model(
     config: ModelConfig | None = None,
     backend_options: dict[str, Any] | None = None,
     kda_timing: TimingMode = "wall",
+    conv: ConvImpl = "torch",
 ) -> HybridModel:
     """The reference model on ``device`` with the kernel backend ``backend``.
 
@@ -61,8 +63,9 @@ def build_model(
     On the CPU ``"auto"`` is the torch backend (the others need CUDA), in chunks of 32 tokens.
     ``backend_options`` go to the backend's constructor (e.g. ``checkpoint_alignment`` of the
     torch backend). ``kda_timing`` is how the model's KDA timer measures
-    (:mod:`prefixcache.models.timing`; ``"gpu"`` needs CUDA). Raises ``BackendUnavailableError``
-    when the backend cannot run here.
+    (:mod:`prefixcache.models.timing`; ``"gpu"`` needs CUDA); ``conv`` the short convolution's
+    implementation (``"triton"``: ``prefixcache.kernels.conv_triton``). Raises
+    ``BackendUnavailableError`` when the backend cannot run here.
     """
     torch_device = torch.device(device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
@@ -81,6 +84,15 @@ def build_model(
         kernel_backend = get_backend("auto", params=probe, dtype=torch.bfloat16, **options)
     else:
         kernel_backend = get_backend(backend, **options)
+    if conv not in ("torch", "triton"):
+        raise ValueError(f"conv must be 'torch' or 'triton', got {conv!r}")
+    if conv == "triton":
+        from ..kernels.conv_triton import triton_unavailable_reason
+
+        reason = triton_unavailable_reason(torch_device)
+        if reason is not None:
+            raise BackendUnavailableError(f"--conv triton: {reason}")
+    kernel_backend.conv_impl = conv
     model = HybridModel(config, kernel_backend, device=torch_device)
     model.kda_timer = KernelTimer(torch_device, kda_timing)
     return model
@@ -123,6 +135,7 @@ class SimulationReport:
     rtol: float
     engine_config: EngineConfig | None = None
     kda_timing: str = "wall"
+    conv: str = "torch"
     runs: dict[str, RunResult] = field(default_factory=dict)
     policies: dict[str, Policy] = field(default_factory=dict)
     matches: dict[str, tuple[bool | None, str]] = field(default_factory=dict)
@@ -176,6 +189,7 @@ class SimulationReport:
             },
             "outputs_rtol": self.rtol,
             "kda_timing": self.kda_timing,
+            "conv": self.conv,
             "pools": None
             if self.engine_config is None
             else {
@@ -237,6 +251,7 @@ def simulate(
         rtol=rtol,
         engine_config=config,
         kda_timing=model.kda_timer.mode,
+        conv=model.backend.conv_impl,
     )
     if warm_up is None:
         warm_up = model.device.type == "cuda"

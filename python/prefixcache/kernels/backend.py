@@ -10,14 +10,16 @@ the backend would not execute exactly.
 A backend runs the recurrence part of a KDA layer (:meth:`KDABackend.forward`): post-conv
 ``q, k, v``, raw gate input and raw beta, reading each row's initial state from the cache and
 writing every cut's state into its slot. The short convolution and its conv windows are shared
-by all backends (``conv.causal_conv``).
+by all backends: ``conv.causal_conv`` (torch) or, when a backend's ``conv_impl`` is
+``"triton"``, ``conv_triton.causal_conv_triton`` (two Triton kernels; CUDA tensors, or CPU tensors
+under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -27,7 +29,10 @@ from .params import KDALayerParams
 from .plan import StatePlan
 from .validate import check_state_plan
 
+ConvImpl = Literal["torch", "triton"]
+
 __all__ = [
+    "ConvImpl",
     "KDABackend",
     "read_states",
     "read_states_at",
@@ -44,6 +49,9 @@ class KDABackend(ABC):
     name: ClassVar[str]
     checkpoint_alignment: int
     max_checkpoints_per_step: int | None
+    #: Which short-convolution implementation runs before the recurrence ("torch" or
+    #: "triton"); set it on an instance to switch.
+    conv_impl: ConvImpl = "torch"
 
     def state_group_config(self) -> dict[str, int | None]:
         """The two attributes the Rust State group is built from."""

@@ -11,11 +11,14 @@ every cut), then the backend's recurrence (storing states at every cut), and ret
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ._convert import ArrayLike
 from .backend import KDABackend
 from .conv import causal_conv
+from .errors import UnsupportedLayerError
 from .params import KDALayerParams
 from .plan import StatePlan
 from .state_cache import StateCache
@@ -121,7 +124,8 @@ def run_prefill(
     if cache.device != x.device:
         raise ValueError(f"inputs are on {x.device} but the state cache is on {cache.device}")
     backend.check_layer(params, x.dtype, x.device)
-    q, k, v = causal_conv(
+    conv = _conv_function(backend.conv_impl, x.device)
+    q, k, v = conv(
         x, params, cache.conv, plan, splits=(heads * key_dim, heads * key_dim, heads * value_dim)
     )
     return backend.forward(
@@ -134,3 +138,17 @@ def run_prefill(
         cache.recurrent,
         plan,
     )
+
+
+def _conv_function(impl: str, device: torch.device) -> Callable[..., list[torch.Tensor]]:
+    """The short-convolution implementation a backend's ``conv_impl`` names."""
+    if impl == "torch":
+        return causal_conv
+    if impl == "triton":
+        from .conv_triton import causal_conv_triton, triton_unavailable_reason
+
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise UnsupportedLayerError(f"conv_impl 'triton': {reason}")
+        return causal_conv_triton
+    raise ValueError(f"conv_impl must be 'torch' or 'triton', got {impl!r}")

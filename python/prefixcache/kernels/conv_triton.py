@@ -1,0 +1,258 @@
+"""The short causal convolution as two Triton kernels: the same contract as ``conv.causal_conv``.
+
+``conv.causal_conv`` builds an extended copy of the batch and makes several passes over it in
+torch (a dozen launches and as many passes over the activations per layer). Here one kernel
+reads each input element W times from the packed batch (or the row's initial window in the
+cache), accumulates in float32 (float64 for float64 inputs) in the order ``j = 0 .. W-1``,
+applies the activation and writes each channel into its split's output; a second kernel writes
+the conv window of every cut (each checkpoint, then the end of each row's query) into its slot.
+The plan check guarantees that no written slot is any row's initial slot, so the two kernels
+never read what the other writes.
+
+Every output element is computed from the same inputs in the same order whatever the packing,
+so a forward split at a cut reproduces the unsplit outputs exactly, as with the torch version;
+the two versions agree to rounding (Triton may contract a multiply and an add into one FMA).
+
+The stored windows equal the torch version's, except that rows taken from a row's initial window
+are copied as stored where the torch version rounds them to the inputs' dtype (bf16 inputs with
+a float32 conv cache); both resume exactly, since both round those rows on use.
+
+The kernels are compiled on first use. With ``TRITON_INTERPRET=1`` in the environment before
+that, Triton runs them on CPU tensors through its interpreter: that is how the CPU tests check
+them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._convert import to_device
+from .params import KDALayerParams
+from .plan import StatePlan
+
+__all__ = ["causal_conv_triton", "triton_unavailable_reason"]
+
+BLOCK_T = 32
+BLOCK_C = 64
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """``None`` when the Triton kernels can run on ``device`` here, else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        return f"triton is not installed ({error})"
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (
+        f"the Triton kernels run on CUDA tensors (got {device}); on a CPU only through "
+        "Triton's interpreter (TRITON_INTERPRET=1 before the first call)"
+    )
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def conv_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, cache_ptr, w_ptr, out0_ptr, out1_ptr, out2_ptr,
+        qsl_ptr, initial_ptr,
+        channels, split1, split2,
+        WIDTH: tl.constexpr, ACTIVATION: tl.constexpr, COMPUTE_F64: tl.constexpr,
+        BT: tl.constexpr, BC: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        start = tl.load(qsl_ptr + row).to(tl.int64)
+        length = tl.load(qsl_ptr + row + 1).to(tl.int64) - start
+        first = tl.program_id(1) * BT
+        if first < length:
+            history = WIDTH - 1
+            offset = first + tl.arange(0, BT).to(tl.int64)
+            channel = tl.program_id(2) * BC + tl.arange(0, BC).to(tl.int64)
+            in_row = offset < length
+            in_channels = channel < channels
+            slot = tl.load(initial_ptr + row).to(tl.int64)
+            # A block, not a scalar: masks combine blocks only (the interpreter needs it).
+            has_window = (offset * 0 + slot) >= 0
+            if COMPUTE_F64:
+                acc = tl.zeros((BT, BC), dtype=tl.float64)
+            else:
+                acc = tl.zeros((BT, BC), dtype=tl.float32)
+            for j in tl.static_range(WIDTH):
+                source = offset - history + j  # position in the row; < 0: the initial window
+                from_batch = in_row & (source >= 0)
+                from_window = in_row & (source < 0) & has_window
+                batch_value = tl.load(
+                    x_ptr + (start + source)[:, None] * channels + channel[None, :],
+                    mask=from_batch[:, None] & in_channels[None, :],
+                    other=0.0,
+                )
+                window_value = tl.load(
+                    cache_ptr
+                    + slot * channels * history
+                    + channel[None, :] * history
+                    + (source + history)[:, None],
+                    mask=from_window[:, None] & in_channels[None, :],
+                    other=0.0,
+                )
+                weight = tl.load(w_ptr + channel * WIDTH + j, mask=in_channels, other=0.0)
+                value = tl.where(
+                    from_batch[:, None], batch_value, window_value.to(x_ptr.dtype.element_ty)
+                )
+                if COMPUTE_F64:
+                    term = value.to(tl.float64) * weight.to(tl.float64)[None, :]
+                else:
+                    term = value.to(tl.float32) * weight.to(tl.float32)[None, :]
+                acc = acc + term  # from zero: the first term is taken exactly
+            if ACTIVATION:
+                acc = acc / (1.0 + tl.exp(-acc))
+            token = start + offset
+            mask = in_row[:, None] & in_channels[None, :]
+            width0 = split1
+            width1 = split2 - split1
+            width2 = channels - split2
+            result = acc.to(out0_ptr.dtype.element_ty)
+            c = channel[None, :]
+            t = token[:, None]
+            tl.store(out0_ptr + t * width0 + c, result, mask=mask & (c < split1))
+            tl.store(
+                out1_ptr + t * width1 + (c - split1),
+                result,
+                mask=mask & (c >= split1) & (c < split2),
+            )
+            tl.store(out2_ptr + t * width2 + (c - split2), result, mask=mask & (c >= split2))
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def window_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, cache_ptr, cut_row_ptr, cut_offset_ptr, cut_slot_ptr, qsl_ptr, initial_ptr,
+        channels, WIDTH: tl.constexpr, BC: tl.constexpr,
+    ):  # fmt: skip
+        cut = tl.program_id(0)
+        history = WIDTH - 1
+        row = tl.load(cut_row_ptr + cut).to(tl.int64)
+        offset = tl.load(cut_offset_ptr + cut).to(tl.int64)
+        target = tl.load(cut_slot_ptr + cut).to(tl.int64)
+        start = tl.load(qsl_ptr + row).to(tl.int64)
+        slot = tl.load(initial_ptr + row).to(tl.int64)
+        channel = tl.program_id(1) * BC + tl.arange(0, BC).to(tl.int64)
+        in_channels = channel < channels
+        has_window = (channel * 0 + slot) >= 0
+        for k in tl.static_range(WIDTH - 1):
+            source = offset - history + k
+            batch_value = tl.load(
+                x_ptr + (start + source) * channels + channel,
+                mask=in_channels & ((channel * 0 + source) >= 0),
+                other=0.0,
+            )
+            window_value = tl.load(
+                cache_ptr + slot * channels * history + channel * history + (source + history),
+                mask=in_channels & ((channel * 0 + source) < 0) & has_window,
+                other=0.0,
+            )
+            # Rows of the initial window are copied as stored (conv.causal_conv rounds them to
+            # the inputs' dtype first; both resume exactly, since each rounds them on use).
+            batch_value = batch_value.to(cache_ptr.dtype.element_ty)
+            value = tl.where(source >= 0, batch_value, window_value)
+            tl.store(
+                cache_ptr + target * channels * history + channel * history + k,
+                value,
+                mask=in_channels,
+            )
+
+    return conv_kernel, window_kernel
+
+
+@dataclass(frozen=True)
+class _Index:
+    """One plan's launch arrays on the device (shared by every layer of the step)."""
+
+    query_start_loc: torch.Tensor
+    initial: torch.Tensor
+    cut_rows: torch.Tensor
+    cut_offsets: torch.Tensor
+    cut_slots: torch.Tensor
+    longest: int
+
+    @classmethod
+    def build(cls, plan: StatePlan, device: torch.device) -> _Index:
+        cuts = [(row, cut) for row in range(plan.num_rows) for cut in plan.cuts(row)]
+        host = torch.tensor(
+            [
+                *plan.query_start_loc,
+                *plan.initial_slot,
+                *(row for row, _ in cuts),
+                *(cut.offset for _, cut in cuts),
+                *(cut.slot for _, cut in cuts),
+            ],
+            dtype=torch.int64,
+        )
+        sizes = [plan.num_rows + 1, plan.num_rows, len(cuts), len(cuts), len(cuts)]
+        loc, initial, rows, offsets, slots = torch.split(to_device(host, device), sizes)
+        return cls(loc, initial, rows, offsets, slots, longest=max(plan.lengths(), default=0))
+
+
+def causal_conv_triton(
+    x: torch.Tensor,
+    params: KDALayerParams,
+    conv_cache: torch.Tensor,
+    plan: StatePlan,
+    splits: Sequence[int] | None = None,
+) -> list[torch.Tensor]:
+    """``conv.causal_conv`` (same arguments, same results to rounding) in two Triton kernels.
+
+    ``x`` and ``conv_cache`` must be contiguous; at most three splits.
+    """
+    num_tokens, channels = x.shape
+    width = params.conv_width
+    history = width - 1
+    if num_tokens != plan.num_tokens or channels != params.conv_channels:
+        raise ValueError(
+            f"x must be [T={plan.num_tokens}, C={params.conv_channels}], got {tuple(x.shape)}"
+        )
+    if tuple(conv_cache.shape[1:]) != (channels, history):
+        raise ValueError(
+            f"conv cache rows are {tuple(conv_cache.shape[1:])}, expected ({channels}, {history})"
+        )
+    if not (x.is_contiguous() and conv_cache.is_contiguous()):
+        raise ValueError("the Triton conv needs a contiguous x and conv cache")
+    split_sizes = [channels] if splits is None else list(splits)
+    if sum(split_sizes) != channels or not 1 <= len(split_sizes) <= 3:
+        raise ValueError(f"splits {split_sizes} must be 1 to 3 sizes adding up to {channels}")
+    if params.conv_activation not in ("silu", None):
+        raise ValueError(f"unsupported conv activation {params.conv_activation!r}")
+    device = x.device
+    index = plan.derived(("conv-triton", device), lambda: _Index.build(plan, device))
+    outputs = [x.new_empty(num_tokens, size) for size in split_sizes]
+    padded = [*outputs, *([outputs[-1]] * (3 - len(outputs)))]
+    split1 = split_sizes[0]
+    split2 = split1 + (split_sizes[1] if len(split_sizes) > 1 else 0)
+    if len(split_sizes) == 1:
+        split1 = split2 = channels
+    elif len(split_sizes) == 2:
+        split2 = channels
+    weight = params.conv_weight.to(device=device).contiguous()
+    conv_kernel, window_kernel = _kernels()
+    if num_tokens:
+        grid = (plan.num_rows, -(-index.longest // BLOCK_T), -(-channels // BLOCK_C))
+        conv_kernel[grid](
+            x, conv_cache, weight, *padded, index.query_start_loc, index.initial,
+            channels, split1, split2,
+            WIDTH=width, ACTIVATION=params.conv_activation == "silu",
+            COMPUTE_F64=x.dtype == torch.float64, BT=BLOCK_T, BC=BLOCK_C,
+        )  # fmt: skip
+    if history and index.cut_slots.numel():
+        window_kernel[(index.cut_slots.numel(), -(-channels // BLOCK_C))](
+            x, conv_cache, index.cut_rows, index.cut_offsets, index.cut_slots,
+            index.query_start_loc, index.initial, channels, WIDTH=width, BC=BLOCK_C,
+        )  # fmt: skip
+    return outputs

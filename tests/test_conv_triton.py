@@ -1,0 +1,151 @@
+"""The Triton short convolution (``kernels.conv_triton``) against the torch one.
+
+On a machine without CUDA the kernels run on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``, set here before they are first compiled); on a GPU they are compiled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from kernels_support import F64, fill_slot, kernels, make_batch, make_cache, make_params
+
+conv = importlib.import_module(f"{kernels.__name__}.conv")
+conv_triton = importlib.import_module(f"{kernels.__name__}.conv_triton")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+W = 4
+
+
+def state_plan(lengths, initial, running, checkpoints, num_slots):
+    offsets = [[o for o, _ in row] + [0] * (2 - len(row)) for row in checkpoints]
+    slots = [[s for _, s in row] + [-1] * (2 - len(row)) for row in checkpoints]
+    return kernels.TorchBackend(1).check_plan(
+        query_start_loc=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        initial_slot=initial,
+        running_slot=running,
+        checkpoint_offsets=offsets,
+        checkpoint_slots=slots,
+        num_slots=num_slots,
+        num_tokens=sum(lengths),
+    )
+
+
+def conv_cache(params, num_slots, dtype, initial):
+    cache = make_cache(params, num_slots, dtype=dtype)
+    for slot in initial:
+        if slot >= 0:
+            fill_slot(cache, slot, seed=200 + slot)
+    return cache.conv.to(DEVICE)
+
+
+# Rows: a long one resuming from a window, one without an initial state, decode rows (one and two
+# tokens, shorter than the window) and cuts below the conv width (windows reaching into the
+# initial window).
+LENGTHS = [45, 30, 1, 2]
+INITIAL = [0, -1, 1, 2]
+RUNNING = [4, 5, 6, 7]
+CHECKPOINTS = [[(2, 8), (33, 9)], [(1, 10), (16, 11)], [], [(1, 12)]]
+SLOTS = 14
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("splits", [None, (16, 16, 16)])
+def test_triton_conv_equals_the_torch_conv(dtype, splits):
+    params = make_params(heads=2, key_dim=8, seed=7)
+    plan = state_plan(LENGTHS, INITIAL, RUNNING, CHECKPOINTS, SLOTS)
+    x = make_batch(params, sum(LENGTHS), seed=8, dtype=dtype).x.to(DEVICE)
+    expected_cache = conv_cache(params, SLOTS, dtype, INITIAL)
+    got_cache = expected_cache.clone()
+    expected = conv.causal_conv(x, params, expected_cache, plan, splits)
+    got = conv_triton.causal_conv_triton(x, params, got_cache, plan, splits)
+    assert len(got) == len(expected)
+    rtol = 1e-12 if dtype == F64 else 1e-5
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol)
+    # Windows are copies of inputs: equal exactly; untouched slots keep their NaN poison.
+    assert torch.allclose(got_cache, expected_cache, rtol=0, atol=0, equal_nan=True)
+    written = {slot for row in CHECKPOINTS for _, slot in row} | set(RUNNING)
+    untouched = [s for s in range(SLOTS) if s not in written and s not in INITIAL]
+    assert torch.isnan(got_cache[untouched]).all()
+
+
+def test_a_forward_split_at_a_cut_equals_the_unsplit_one_exactly():
+    params = make_params(heads=2, key_dim=8, seed=9)
+    x = make_batch(params, 40, seed=10, dtype=torch.float32).x.to(DEVICE)
+    cache = conv_cache(params, 8, torch.float32, [0])
+    whole = conv_triton.causal_conv_triton(
+        x, params, cache, state_plan([40], [0], [1], [[(17, 2)]], 8)
+    )[0]
+    first = conv_triton.causal_conv_triton(
+        x[:17].contiguous(), params, cache, state_plan([17], [0], [3], [[]], 8)
+    )[0]
+    second = conv_triton.causal_conv_triton(
+        x[17:].contiguous(), params, cache, state_plan([23], [3], [4], [[]], 8)
+    )[0]
+    assert torch.equal(torch.cat([first, second]), whole)
+    assert torch.equal(cache[3], cache[2])  # the checkpoint equals the split's end window
+    assert torch.equal(cache[4], cache[1])
+
+
+def test_a_backend_set_to_the_triton_conv_runs_prefill_like_the_torch_conv():
+    params = make_params(heads=2, key_dim=8, seed=11)
+    batch = make_batch(params, sum(LENGTHS), seed=12)
+    results = []
+    for impl in ("torch", "triton"):
+        backend = kernels.TorchBackend(1)
+        backend.conv_impl = impl
+        cache = make_cache(params, SLOTS)
+        for slot in INITIAL:
+            if slot >= 0:
+                fill_slot(cache, slot, seed=300 + slot)
+        cache = cache.to(DEVICE) if DEVICE.type == "cuda" else cache
+        offsets = [[o for o, _ in row] + [0] * (2 - len(row)) for row in CHECKPOINTS]
+        slots = [[s for _, s in row] + [-1] * (2 - len(row)) for row in CHECKPOINTS]
+        out = kernels.kda_prefill(
+            backend, batch.x.to(DEVICE), batch.g.to(DEVICE), batch.beta.to(DEVICE), params,
+            cache, np.concatenate([[0], np.cumsum(LENGTHS)]).astype(np.int32), INITIAL, RUNNING,
+            offsets, slots,
+        )  # fmt: skip
+        results.append((out, cache))
+    (out_torch, cache_torch), (out_triton, cache_triton) = results
+    torch.testing.assert_close(out_triton, out_torch, rtol=1e-10, atol=1e-10)
+    for a, b in (
+        (cache_triton.conv, cache_torch.conv),
+        (cache_triton.recurrent, cache_torch.recurrent),
+    ):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-10, equal_nan=True)
+
+
+def test_bad_arguments_are_refused():
+    params = make_params(heads=2, key_dim=8, seed=13)
+    plan = state_plan([6], [-1], [0], [[]], 2)
+    cache = conv_cache(params, 2, F64, [])
+    x = make_batch(params, 6, seed=14).x.to(DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        conv_triton.causal_conv_triton(x.t().contiguous().t(), params, cache, plan)
+    with pytest.raises(ValueError, match="1 to 3 sizes"):
+        conv_triton.causal_conv_triton(x, params, cache, plan, splits=(12, 12, 12, 12))
+    backend = kernels.TorchBackend(1)
+    backend.conv_impl = "cuda"  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="'torch' or 'triton'"):
+        kernels.run_prefill(
+            backend, x, torch.zeros(6, 2, 8, dtype=F64), torch.zeros(6, 2, dtype=F64), params,
+            kernels.StateCache.for_layer(params, 2, conv_dtype=F64, state_dtype=F64), plan,
+        )  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    reason = conv_triton.triton_unavailable_reason(torch.device("cpu"))
+    assert reason is not None and "TRITON_INTERPRET=1" in reason
