@@ -128,22 +128,23 @@ def causal_conv(
     compute = _compute_dtype(x.dtype)
     weight = params.conv_weight.to(device=device, dtype=compute)
     valid = extended.shape[0] - history
-    outputs: list[torch.Tensor] = []
     split_sizes = [channels] if splits is None else list(splits)
     if sum(split_sizes) != channels:
         raise ValueError(f"splits {split_sizes} do not add up to {channels} channels")
-    first = 0
-    for size in split_sizes:
-        part = slice(first, first + size)
-        first += size
-        # Type promotion computes in ``compute`` without materialising converted copies.
-        acc = extended[0:valid, part] * weight[part, 0]
-        for j in range(1, width):
-            acc.addcmul_(extended[j : j + valid, part], weight[part, j])
-        out = acc.index_select(0, index.output)
-        if params.conv_activation == "silu":
-            out = F.silu(out)
-        outputs.append(out.to(x.dtype))
+    # All channels at once (a few launches per layer, not a few per split); type promotion
+    # computes in ``compute`` without materialising converted copies.
+    acc = extended[0:valid] * weight[:, 0]
+    for j in range(1, width):
+        acc.addcmul_(extended[j : j + valid], weight[:, j])
+    out = acc.index_select(0, index.output)
+    if params.conv_activation == "silu":
+        out = F.silu(out)
+    out = out.to(x.dtype)
+    starts = [sum(split_sizes[:i]) for i in range(len(split_sizes))]
+    outputs = [
+        out if size == channels else out.narrow(1, start, size).contiguous()
+        for start, size in zip(starts, split_sizes, strict=True)
+    ]
 
     if history:
         cut_windows = extended.index_select(0, index.window_position).view(-1, history, channels)
