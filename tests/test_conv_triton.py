@@ -98,17 +98,18 @@ def test_a_forward_split_at_a_cut_equals_the_unsplit_one_exactly():
 
 
 def test_a_backend_set_to_the_triton_conv_runs_prefill_like_the_torch_conv():
-    params = make_params(heads=2, key_dim=8, seed=11)
+    params = make_params(heads=2, key_dim=8, seed=11).to(DEVICE)
     batch = make_batch(params, sum(LENGTHS), seed=12)
     results = []
     for impl in ("torch", "triton"):
         backend = kernels.TorchBackend(1)
         backend.conv_impl = impl
-        cache = make_cache(params, SLOTS)
+        cache = kernels.StateCache.for_layer(
+            params, SLOTS, conv_dtype=F64, state_dtype=F64, device=DEVICE
+        ).fill_(float("nan"))
         for slot in INITIAL:
             if slot >= 0:
                 fill_slot(cache, slot, seed=300 + slot)
-        cache = cache.to(DEVICE) if DEVICE.type == "cuda" else cache
         offsets = [[o for o, _ in row] + [0] * (2 - len(row)) for row in CHECKPOINTS]
         slots = [[s for _, s in row] + [-1] * (2 - len(row)) for row in CHECKPOINTS]
         out = kernels.kda_prefill(
@@ -139,7 +140,7 @@ def test_bad_arguments_are_refused():
     backend.conv_impl = "cuda"  # type: ignore[assignment]
     with pytest.raises(ValueError, match="'torch' or 'triton'"):
         kernels.run_prefill(
-            backend, x, torch.zeros(6, 2, 8, dtype=F64), torch.zeros(6, 2, dtype=F64), params,
+            backend, x.cpu(), torch.zeros(6, 2, 8, dtype=F64), torch.zeros(6, 2, dtype=F64), params,
             kernels.StateCache.for_layer(params, 2, conv_dtype=F64, state_dtype=F64), plan,
         )  # fmt: skip
 
