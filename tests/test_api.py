@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import Any
 
 import numpy as np
 import prefixcache as pc
@@ -281,6 +282,39 @@ def test_extends_reuses_the_hashes_of_the_common_prefix() -> None:
     assert added.extends_found and added.reused_tokens == 96 and added.hashed_units == 0
     missing = mgr.add(5, turn2, extends=12345)
     assert not missing.extends_found and missing.reused_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "as_input",
+    [
+        list,
+        lambda t: np.asarray(t, dtype=np.uint32),  # read in place, with the GIL held
+        lambda t: np.repeat(np.asarray(t, dtype=np.uint32), 2)[::2],  # strided: converted first
+        lambda t: np.asarray(t, dtype=np.int64),
+        lambda t: torch.tensor(t, dtype=torch.int32),
+    ],
+    ids=["list", "uint32", "uint32-strided", "int64", "torch-int32"],
+)
+def test_extends_gives_the_same_result_for_every_token_input(as_input: Any) -> None:
+    def turn_two(tokens: object) -> tuple[pc.Added, int]:
+        mgr = pc.CacheManager(paged_config(unit=16))
+        turn1 = list(range(100))
+        run_prompt(mgr, 1, turn1)  # computed, published and finished
+        added = mgr.add(2, tokens, extends=1)  # type: ignore[arg-type]
+        hit = mgr.lookup(2).tokens
+        mgr.check_invariants()
+        return added, hit
+
+    turn2 = [*range(100), 5, 6, 7, 8, 9, 1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008]
+    expected, expected_hit = turn_two(turn2)
+    got, hit = turn_two(as_input(turn2))
+    assert (got.extends_found, got.reused_tokens, got.hashed_units) == (
+        expected.extends_found,
+        expected.reused_tokens,
+        expected.hashed_units,
+    )
+    assert got.reused_tokens == 96 and got.hashed_units == 1
+    assert hit == expected_hit == 96
 
 
 def test_extra_keys_separate_caches() -> None:

@@ -125,7 +125,7 @@ BAD_TOKENS: list[tuple[object, type[BaseException], str]] = [
 
 
 @pytest.mark.parametrize(("tokens", "error", "message"), BAD_TOKENS, ids=repr)
-@pytest.mark.parametrize("call", ["add", "append", "hash_prefix", "append_batch"])
+@pytest.mark.parametrize("call", ["add", "add extends", "append", "hash_prefix", "append_batch"])
 def test_bad_tokens(
     mgr: pc.CacheManager,
     call: str,
@@ -136,6 +136,8 @@ def test_bad_tokens(
     with pytest.raises(error, match=message):
         if call == "add":
             mgr.add(3, tokens)  # type: ignore[arg-type]
+        elif call == "add extends":  # NumPy uint32 arrays take another path with `extends`
+            mgr.add(3, tokens, extends=1)  # type: ignore[arg-type]
         elif call == "append":
             mgr.append(1, tokens)  # type: ignore[arg-type]
         elif call == "append_batch":
@@ -153,6 +155,8 @@ def test_empty_tokens(mgr: pc.CacheManager) -> None:
         mgr.add(3, [])
     with pytest.raises(pc.InvalidRequestError, match="at least one token"):
         mgr.add(3, np.array([], dtype=np.int64))
+    with pytest.raises(pc.InvalidRequestError, match="at least one token"):
+        mgr.add(3, np.array([], dtype=np.uint32), extends=1)
     assert pc.hash_prefix([]) == []
     still_usable(mgr)
 
@@ -162,6 +166,7 @@ def test_oversized_token_inputs_are_refused_before_copying(mgr: pc.CacheManager)
     huge = np.broadcast_to(np.uint32(1), (pc.MAX_SEQUENCE_TOKENS + 1,))
     for call in (
         lambda: mgr.add(3, huge),
+        lambda: mgr.add(3, huge, extends=1),
         lambda: mgr.append(1, huge),
         lambda: pc.hash_prefix(huge),
     ):

@@ -59,10 +59,18 @@ def test_threads_drive_distinct_sequences_through_steps() -> None:
         list(pool.map(lambda seqs: [mgr.finish(s) for s in seqs], ids))
     mgr.check_invariants()
     assert mgr.num_sequences == 0
-    for thread in ids:
-        for seq in thread:  # each sequence's tokens were kept for `extends`
-            added = mgr.add(seq, [*prompt(seq), 0, 1, 2, 3, 4, 5], extends=seq)
+
+    def next_turn(seqs: list[int]) -> None:
+        for seq in seqs:  # each sequence's tokens were kept for `extends`
+            # A uint32 array: read in place with the GIL held, while other threads run.
+            tokens = np.array([*prompt(seq), 0, 1, 2, 3, 4, 5], dtype=np.uint32)
+            added = mgr.add(seq, tokens, extends=seq)
             assert added.extends_found and added.hashed_units == 0
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(next_turn, ids))
+    mgr.check_invariants()
+    assert mgr.num_sequences == THREADS * PER_THREAD
 
 
 def test_concurrent_lookups_and_hashing_agree_with_sequential_results() -> None:

@@ -426,7 +426,11 @@ class CacheManager:
         extra_keys: ExtraKeys | None = None,
         extends: int | None = None,
     ) -> Added:
-        """Registers a sequence and hashes its full units."""
+        """Registers a sequence and hashes its full units (without the GIL).
+
+        With `extends`, a contiguous `uint32` array is compared in place with the extended
+        sequence's tokens (no copy), holding the GIL meanwhile; pass the next turn that way.
+        """
     def lookup(self, seq_id: int) -> Hit:
         """The hit the sequence would get now (changes no cache state)."""
     def schedule(

@@ -1,8 +1,10 @@
 //! `CacheManager`: the core manager behind a mutex, called from any Python thread.
 //!
 //! Every method converts its arguments with the GIL held, then releases the GIL
-//! (`py.detach`) and takes the lock, runs one core call, and maps the result back. Nothing here
-//! decides anything about the cache. The lock is never held while Python runs, and a panic in the
+//! (`py.detach`) and takes the lock, runs one core call, and maps the result back; the one
+//! exception is `add` with `extends` on a `uint32` array, which reads the array in place with the
+//! GIL held. Nothing here decides anything about the cache. The lock is never held while Python
+//! runs, and a panic in the
 //! core never reaches Python: it is caught and raised as `InvariantError`, and the mutex it
 //! poisoned makes every later call raise `InvariantError` too (the manager's state is no longer
 //! trustworthy; build a new one).
@@ -12,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use prefixcache_core::{CacheError, CacheManager, HashAlgorithm};
 use pyo3::prelude::*;
 use pyo3::types::PyInt;
@@ -74,12 +76,34 @@ impl PyCacheManager {
         R: Send,
         F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
     {
-        let outcome = py.detach(|| {
-            catch_unwind(AssertUnwindSafe(|| match self.inner.lock() {
-                Ok(mut manager) => f(&mut manager).map_err(Failure::Core),
-                Err(_) => Err(Failure::Poisoned),
-            }))
-        });
+        let outcome = py.detach(|| self.locked(f));
+        Self::outcome(py, outcome)
+    }
+
+    /// Runs `f` on the manager *with* the GIL held: for work on borrowed `NumPy` data, which no
+    /// Python thread can modify while the GIL is held. The lock's holder never needs the GIL,
+    /// so waiting for it here cannot deadlock.
+    fn run_attached<R, F>(&self, py: Python<'_>, f: F) -> PyResult<R>
+    where
+        F: FnOnce(&mut CacheManager) -> Result<R, CacheError>,
+    {
+        let outcome = self.locked(f);
+        Self::outcome(py, outcome)
+    }
+
+    fn locked<R, F>(&self, f: F) -> std::thread::Result<Result<R, Failure>>
+    where
+        F: FnOnce(&mut CacheManager) -> Result<R, CacheError>,
+    {
+        catch_unwind(AssertUnwindSafe(|| match self.inner.lock() {
+            Ok(mut manager) => f(&mut manager).map_err(Failure::Core),
+            Err(_) => Err(Failure::Poisoned),
+        }))
+    }
+
+    /// Maps a locked call's outcome: core errors to their Python classes, panics (now or in an
+    /// earlier call) to `InvariantError`.
+    fn outcome<R>(py: Python<'_>, outcome: std::thread::Result<Result<R, Failure>>) -> PyResult<R> {
         match outcome {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(Failure::Core(e))) => Err(to_pyerr(py, e)),
@@ -160,7 +184,8 @@ impl PyCacheManager {
     ///
     /// `tokens`: a list of ints or a 1-D integer `NumPy` array / torch CPU tensor, values in
     /// `0 .. 2**32 - 1`. `extends` names a live or recently finished sequence whose hashes are
-    /// reused for the common token prefix.
+    /// reused for the common token prefix; with it, a contiguous `uint32` array is compared in
+    /// place (no copy of the prompt), holding the GIL while the manager works.
     #[pyo3(signature = (seq_id, tokens, extra_keys = None, extends = None))]
     fn add(
         &self,
@@ -171,9 +196,24 @@ impl PyCacheManager {
     ) -> PyResult<PyAdded> {
         let py = seq_id.py();
         let id = self::seq_id(seq_id)?;
-        let tokens = convert::tokens(tokens, "tokens")?;
         let extra = convert::extra_keys(extra_keys)?;
         let extends = extends.filter(|e| !e.is_none()).map(|e| self::seq_id(e)).transpose()?;
+        if extends.is_some() {
+            // The next turn of a conversation: the core compares the shared prefix with the
+            // extended sequence's tokens and copies and hashes only what is new. A contiguous
+            // `uint32` array is read where it is, without a copy, holding the GIL meanwhile
+            // (so no Python thread can change it); other inputs are converted first.
+            if let Ok(array) = tokens.cast::<PyArray1<u32>>() {
+                if let Ok(readonly) = array.try_readonly() {
+                    if let Ok(slice) = readonly.as_slice() {
+                        return self
+                            .run_attached(py, |m| m.add(id, slice, extra, extends))
+                            .map(PyAdded::from);
+                    }
+                }
+            }
+        }
+        let tokens = convert::tokens(tokens, "tokens")?;
         self.run(py, move |m| m.add(id, &tokens, extra, extends)).map(PyAdded::from)
     }
 
