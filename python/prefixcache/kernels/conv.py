@@ -27,7 +27,7 @@ from ._convert import to_device
 from .params import KDALayerParams
 from .plan import StatePlan
 
-__all__ = ["causal_conv"]
+__all__ = ["causal_conv", "check_conv_inputs"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -84,6 +84,23 @@ class _ConvIndex:
         )
 
 
+def check_conv_inputs(
+    x: torch.Tensor, params: KDALayerParams, conv_cache: torch.Tensor, plan: StatePlan
+) -> tuple[int, int, int]:
+    """``(T, C, W-1)`` after checking ``x`` ``[T, C]`` and the conv cache against the plan."""
+    num_tokens, channels = x.shape
+    history = params.conv_width - 1
+    if num_tokens != plan.num_tokens or channels != params.conv_channels:
+        raise ValueError(
+            f"x must be [T={plan.num_tokens}, C={params.conv_channels}], got {tuple(x.shape)}"
+        )
+    if tuple(conv_cache.shape[1:]) != (channels, history):
+        raise ValueError(
+            f"conv cache rows are {tuple(conv_cache.shape[1:])}, expected ({channels}, {history})"
+        )
+    return num_tokens, channels, history
+
+
 def causal_conv(
     x: torch.Tensor,
     params: KDALayerParams,
@@ -98,18 +115,9 @@ def causal_conv(
     the end of the query into the running slot. Returns the outputs split along channels by
     ``splits`` (default: one tensor), each contiguous ``[T, split]`` in ``x``'s dtype.
     """
-    num_tokens, channels = x.shape
+    num_tokens, channels, history = check_conv_inputs(x, params, conv_cache, plan)
     width = params.conv_width
-    history = width - 1
     rows = plan.num_rows
-    if num_tokens != plan.num_tokens or channels != params.conv_channels:
-        raise ValueError(
-            f"x must be [T={plan.num_tokens}, C={params.conv_channels}], got {tuple(x.shape)}"
-        )
-    if tuple(conv_cache.shape[1:]) != (channels, history):
-        raise ValueError(
-            f"conv cache rows are {tuple(conv_cache.shape[1:])}, expected ({channels}, {history})"
-        )
     device = x.device
     index = plan.derived(("conv", device, history), lambda: _ConvIndex.build(plan, history, device))
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ._convert import to_device
+from .conv import check_conv_inputs
 from .params import KDALayerParams
 from .plan import StatePlan
 
@@ -212,24 +213,13 @@ def causal_conv_triton(
 
     ``x`` and ``conv_cache`` must be contiguous; at most three splits.
     """
-    num_tokens, channels = x.shape
+    num_tokens, channels, history = check_conv_inputs(x, params, conv_cache, plan)
     width = params.conv_width
-    history = width - 1
-    if num_tokens != plan.num_tokens or channels != params.conv_channels:
-        raise ValueError(
-            f"x must be [T={plan.num_tokens}, C={params.conv_channels}], got {tuple(x.shape)}"
-        )
-    if tuple(conv_cache.shape[1:]) != (channels, history):
-        raise ValueError(
-            f"conv cache rows are {tuple(conv_cache.shape[1:])}, expected ({channels}, {history})"
-        )
     if not (x.is_contiguous() and conv_cache.is_contiguous()):
         raise ValueError("the Triton conv needs a contiguous x and conv cache")
     split_sizes = [channels] if splits is None else list(splits)
     if sum(split_sizes) != channels or not 1 <= len(split_sizes) <= 3:
         raise ValueError(f"splits {split_sizes} must be 1 to 3 sizes adding up to {channels}")
-    if params.conv_activation not in ("silu", None):
-        raise ValueError(f"unsupported conv activation {params.conv_activation!r}")
     device = x.device
     index = plan.derived(("conv-triton", device), lambda: _Index.build(plan, device))
     outputs = [x.new_empty(num_tokens, size) for size in split_sizes]
