@@ -4,10 +4,9 @@
 //! (`py.detach`) and takes the lock, runs one core call, and maps the result back; the one
 //! exception is `add` with `extends` on a `uint32` array, which reads the array in place with the
 //! GIL held. Nothing here decides anything about the cache. The lock is never held while Python
-//! runs, and a panic in the
-//! core never reaches Python: it is caught and raised as `InvariantError`, and the mutex it
-//! poisoned makes every later call raise `InvariantError` too (the manager's state is no longer
-//! trustworthy; build a new one).
+//! runs, and a panic in the core never reaches Python: it is caught and raised as
+//! `InvariantError`, and the mutex it poisoned makes every later call raise `InvariantError` too
+//! (the manager's state is no longer trustworthy; build a new one).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
