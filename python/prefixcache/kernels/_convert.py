@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["ArrayLike", "as_host_tensor", "as_index_tensor", "to_device"]
+__all__ = ["ArrayLike", "as_host_tensor", "as_index_tensor", "index_where_it_is", "to_device"]
 
 ArrayLike = torch.Tensor | np.ndarray | Sequence[int] | Sequence[Sequence[int]]
 
@@ -54,3 +54,14 @@ def as_index_tensor(array: ArrayLike, name: str, *, device: torch.device) -> tor
         return array.reshape(-1).to(torch.int64)
     tensor = as_host_tensor(array, name).reshape(-1).to(torch.int64)
     return to_device(tensor, device)
+
+
+def index_where_it_is(
+    array: ArrayLike, name: str, device: torch.device
+) -> tuple[torch.Tensor, bool]:
+    """``array`` as a 1-D int64 tensor where it already is, and whether that is on ``device``
+    (not the CPU): host indices (the plan's NumPy arrays) are checked on the host and uploaded
+    afterwards with :func:`to_device`, so checking them does not synchronise the GPU."""
+    if isinstance(array, torch.Tensor) and array.device.type != "cpu":
+        return as_index_tensor(array, name, device=device), True
+    return as_host_tensor(array, name).reshape(-1).to(torch.int64), False

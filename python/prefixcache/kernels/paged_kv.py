@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ._convert import as_host_tensor, as_index_tensor, to_device
+from ._convert import index_where_it_is, to_device
 
 __all__ = ["PagedKVCache"]
 
@@ -76,14 +76,9 @@ class PagedKVCache:
         Slots ``-1`` are skipped. Raises ``IndexError`` on a slot beyond the cache and
         ``ValueError`` on mismatched shapes.
         """
-        on_device = isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu"
-        # Indices that come from the host (the plan's NumPy arrays) are checked there, before
-        # the upload: no device synchronisation per layer and step.
-        slots = (
-            as_index_tensor(slot_mapping, "slot_mapping", device=self.device)
-            if on_device
-            else as_host_tensor(slot_mapping, "slot_mapping").reshape(-1).to(torch.int64)
-        )
+        # Host indices (the plan's NumPy arrays) are checked on the host, then uploaded: no
+        # device synchronisation per layer and step.
+        slots, on_device = index_where_it_is(slot_mapping, "slot_mapping", self.device)
         if key.shape != value.shape or key.dim() != 3 or key.shape[0] != slots.shape[0]:
             raise ValueError(
                 f"key and value must both be [T={slots.shape[0]}, num_kv_heads, head_dim], got "
@@ -120,14 +115,7 @@ class PagedKVCache:
         ``block_table_row`` lists the sequence's blocks in order; entries past the last block
         the sequence needs are ignored (padding may hold any value).
         """
-        on_device = (
-            isinstance(block_table_row, torch.Tensor) and block_table_row.device.type != "cpu"
-        )
-        row = (
-            as_index_tensor(block_table_row, "block_table_row", device=self.device)
-            if on_device
-            else as_host_tensor(block_table_row, "block_table_row").reshape(-1).to(torch.int64)
-        )
+        row, on_device = index_where_it_is(block_table_row, "block_table_row", self.device)
         needed = -(-length // self.block_size)
         if length < 0 or needed > row.shape[0]:
             raise ValueError(
