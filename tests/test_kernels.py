@@ -686,3 +686,24 @@ def test_torch_backend_options_are_checked():
         kernels.TorchBackend(0)
     with pytest.raises(ValueError, match="mode must be"):
         kernels.get_backend("torch", mode="fast")
+
+
+@pytest.mark.parametrize(
+    "as_input", [np.asarray, torch.as_tensor, list], ids=["numpy", "torch", "list"]
+)
+def test_paged_kv_refuses_bad_indices_before_writing(as_input):
+    cache = kernels.PagedKVCache(4, 8, 1, 2, dtype=F64)
+    before = cache.key.clone()
+    kv = torch.ones(3, 1, 2, dtype=F64)
+    with pytest.raises(IndexError, match="slot 32 is beyond the cache's 32 slots"):
+        cache.write(as_input([0, 5, 32]), kv, kv)
+    assert torch.equal(cache.key, before)
+    cache.write(as_input([-1, 9, 10]), kv, 2 * kv)  # -1 is padding: skipped
+    assert torch.equal(cache.value[1, 1:3], 2 * kv[1:].reshape(2, 1, 2))
+    assert bool((cache.key[0] == 0).all())
+    with pytest.raises(IndexError, match=r"has a block outside \[0, 4\)"):
+        cache.gather(as_input([1, 4]), 12)
+    with pytest.raises(ValueError, match="needs 2 blocks but the block table row has 1"):
+        cache.gather(as_input([1]), 9)
+    key, value = cache.gather(as_input([1, 0]), 11)
+    assert key.shape == (11, 1, 2) and torch.equal(value[1:3], 2 * kv[1:])
