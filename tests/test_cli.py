@@ -263,7 +263,15 @@ def test_the_triton_conv_on_a_cpu_is_refused(
 ) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the interpreter is for tests only
     assert main(["simulate", "--conv", "triton"]) == 2
-    assert "--conv triton" in capsys.readouterr().err
+    assert "conv_impl 'triton'" in capsys.readouterr().err
+
+
+def test_conv_choices_are_the_kernel_layers() -> None:
+    from prefixcache.kernels.backend import CONV_IMPLS
+
+    simulate = build_parser().parse_args(["simulate"]).command_parser
+    conv = next(a for a in simulate._actions if a.dest == "conv")
+    assert tuple(conv.choices) == CONV_IMPLS
 
 
 def test_a_broken_trace_is_reported_with_its_line(

@@ -138,7 +138,7 @@ def test_bad_arguments_are_refused():
         conv_triton.causal_conv_triton(x, params, cache, plan, splits=(12, 12, 12, 12))
     backend = kernels.TorchBackend(1)
     backend.conv_impl = "cuda"  # type: ignore[assignment]
-    with pytest.raises(ValueError, match="'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="must be one of torch, triton"):
         kernels.run_prefill(
             backend, x.cpu(), torch.zeros(6, 2, 8, dtype=F64), torch.zeros(6, 2, dtype=F64), params,
             kernels.StateCache.for_layer(params, 2, conv_dtype=F64, state_dtype=F64), plan,

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument(
         "--conv",
-        choices=("torch", "triton"),
+        choices=("torch", "triton"),  # prefixcache.kernels.backend.CONV_IMPLS (imported lazily)
         default="torch",
         help="the KDA short convolution: torch (default; several passes in torch) or triton "
         "(two fused Triton kernels, prefixcache.kernels.conv_triton; needs --device cuda)",

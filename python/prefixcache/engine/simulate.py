@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from ..kernels import BackendUnavailableError, KDALayerParams, get_backend
+from ..kernels import KDALayerParams, get_backend
 from ..kernels.backend import ConvImpl
+from ..kernels.ops import conv_function
 from ..models import HybridModel, KernelTimer, ModelConfig
 from ..models.timing import TimingMode
 from ..workloads import Geometry, GrowingPrefixSpec, PresetWorkload
@@ -65,7 +66,8 @@ def build_model(
     torch backend). ``kda_timing`` is how the model's KDA timer measures
     (:mod:`prefixcache.models.timing`; ``"gpu"`` needs CUDA); ``conv`` the short convolution's
     implementation (``"triton"``: ``prefixcache.kernels.conv_triton``). Raises
-    ``BackendUnavailableError`` when the backend cannot run here.
+    ``BackendUnavailableError`` when the backend cannot run here, ``UnsupportedLayerError``
+    when the convolution cannot.
     """
     torch_device = torch.device(device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
@@ -84,14 +86,7 @@ def build_model(
         kernel_backend = get_backend("auto", params=probe, dtype=torch.bfloat16, **options)
     else:
         kernel_backend = get_backend(backend, **options)
-    if conv not in ("torch", "triton"):
-        raise ValueError(f"conv must be 'torch' or 'triton', got {conv!r}")
-    if conv == "triton":
-        from ..kernels.conv_triton import triton_unavailable_reason
-
-        reason = triton_unavailable_reason(torch_device)
-        if reason is not None:
-            raise BackendUnavailableError(f"--conv triton: {reason}")
+    conv_function(conv, torch_device)  # refuses an unknown name, or triton where it cannot run
     kernel_backend.conv_impl = conv
     model = HybridModel(config, kernel_backend, device=torch_device)
     model.kda_timer = KernelTimer(torch_device, kda_timing)

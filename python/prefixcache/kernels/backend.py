@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 import torch
 
@@ -30,8 +30,11 @@ from .plan import StatePlan
 from .validate import check_state_plan
 
 ConvImpl = Literal["torch", "triton"]
+#: The short-convolution implementations a backend can run (``KDABackend.conv_impl``).
+CONV_IMPLS: tuple[ConvImpl, ...] = get_args(ConvImpl)
 
 __all__ = [
+    "CONV_IMPLS",
     "ConvImpl",
     "KDABackend",
     "read_states",

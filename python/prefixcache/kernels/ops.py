@@ -16,14 +16,14 @@ from collections.abc import Callable
 import torch
 
 from ._convert import ArrayLike
-from .backend import KDABackend
+from .backend import CONV_IMPLS, KDABackend
 from .conv import causal_conv
 from .errors import UnsupportedLayerError
 from .params import KDALayerParams
 from .plan import StatePlan
 from .state_cache import StateCache
 
-__all__ = ["QKV", "kda_decode", "kda_prefill", "run_prefill"]
+__all__ = ["QKV", "conv_function", "kda_decode", "kda_prefill", "run_prefill"]
 
 QKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -124,7 +124,7 @@ def run_prefill(
     if cache.device != x.device:
         raise ValueError(f"inputs are on {x.device} but the state cache is on {cache.device}")
     backend.check_layer(params, x.dtype, x.device)
-    conv = _conv_function(backend.conv_impl, x.device)
+    conv = conv_function(backend.conv_impl, x.device)
     q, k, v = conv(
         x, params, cache.conv, plan, splits=(heads * key_dim, heads * key_dim, heads * value_dim)
     )
@@ -140,8 +140,10 @@ def run_prefill(
     )
 
 
-def _conv_function(impl: str, device: torch.device) -> Callable[..., list[torch.Tensor]]:
-    """The short-convolution implementation a backend's ``conv_impl`` names."""
+def conv_function(impl: str, device: torch.device) -> Callable[..., list[torch.Tensor]]:
+    """The short-convolution implementation ``impl`` (a backend's ``conv_impl``) for tensors on
+    ``device``. Raises ``ValueError`` on an unknown name and ``UnsupportedLayerError`` when the
+    implementation cannot run there."""
     if impl == "torch":
         return causal_conv
     if impl == "triton":
@@ -151,4 +153,4 @@ def _conv_function(impl: str, device: torch.device) -> Callable[..., list[torch.
         if reason is not None:
             raise UnsupportedLayerError(f"conv_impl 'triton': {reason}")
         return causal_conv_triton
-    raise ValueError(f"conv_impl must be 'torch' or 'triton', got {impl!r}")
+    raise ValueError(f"conv_impl must be one of {', '.join(CONV_IMPLS)}, got {impl!r}")
