@@ -555,6 +555,7 @@ def test_plan_sorts_checkpoints_and_lists_cuts():
     C = kernels.Checkpoint
     assert plan.cuts(0) == [C(10, 3), C(40, 2), C(50, 0)]
     assert plan.cuts(1) == [C(10, 1)]
+    assert plan.all_cuts() == [(0, C(10, 3)), (0, C(40, 2)), (0, C(50, 0)), (1, C(10, 1))]
     assert sorted(plan.written_slots()) == [0, 1, 2, 3]
 
 

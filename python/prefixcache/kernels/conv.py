@@ -63,7 +63,7 @@ class _ConvIndex:
         extended_start = starts + torch.arange(rows) * history  # first initial row of each row
         token_position = torch.arange(num_tokens) + history * (row_of_token + 1)
         initial_position = (extended_start[:, None] + torch.arange(history)).reshape(-1)
-        cuts = [(row, cut) for row in range(rows) for cut in plan.cuts(row)]
+        cuts = plan.all_cuts()
         cut_rows = [row for row, _ in cuts]
         cut_offsets = torch.tensor([cut.offset for _, cut in cuts], dtype=torch.int64)
         window_position = (

@@ -186,7 +186,7 @@ class _Index:
 
     @classmethod
     def build(cls, plan: StatePlan, device: torch.device) -> _Index:
-        cuts = [(row, cut) for row in range(plan.num_rows) for cut in plan.cuts(row)]
+        cuts = plan.all_cuts()
         host = torch.tensor(
             [
                 *plan.query_start_loc,

@@ -89,6 +89,10 @@ class StatePlan:
         """The row's checkpoints in offset order, then ``(query_len, running_slot)``."""
         return [*self.checkpoints[row], Checkpoint(self.query_len(row), self.running_slot[row])]
 
+    def all_cuts(self) -> list[tuple[int, Checkpoint]]:
+        """``(row, cut)`` for every cut of every row, rows in order."""
+        return [(row, cut) for row in range(self.num_rows) for cut in self.cuts(row)]
+
     def written_slots(self) -> list[int]:
         """Every slot the step writes: all checkpoint slots and all running slots."""
         slots = [c.slot for row in self.checkpoints for c in row]
