@@ -9,8 +9,10 @@ NumPy arrays):
   with a full-attention group (B = 16) alone and with a state group added;
 - ``hybrid decode``: the geometry of the hybrid comparison with vLLM (``benchmarks/vs_vllm.py``):
   B = 1536, U = 128, a state group (A = 64), 8 sequences of 20K tokens decoding; the whole step
-  and each of its four calls timed alone, next to ``num_computed`` (one id in, one int out,
-  under the manager's lock: the floor of any call);
+  and each of its four calls timed alone, reading every plan array once, and ``num_computed``
+  (one id in, one int out, under the manager's lock: the floor of any call);
+- ``next turn``: ``add(.., extends=previous)`` of a 144K-token turn extending a finished
+  142K-token one, from a ``uint32`` array (compared in place) and an ``int64`` one (converted);
 - ``admission``: one 164K-token prompt, ``add`` + ``lookup`` + ``schedule`` + ``build_plan`` +
   ``commit`` + ``finish``, cold (nothing cached: the whole prompt is scheduled) and warm (an
   identical resend), with the tokens given as a NumPy array and as a list.
@@ -100,12 +102,21 @@ def bench_decode(state: bool, steps: int) -> list[float]:
 
 
 HYBRID_ROWS = 8
-HYBRID_CALLS = ("step", "append_batch", "schedule_batch", "build_plan", "commit", "num_computed")
+HYBRID_CALLS = (
+    "step",
+    "append_batch",
+    "schedule_batch",
+    "build_plan",
+    "read_plan",
+    "commit",
+    "num_computed",
+)
 
 
 def bench_hybrid_decode(call: str, steps: int) -> list[float]:
     """One decode step of 8 sequences at B = 1536 / U = 128 with a state group; ``call``
-    names what is timed ("step": all four calls)."""
+    names what is timed ("step": all four calls; "read_plan": reading all 13 plan arrays once,
+    which the step does not include)."""
     pools = [pc.PoolConfig(HYBRID_ROWS * 16 + 64), pc.PoolConfig(16 * HYBRID_ROWS + 1024)]
     groups: list[pc.Group] = [
         pc.FullAttention(block_size=1536, pool=0),
@@ -131,22 +142,60 @@ def bench_hybrid_decode(call: str, steps: int) -> list[float]:
         t2 = time.perf_counter_ns()
         plan = mgr.build_plan()
         t3 = time.perf_counter_ns()
+        read_plan(plan)
+        t3r = time.perf_counter_ns()
         mgr.commit(plan)
         t4 = time.perf_counter_ns()
         mgr.num_computed(0)
         t5 = time.perf_counter_ns()
         spans = {
-            "step": t4 - t0,
+            "step": t4 - t0 - (t3r - t3),
             "append_batch": t1 - t0,
             "schedule_batch": t2 - t1,
             "build_plan": t3 - t2,
-            "commit": t4 - t3,
+            "read_plan": t3r - t3,
+            "commit": t4 - t3r,
             "num_computed": t5 - t4,
         }
         times.append(spans[call] / 1e3)
         assert all(s is not None and s.num_tokens == 1 for s in scheduled)
     mgr.check_invariants()
     return times[steps // 10 :]
+
+
+def read_plan(plan: pc.StepPlan) -> None:
+    """Every array of a plan, as an engine building its forward's inputs reads them."""
+    for array in (plan.seq_ids, plan.query_start_loc, plan.num_computed, plan.num_scheduled):
+        assert array.size >= 0
+    assert plan.copies.shape[1] == 4
+    for paged in plan.paged:
+        assert paged.appended.ndim == paged.replaced.ndim == 2 and paged.slot_mapping.ndim == 1
+    for state in plan.state:
+        arrays = (state.running_slot, state.initial_slot, state.checkpoint_offsets)
+        assert all(a.size >= 0 for a in arrays)
+        assert state.checkpoint_slots.ndim == state.snapshots.ndim == 2
+
+
+TURN = 142_000
+
+
+def bench_next_turn(kind: str, reps: int) -> list[float]:
+    """``add(.., extends=previous)`` of a 144K-token turn extending a finished 142K-token one
+    (B = 16), the prompt given as ``kind``: "uint32" (compared in place) or "int64" (converted
+    into a vector first, as every input was before commit 0863b69)."""
+    mgr = pc.CacheManager(config(16, 16, False, TURN // 16 + 256, 0))
+    prompt = tokens(5, TURN + 2_000).astype(np.uint32)
+    mgr.add(0, prompt[:TURN])
+    mgr.finish(0)
+    times = []
+    for rep in range(1, reps + 1):
+        turn = prompt if kind == "uint32" else prompt.astype(np.int64)
+        start = time.perf_counter_ns()
+        added = mgr.add(rep, turn, extends=rep - 1)
+        times.append((time.perf_counter_ns() - start) / 1e3)
+        assert added.extends_found and added.reused_tokens >= TURN - 16
+        mgr.finish(rep)
+    return times
 
 
 def admission(mgr: pc.CacheManager, seq_id: int, prompt: object) -> pc.Scheduled:
@@ -206,6 +255,10 @@ def main() -> None:
         *[
             (f"hybrid decode 8 x 20K: {call}", partial(bench_hybrid_decode, call, args.steps), "")
             for call in HYBRID_CALLS
+        ],
+        *[
+            (f"next turn 144K, extends, {kind}", partial(bench_next_turn, kind, 4 * args.reps), "")
+            for kind in ("uint32", "int64")
         ],
         (f"{cold}, numpy tokens", lambda: bench_admission(False, False, args.reps), cold),
         (f"{cold}, list tokens", lambda: bench_admission(False, True, args.reps), cold),
