@@ -5,11 +5,11 @@ the same token streams (``vs_vllm_workloads.py``): admission, chunked prefill st
 tokens per step), decode steps, sampled-token appends and finishing. For vLLM that is request
 block hashing + ``get_computed_blocks`` + ``allocate_slots`` (+ the per-step calls its
 scheduler makes, and ``free``); for prefixcache ``add`` + ``lookup`` + ``schedule`` /
-``schedule_batch`` + ``build_plan`` + ``commit`` + ``append_batch`` + ``finish``
-(``vs_vllm_backends.py`` lists every call). Only manager calls are timed
+``schedule_tokens`` + ``build_plan_into`` + reading the block arrays of the plan + ``commit`` +
+``append_batch`` + ``finish`` (``vs_vllm_backends.py`` lists every call). Only manager calls are timed
 (``time.perf_counter`` around each), never the loop's own bookkeeping.
 
-Workloads and configurations (``../shared/WORKLOADS.md``):
+Workloads and configurations (``vs_vllm_workloads.py``; ``docs/BENCHMARKS.md``):
 
 - growing-prefix: full attention, block 16, sha256; the same with xxh3-128; hybrid attention +
   recurrent state (vLLM: Mamba in align mode with partial hits; prefixcache: a state group),

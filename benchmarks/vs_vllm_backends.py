@@ -17,7 +17,10 @@ timed):
   hashes new full blocks) and ``free``. Chunk ends of the hybrid configuration come from the
   scheduler's own ``_mamba_block_aligned_split`` (untimed: it is scheduler policy).
 - :class:`PrefixcacheBackend`: ``prefixcache.CacheManager``: ``add`` (hashing), ``lookup``,
-  ``schedule`` / ``schedule_batch``, ``build_plan``, ``commit``, ``append_batch``, ``finish``.
+  ``schedule`` (admissions, prefill chunks) / ``schedule_tokens`` (decodes),
+  ``build_plan_into`` (the plan written into the engine's persistent ``PlanBuffers``), reading
+  the plan arrays that name blocks (``read_plan``: what vLLM's scheduler takes from its manager
+  as block ids), ``commit``, ``append_batch``, ``finish``.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from vs_vllm_workloads import Request, Workload
+
+if TYPE_CHECKING:
+    import prefixcache as pc
 
 perf_counter = time.perf_counter
 
@@ -350,6 +356,8 @@ class PrefixcacheBackend(Backend):
             )
         )
         self.reuse = config.reuse
+        # The engine's persistent plan arrays (`build_plan_into` writes each step there).
+        self.plan = pc.PlanBuffers(rows=workload.shape.max_running)
         self.added: set[int] = set()
         self.steps_with_plan = 0
 
@@ -389,10 +397,10 @@ class PrefixcacheBackend(Backend):
     def schedule_decodes(self, requests: list[Request]) -> None:
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
         t0 = perf_counter()
-        results = self.manager.schedule_batch(ids, 1)
-        self.seconds["schedule_batch"] += perf_counter() - t0
-        self.calls["schedule_batch"] += 1
-        if any(r is None for r in results):
+        scheduled = self.manager.schedule_tokens(ids, 1)
+        self.seconds["schedule_tokens"] += perf_counter() - t0
+        self.calls["schedule_tokens"] += 1
+        if (scheduled < 0).any():
             raise RuntimeError("prefixcache ran out of blocks: the pool is sized too small")
 
     def end_step(self, scheduled: list[tuple[Request, int]]) -> None:
@@ -401,13 +409,17 @@ class PrefixcacheBackend(Backend):
         manager = self.manager
         seconds = self.seconds
         t0 = perf_counter()
-        plan = manager.build_plan()
+        manager.build_plan_into(self.plan)
         t1 = perf_counter()
-        manager.commit(plan)
+        read_block_arrays(self.plan)
         t2 = perf_counter()
+        manager.commit(self.plan)
+        t3 = perf_counter()
         seconds["build_plan"] += t1 - t0
-        seconds["commit"] += t2 - t1
+        seconds["read_plan"] += t2 - t1
+        seconds["commit"] += t3 - t2
         self.calls["build_plan"] += 1
+        self.calls["read_plan"] += 1
         self.calls["commit"] += 1
 
     def append(self, requests: list[Request], tokens: list[int]) -> None:
@@ -424,6 +436,20 @@ class PrefixcacheBackend(Backend):
         self.seconds["finish"] += perf_counter() - t0
         self.calls["finish"] += 1
         self.added.discard(request.request_id)
+
+
+def read_block_arrays(plan: pc.PlanBuffers) -> list[object]:
+    """The plan values that name blocks, what vLLM's scheduler takes from its manager as block
+    ids: copies, block-table updates and state slots, with their counts. The rest (slot
+    mapping, query starts, positions, checkpoint offsets) is what vLLM's model runner derives
+    itself, outside its manager."""
+    values: list[object] = [plan.num_rows, plan.num_copies, plan.copies]
+    for paged in plan.paged:
+        values += (paged.num_appended, paged.appended, paged.num_replaced, paged.replaced)
+    for state in plan.state:
+        values += (state.running_slot, state.initial_slot, state.max_checkpoints)
+        values += (state.checkpoint_slots, state.num_snapshots, state.snapshots)
+    return values
 
 
 def make_backend(side: str, config: ManagerConfig, workload: Workload) -> Backend:

@@ -157,6 +157,32 @@ def test_schedule_batch_takes_arrays_or_a_scalar_budget() -> None:
     mgr.commit(plan)
 
 
+def test_schedule_tokens_is_schedule_batch_without_objects() -> None:
+    twins = [pc.CacheManager(paged_config(num_blocks=12, block_size=16)) for _ in range(2)]
+    for mgr in twins:
+        for seq in range(3):
+            mgr.add(seq, [seq] * 40)
+        mgr.add(3, [3] * 200)
+    batch, tokens = twins
+    budgets = np.array([16, 40, 3], dtype=np.uint32)
+    objects = batch.schedule_batch([0, 1, 2], budgets)
+    counts = tokens.schedule_tokens([0, 1, 2], budgets)
+    assert counts.dtype == np.int32 and counts.shape == (3,)
+    assert counts.tolist() == [s.num_tokens if s else -1 for s in objects] == [16, 40, 3]
+    plan = tokens.build_plan()
+    assert plan.num_scheduled.tolist() == [16, 40, 3]
+    tokens.commit(plan)
+    # 11 usable blocks, 5 held: sequence 3 needs 8 for 128 tokens and gets nothing (nothing
+    # changes for it); sequence 0 gets its last 24 tokens in 2 more blocks.
+    free = tokens.pool_usage()[0].free
+    assert tokens.schedule_tokens([3, 0], 128).tolist() == [-1, 24]
+    assert tokens.pool_usage()[0].free == free - 2
+    assert tokens.stats().refused_schedules == 1
+    tokens.commit(tokens.build_plan())
+    assert tokens.schedule_tokens([], 16).shape == (0,)
+    tokens.check_invariants()
+
+
 def test_decode_loop_with_batch_entry_points() -> None:
     mgr = pc.CacheManager(hybrid_config())
     ids = np.arange(8, dtype=np.int64)

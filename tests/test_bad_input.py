@@ -213,8 +213,15 @@ def test_counts_of_the_wrong_type(mgr: pc.CacheManager, bad: object) -> None:
 
 def test_bad_batches(mgr: pc.CacheManager) -> None:
     mgr.add(3, list(range(32)))
-    with pytest.raises(pc.InvalidRequestError, match="2 sequence ids but 1 token budgets"):
-        mgr.schedule_batch([2, 3], [16])
+    for schedule in (mgr.schedule_batch, mgr.schedule_tokens):
+        with pytest.raises(pc.InvalidRequestError, match="2 sequence ids but 1 token budgets"):
+            schedule([2, 3], [16])
+        with pytest.raises(pc.StepError, match="appears twice"):
+            schedule([2, 2], 16)
+        with pytest.raises(pc.UnknownSequenceError, match="unknown sequence 99"):
+            schedule([2, 99], 16)
+        with pytest.raises(TypeError, match="integer array"):
+            schedule(np.array([2.0]), 16)
     with pytest.raises(pc.StepError, match="appears twice"):
         mgr.schedule_batch([2, 2], 16)
     with pytest.raises(pc.UnknownSequenceError, match="unknown sequence 99"):
@@ -428,6 +435,7 @@ OPS = st.sampled_from(
         "lookup",
         "schedule",
         "schedule_batch",
+        "schedule_tokens",
         "request_checkpoint",
         "suggest_chunk",
         "build_commit",
@@ -460,6 +468,8 @@ def test_random_calls_raise_only_typed_errors(
                 mgr.schedule(a, b if isinstance(b, int) else 64)  # type: ignore[arg-type]
             elif op == "schedule_batch":
                 mgr.schedule_batch([a, b], 32)  # type: ignore[list-item]
+            elif op == "schedule_tokens":
+                mgr.schedule_tokens([a, b], b)  # type: ignore[list-item, arg-type]
             elif op == "request_checkpoint":
                 mgr.request_checkpoint(a, b)  # type: ignore[arg-type]
             elif op == "suggest_chunk":

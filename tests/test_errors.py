@@ -120,12 +120,14 @@ def test_stale_plan_after_a_newer_one() -> None:
     mgr.check_invariants()
 
 
-def test_a_core_panic_is_an_invariant_error_and_disables_the_manager() -> None:
+@pytest.mark.parametrize("short", [False, True], ids=["without-gil", "with-gil"])
+def test_a_core_panic_is_an_invariant_error_and_disables_the_manager(short: bool) -> None:
     mgr = pc.CacheManager(paged_config())
     mgr.add(1, list(range(32)))
     with pytest.raises(pc.InvariantError, match="deliberate panic for testing"):
-        mgr._panic_for_testing()  # type: ignore[attr-defined]
-    for call in (mgr.check_invariants, lambda: mgr.lookup(1), mgr.build_plan):
+        mgr._panic_for_testing(short=short)  # type: ignore[attr-defined]
+    short_calls = (mgr.build_plan, lambda: mgr.num_computed(1), lambda: mgr.schedule_tokens([1], 1))
+    for call in (mgr.check_invariants, lambda: mgr.lookup(1), *short_calls):
         with pytest.raises(pc.InvariantError, match="create a new CacheManager"):
             call()
     assert "unusable" in repr(mgr)

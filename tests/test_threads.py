@@ -145,3 +145,51 @@ def test_long_calls_release_the_gil(long_switch_interval: None) -> None:
     # A lookup probes every one of the 65536 cached blocks: repeat it to widen the window.
     assert ticks_during(lambda: [mgr.lookup(2) for _ in range(20)]) > 0
     mgr.check_invariants()
+
+
+def test_short_calls_keep_the_gil_unless_they_must_wait(long_switch_interval: None) -> None:
+    mgr = pc.CacheManager(
+        pc.CacheConfig(
+            pools=[pc.PoolConfig(num_blocks=64)],
+            groups=[pc.FullAttention(block_size=16, pool=0)],
+            hash=pc.HashConfig(algorithm="sha256", unit=16),
+        )
+    )
+    mgr.add(1, list(range(40)))
+    # Releasing the GIL would cost more than these calls: they keep it (no tick).
+    assert ticks_during(lambda: [mgr.num_computed(1) for _ in range(20_000)]) == 0
+    ids = np.array([1], dtype=np.int64)
+    assert ticks_during(lambda: [mgr.schedule_tokens(ids, 1) for _ in range(1)]) == 0
+    plan = mgr.build_plan()
+    assert ticks_during(lambda: mgr.commit(plan)) == 0
+    # While another thread hashes 8M tokens (about 60 ms) inside the lock, a short call waits
+    # for the lock without the GIL, so the main thread keeps running meanwhile.
+    tokens = np.arange(1 << 23, dtype=np.uint32) % 50_000
+    long = threading.Thread(target=lambda: mgr.add(2, tokens))
+    long.start()
+    time.sleep(0.005)  # the adding thread converts the tokens, then hashes without the GIL
+    assert ticks_during(lambda: mgr.num_computed(1)) > 0
+    long.join()
+    assert mgr.num_tokens(2) == 1 << 23 and mgr.num_computed(1) == 1
+    mgr.check_invariants()
+
+
+def test_threads_reading_a_plan_get_the_same_arrays() -> None:
+    mgr = pc.CacheManager(hybrid_config(num_blocks=512, state_blocks=256))
+    for seq in range(32):
+        mgr.add(seq, prompt(seq))
+    mgr.schedule_batch(list(range(32)), 1000)
+    plan = mgr.build_plan()
+    barrier = threading.Barrier(THREADS)
+
+    def read(_: int) -> list[int]:
+        barrier.wait()
+        arrays = [plan.seq_ids, plan.query_start_loc, plan.paged[0].slot_mapping]
+        arrays += [plan.state[0].running_slot, plan.state[0].checkpoint_slots]
+        return [id(a) for a in arrays]
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        seen = list(pool.map(read, range(THREADS)))
+    assert all(ids == seen[0] for ids in seen)  # one array per attribute, whoever made it
+    assert plan.num_rows == 32 and plan.seq_ids.tolist() == list(range(32))
+    mgr.commit(plan)

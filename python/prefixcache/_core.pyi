@@ -302,9 +302,101 @@ class StateGroupPlan:
         """`int32 [S, 2]` rows `(running slot, checkpoint slot)` copied after the forward."""
 
 @final
+class PagedGroupBuffers:
+    """One paged group's part of a plan written into `PlanBuffers`."""
+
+    @property
+    def group(self) -> int:
+        """Index of the group in the configuration."""
+    @property
+    def num_appended(self) -> int:
+        """Rows of `appended` this step."""
+    @property
+    def num_replaced(self) -> int:
+        """Rows of `replaced` this step."""
+    @property
+    def appended(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= num_appended, 3]` rows `(row, column, block)` appended to the tables."""
+    @property
+    def replaced(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= num_replaced, 3]` rows `(row, column, block)` replaced."""
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """`int64 [>= T]` the KV slot of each scheduled token."""
+
+@final
+class StateGroupBuffers:
+    """One state group's part of a plan written into `PlanBuffers`."""
+
+    @property
+    def group(self) -> int:
+        """Index of the group in the configuration."""
+    @property
+    def max_checkpoints(self) -> int:
+        """Cmax this step: the columns of the checkpoint arrays in use."""
+    @property
+    def num_snapshots(self) -> int:
+        """Rows of `snapshots` this step."""
+    @property
+    def running_slot(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= R]` the running-state slot each row writes."""
+    @property
+    def initial_slot(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= R]` the slot each row reads (-1 = zero state)."""
+    @property
+    def checkpoint_offsets(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= R, >= Cmax]` interior checkpoint offsets (0 = none)."""
+    @property
+    def checkpoint_slots(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= R, >= Cmax]` checkpoint slots (-1 = none)."""
+    @property
+    def snapshots(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= num_snapshots, 2]` rows `(running slot, checkpoint slot)`."""
+
+@final
+class PlanBuffers:
+    """A step plan written in place by `CacheManager.build_plan_into`: arrays that persist
+    across steps (grown when a step needs more); each step's values are their leading rows."""
+
+    def __init__(self, rows: int = 256) -> None: ...
+    @property
+    def step_id(self) -> int | None:
+        """The step the buffers hold (`None` before the first `build_plan_into`)."""
+    @property
+    def num_rows(self) -> int:
+        """R, the scheduled sequences of this step."""
+    @property
+    def num_tokens(self) -> int:
+        """T, the scheduled tokens of this step."""
+    @property
+    def num_copies(self) -> int:
+        """K, the copy-on-write copies of this step."""
+    @property
+    def seq_ids(self) -> npt.NDArray[np.int64]:
+        """`int64 [>= R]` the scheduled sequences, in schedule order."""
+    @property
+    def query_start_loc(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= R + 1]` where each row's tokens start in the packed batch."""
+    @property
+    def num_computed(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= R]` tokens of each row computed before this step."""
+    @property
+    def num_scheduled(self) -> npt.NDArray[np.int32]:
+        """`int32 [>= R]` tokens of each row scheduled in this step."""
+    @property
+    def copies(self) -> npt.NDArray[np.int64]:
+        """`int64 [>= K, 4]` rows `(group, src_block, dst_block, num_tokens)`."""
+    @property
+    def paged(self) -> tuple[PagedGroupBuffers, ...]:
+        """Per paged group, in group order."""
+    @property
+    def state(self) -> tuple[StateGroupBuffers, ...]:
+        """Per state group, in group order."""
+
+@final
 class StepPlan:
-    """Everything the kernels need for one step (R sequences, T tokens); arrays are shared,
-    not copied, on every read."""
+    """Everything the kernels need for one step (R sequences, T tokens); each array is made
+    on its first read and the same array is returned on every later one."""
 
     @property
     def step_id(self) -> int:
@@ -441,15 +533,22 @@ class CacheManager:
         self, seq_ids: _Ints, max_tokens: int | _Ints, exact: bool = False
     ) -> list[Scheduled | None]:
         """`schedule` for many sequences in one call (results in input order)."""
+    def schedule_tokens(
+        self, seq_ids: _Ints, max_tokens: int | _Ints, exact: bool = False
+    ) -> npt.NDArray[np.int32]:
+        """`schedule_batch` without result objects: tokens scheduled per sequence, -1 when
+        out of blocks."""
     def request_checkpoint(self, seq_id: int, position: int) -> None:
         """Asks for a checkpoint at `position` in the chunk scheduled for the next plan."""
     def suggest_chunk(self, seq_id: int, token_budget: int) -> int:
         """Tokens to schedule so the chunk ends on the next retained position."""
     def build_plan(self) -> StepPlan:
         """Builds the plan of every sequence scheduled since the last plan."""
-    def commit(self, plan: StepPlan) -> None:
+    def build_plan_into(self, buffers: PlanBuffers) -> int:
+        """`build_plan` written into persistent `buffers`; returns the step id."""
+    def commit(self, plan: StepPlan | PlanBuffers) -> None:
         """Publishes what the plan's step wrote and advances every sequence in it."""
-    def abort(self, plan: StepPlan) -> None:
+    def abort(self, plan: StepPlan | PlanBuffers) -> None:
         """Undoes the plan's step: every sequence is back where it was."""
     def append(self, seq_id: int, tokens: _Ints) -> None:
         """Appends tokens to a sequence."""

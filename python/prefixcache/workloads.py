@@ -1,4 +1,4 @@
-"""Named workloads for ``prefixcache simulate`` (``../shared/WORKLOADS.md``) and their presets.
+"""Named workloads for ``prefixcache simulate`` (``docs/BENCHMARKS.md``) and their presets.
 
 A workload is a stream of :class:`Request` objects. Some are known up front (with an arrival
 time in seconds, or "now"); others exist only once an earlier request has finished (the next

@@ -609,6 +609,16 @@ impl CacheManager {
         Ok(self.seq(self.slot(seq_id)?).num_tokens())
     }
 
+    /// Tokens scheduled for the next plan so far (what `build_plan` will work through).
+    #[must_use]
+    pub fn scheduled_tokens(&self) -> usize {
+        self.scheduled
+            .iter()
+            .filter_map(|&slot| self.seqs[slot].as_ref()?.step.as_ref())
+            .map(|step| (step.end - step.start) as usize)
+            .sum()
+    }
+
     /// Whether a plan is in flight.
     #[must_use]
     pub fn plan_in_flight(&self) -> Option<u64> {

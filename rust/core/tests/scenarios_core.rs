@@ -1149,3 +1149,20 @@ fn a_cache_salt_or_a_lora_id_isolates_hits() {
     let err = h.call(|m| m.add(6, &p, extra, None)).unwrap_err();
     assert!(matches!(err, CacheError::InvalidRequest { .. }), "{err}");
 }
+
+#[test]
+fn scheduled_tokens_counts_what_the_next_plan_will_hold() {
+    let mut h = fa(64);
+    h.add(1, &tokens(1, 40));
+    h.add(2, &tokens(2, 40));
+    assert_eq!(h.m.scheduled_tokens(), 0);
+    h.schedule(1, 16);
+    h.schedule(2, 5);
+    assert_eq!(h.m.scheduled_tokens(), 21);
+    let plan = h.plan();
+    assert_eq!(plan.num_tokens(), 21);
+    assert_eq!(h.m.scheduled_tokens(), 0);
+    h.commit(&plan);
+    h.schedule(1, 100);
+    assert_eq!(h.m.scheduled_tokens(), 24);
+}

@@ -18,13 +18,25 @@ fn tokens(seed: u32, n: u32) -> Vec<u32> {
 }
 
 fn manager(state: bool, blocks: u32, state_blocks: u32) -> CacheManager {
+    geometry_manager(16, 16, state.then_some(16), blocks, state_blocks)
+}
+
+/// Full attention at `block`, hashing `unit`, plus a state group when `alignment` is given.
+fn geometry_manager(
+    block: u32,
+    unit: u32,
+    alignment: Option<u32>,
+    blocks: u32,
+    state_blocks: u32,
+) -> CacheManager {
     let mut groups =
-        vec![GroupConfig { kind: GroupKind::FullAttention { block_size: 16 }, pool: 0 }];
+        vec![GroupConfig { kind: GroupKind::FullAttention { block_size: block }, pool: 0 }];
     let mut pools = vec![PoolConfig { num_blocks: blocks }];
-    if state {
+    if let Some(alignment) = alignment {
         groups.push(GroupConfig {
             kind: GroupKind::State(StateGroupConfig {
-                alignment: 16,
+                alignment,
+                max_checkpoints_per_step: None,
                 ..StateGroupConfig::default()
             }),
             pool: 1,
@@ -32,7 +44,7 @@ fn manager(state: bool, blocks: u32, state_blocks: u32) -> CacheManager {
         pools.push(PoolConfig { num_blocks: state_blocks });
     }
     let config = CacheConfig {
-        hash: HashConfig { unit: 16, ..HashConfig::default() },
+        hash: HashConfig { unit, ..HashConfig::default() },
         pools,
         groups,
         enable_events: false,
@@ -86,6 +98,36 @@ fn decode(state: bool, steps: u64) -> Vec<f64> {
     times.split_off(times.len() / 10) // drop the warm-up
 }
 
+/// `bindings.py`'s hybrid decode: 8 sequences of 20K tokens at B = 1536 / U = 128 with a
+/// state group (A = 64), one decode token each per step (the four calls of a step).
+fn hybrid_decode(steps: u64) -> Vec<f64> {
+    const HYBRID_ROWS: u32 = 8;
+    let mut m =
+        geometry_manager(1536, 128, Some(64), HYBRID_ROWS * 16 + 64, 16 * HYBRID_ROWS + 1024);
+    let ids: Vec<u64> = (0..u64::from(HYBRID_ROWS)).collect();
+    for &id in &ids {
+        m.add(id, &tokens(id as u32, 20_000), ExtraKeys::default(), None).expect("add");
+        while m.num_computed(id).expect("live") < 20_000 {
+            m.schedule(id, 8192, 0, false).expect("schedule").expect("blocks");
+            let plan = m.build_plan().expect("plan");
+            m.commit(&plan).expect("commit");
+        }
+    }
+    let budgets = vec![1u32; ids.len()];
+    let mut times = Vec::new();
+    for step in 0..steps {
+        let sampled: Vec<u32> = ids.iter().map(|&i| ((i + step) % 150_000) as u32).collect();
+        let start = Instant::now();
+        m.append_batch(&ids, &sampled).expect("append");
+        let scheduled = m.schedule_batch(&ids, &budgets, false).expect("schedule");
+        let plan = m.build_plan().expect("plan");
+        m.commit(&plan).expect("commit");
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        assert!(scheduled.iter().all(|s| s.as_ref().is_some_and(|s| s.num_tokens == 1)));
+    }
+    times.split_off(times.len() / 10)
+}
+
 /// One long-lived manager, emptied by `reset` (untimed) between repetitions.
 fn admission(warm: bool, reps: u32) -> Vec<f64> {
     let mut m = manager(false, CONTEXT / 16 + 64, 0);
@@ -109,6 +151,7 @@ fn main() {
     println!("{:<40} {:>9} {:>9}  (microseconds)", "case (pure Rust)", "median", "min");
     report("decode step, 256 x 164K, B=16", decode(false, 500));
     report("decode step, 256 x 164K, B=16 + state", decode(true, 500));
+    report("hybrid decode 8 x 20K: step", hybrid_decode(2000));
     report("admit 164K cold", admission(false, 31));
     report("admit 164K warm resend", admission(true, 31));
 }

@@ -10,6 +10,7 @@ use pyo3::exceptions::PyBaseException;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+mod buffers;
 mod convert;
 mod errors;
 mod events;
@@ -93,6 +94,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan::PyStepPlan>()?;
     m.add_class::<plan::PyPagedGroupPlan>()?;
     m.add_class::<plan::PyStateGroupPlan>()?;
+    m.add_class::<buffers::PyPlanBuffers>()?;
+    m.add_class::<buffers::PyPagedGroupBuffers>()?;
+    m.add_class::<buffers::PyStateGroupBuffers>()?;
     m.add_class::<events::PyBlockStored>()?;
     m.add_class::<events::PyBlockRemoved>()?;
     m.add_class::<events::PyAllBlocksCleared>()?;

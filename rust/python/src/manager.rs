@@ -1,23 +1,31 @@
 //! `CacheManager`: the core manager behind a mutex, called from any Python thread.
 //!
-//! Every method converts its arguments with the GIL held, then releases the GIL
-//! (`py.detach`) and takes the lock, runs one core call, and maps the result back; the one
-//! exception is `add` with `extends` on a `uint32` array, which reads the array in place with the
-//! GIL held. Nothing here decides anything about the cache. The lock is never held while Python
-//! runs, and a panic in the core never reaches Python: it is caught and raised as
+//! Every method converts its arguments with the GIL held, takes the lock, runs one core call,
+//! and maps the result back. A call whose work may be long (hashing a prompt, a lookup, freeing
+//! a long sequence, work proportional to more than `SHORT_WORK` tokens) releases the GIL
+//! (`py.detach`) before it takes the lock. A short call keeps the GIL when the lock is free:
+//! releasing and retaking the GIL costs about 0.1 us, more than a decode step's calls do in the
+//! core; when the lock is held by another thread it waits without the GIL like a long call, so
+//! it never stalls other Python threads. `add` with `extends` on a `uint32` array reads the
+//! array in place with the GIL held. Nothing here decides anything about the cache. The lock is
+//! never held while Python runs (the core never calls into Python, so waiting for the lock with
+//! the GIL held cannot deadlock), and a panic in the core never reaches Python: it is caught and
+//! raised as
 //! `InvariantError`, and the mutex it poisoned makes every later call raise `InvariantError` too
 //! (the manager's state is no longer trustworthy; build a new one).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, TryLockError};
 
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
-use prefixcache_core::{CacheError, CacheManager, HashAlgorithm};
+use prefixcache_core::{CacheError, CacheManager, HashAlgorithm, Scheduled};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyInt;
 
+use crate::buffers::PyPlanBuffers;
 use crate::convert::{self, u32_arg, Domain};
 use crate::errors::to_pyerr;
 use crate::events;
@@ -26,6 +34,10 @@ use crate::results::{PyAdded, PyHit, PyPoolUsage, PyScheduled, PyStats};
 
 /// Identifies managers, so a plan is only committed by the manager that built it.
 static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Work (tokens or sequences) up to which a call keeps the GIL (see the module doc). A
+/// decode step of 256 sequences stays under it; a prefill chunk of 8,192 tokens does not.
+const SHORT_WORK: usize = 4096;
 
 /// Sequence ids are `int64` in plans (and torch), so they are limited to its range.
 const MAX_SEQ_ID: u64 = i64::MAX as u64;
@@ -88,6 +100,53 @@ impl PyCacheManager {
     {
         let outcome = self.locked(f);
         Self::outcome(py, outcome)
+    }
+
+    /// Runs `f` with the GIL held when `work` is at most `SHORT_WORK` and the lock is free at
+    /// once; else as `run` does (without the GIL).
+    fn run_sized<R, F>(&self, py: Python<'_>, work: usize, f: F) -> PyResult<R>
+    where
+        R: Send,
+        F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
+    {
+        if work > SHORT_WORK {
+            return self.run(py, f);
+        }
+        self.run_measured(py, |_| 0, f)
+    }
+
+    /// Runs `f` with the GIL held when the lock is free at once and `work`, measured on the
+    /// locked manager, is at most `SHORT_WORK`; else unlocks and runs it as `run` does.
+    fn run_measured<R, W, F>(&self, py: Python<'_>, work: W, f: F) -> PyResult<R>
+    where
+        R: Send,
+        W: Fn(&CacheManager) -> usize,
+        F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
+    {
+        let mut pending = Some(f);
+        // The guard lives inside `catch_unwind`, so a panic poisons the mutex as in `locked`.
+        let outcome = catch_unwind(AssertUnwindSafe(|| match self.inner.try_lock() {
+            Ok(mut manager) if work(&manager) <= SHORT_WORK => {
+                pending.take().map(|f| f(&mut manager).map_err(Failure::Core))
+            }
+            Ok(_) | Err(TryLockError::WouldBlock) => None,
+            Err(TryLockError::Poisoned(_)) => Some(Err(Failure::Poisoned)),
+        }));
+        match (outcome, pending) {
+            (Ok(None), Some(f)) => self.run(py, f),
+            (Ok(Some(result)), _) => Self::outcome(py, Ok(result)),
+            (Ok(None), None) => Self::outcome(py, Ok(Err(Failure::Poisoned))),
+            (Err(payload), _) => Self::outcome(py, Err(payload)),
+        }
+    }
+
+    /// `run_sized` for calls whose work is small and bounded (counters, one sequence's state).
+    fn run_short<R, F>(&self, py: Python<'_>, f: F) -> PyResult<R>
+    where
+        R: Send,
+        F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
+    {
+        self.run_sized(py, 0, f)
     }
 
     fn locked<R, F>(&self, f: F) -> std::thread::Result<Result<R, Failure>>
@@ -164,19 +223,19 @@ impl PyCacheManager {
     /// Number of live sequences (added, not finished).
     #[getter]
     fn num_sequences(&self, py: Python<'_>) -> PyResult<usize> {
-        self.run(py, |m| Ok(m.num_sequences()))
+        self.run_short(py, |m| Ok(m.num_sequences()))
     }
 
     /// Number of finished sequences kept for `add(..., extends=...)`.
     #[getter]
     fn num_finished_cached(&self, py: Python<'_>) -> PyResult<usize> {
-        self.run(py, |m| Ok(m.num_finished_cached()))
+        self.run_short(py, |m| Ok(m.num_finished_cached()))
     }
 
     /// The step id of the plan in flight (built, not yet committed or aborted), or `None`.
     #[getter]
     fn plan_in_flight(&self, py: Python<'_>) -> PyResult<Option<u64>> {
-        self.run(py, |m| Ok(m.plan_in_flight()))
+        self.run_short(py, |m| Ok(m.plan_in_flight()))
     }
 
     /// Registers a sequence and hashes its full units (without the GIL).
@@ -242,7 +301,8 @@ impl PyCacheManager {
         let id = self::seq_id(seq_id)?;
         let max_tokens = u32_arg(max_tokens, "max_tokens", Domain::Request)?;
         let lookahead = u32_or(lookahead, "lookahead", 0)?;
-        self.run(seq_id.py(), move |m| m.schedule(id, max_tokens, lookahead, exact))
+        let work = max_tokens.saturating_add(lookahead) as usize;
+        self.run_sized(seq_id.py(), work, move |m| m.schedule(id, max_tokens, lookahead, exact))
             .map(|s| s.map(PyScheduled::from))
     }
 
@@ -257,17 +317,26 @@ impl PyCacheManager {
         max_tokens: &Bound<'_, PyAny>,
         exact: bool,
     ) -> PyResult<Vec<Option<PyScheduled>>> {
-        let py = seq_ids.py();
-        let ids = self::seq_ids(seq_ids)?;
-        let scalar = max_tokens.is_instance_of::<PyInt>()
-            || (max_tokens.hasattr("__index__")? && !max_tokens.hasattr("__len__")?);
-        let budgets = if scalar {
-            vec![u32_arg(max_tokens, "max_tokens", Domain::Request)?; ids.len()]
-        } else {
-            convert::int_sequence(max_tokens, "max_tokens", u64::from(u32::MAX), usize::MAX)?
-        };
-        let results = self.run(py, move |m| m.schedule_batch(&ids, &budgets, exact))?;
+        let results = self.schedule_many(seq_ids, max_tokens, exact)?;
         Ok(results.into_iter().map(|s| s.map(PyScheduled::from)).collect())
+    }
+
+    /// `schedule_batch` without result objects, for decode steps: `int32 [N]`, the tokens
+    /// scheduled for each sequence in input order, -1 where the pools could not supply its
+    /// blocks (nothing changed for it: preempt something and retry).
+    #[pyo3(signature = (seq_ids, max_tokens, exact = false))]
+    fn schedule_tokens<'py>(
+        &self,
+        seq_ids: &Bound<'py, PyAny>,
+        max_tokens: &Bound<'py, PyAny>,
+        exact: bool,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let results = self.schedule_many(seq_ids, max_tokens, exact)?;
+        let tokens: Vec<i32> = results
+            .iter()
+            .map(|s| s.as_ref().map_or(-1, |s| i32::try_from(s.num_tokens).unwrap_or(i32::MAX)))
+            .collect();
+        Ok(PyArray1::from_vec(seq_ids.py(), tokens))
     }
 
     /// Asks for a checkpoint at absolute `position` in the chunk scheduled for the next plan;
@@ -297,7 +366,8 @@ impl PyCacheManager {
     /// Builds the plan of every sequence scheduled since the last plan (by any thread) and
     /// puts it in flight (without the GIL). Commit or abort it before the next step.
     fn build_plan(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
-        let plan = self.run(py, CacheManager::build_plan)?;
+        let plan =
+            self.run_measured(py, CacheManager::scheduled_tokens, CacheManager::build_plan)?;
         let step_id = plan.step_id;
         PyStepPlan::new(py, self.id, plan).inspect_err(|_| {
             // The engine never saw the plan: take it out of flight again.
@@ -305,31 +375,48 @@ impl PyCacheManager {
         })
     }
 
-    /// Publishes what the plan's step wrote and advances every sequence in it.
-    fn commit(&self, plan: &Bound<'_, PyStepPlan>) -> PyResult<()> {
-        let step_id = self.own_plan(plan)?;
-        self.run(plan.py(), move |m| m.commit_step(step_id))
+    /// `build_plan` written into `buffers`, arrays that persist across steps, so that no
+    /// Python object is made per step (see `PlanBuffers`). Returns the step id; `commit` and
+    /// `abort` take the buffers. The previous step's values are overwritten.
+    fn build_plan_into(&self, buffers: &Bound<'_, PyPlanBuffers>) -> PyResult<u64> {
+        let py = buffers.py();
+        let mut target = buffers.try_borrow_mut()?;
+        let plan =
+            self.run_measured(py, CacheManager::scheduled_tokens, CacheManager::build_plan)?;
+        let step_id = plan.step_id;
+        target.write(py, self.id, &plan).inspect_err(|_| {
+            // The engine never saw the plan: take it out of flight again.
+            let _ = self.run(py, move |m| m.abort_step(step_id));
+        })?;
+        Ok(step_id)
+    }
+
+    /// Publishes what the plan's step wrote and advances every sequence in it. `plan`: the
+    /// `StepPlan` of `build_plan` or the `PlanBuffers` of `build_plan_into`.
+    fn commit(&self, plan: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (step_id, work) = self.own_plan(plan, "commit")?;
+        self.run_sized(plan.py(), work, move |m| m.commit_step(step_id))
     }
 
     /// Undoes the plan's step (the forward failed): nothing is published and every sequence
     /// is back where it was.
-    fn abort(&self, plan: &Bound<'_, PyStepPlan>) -> PyResult<()> {
-        let step_id = self.own_plan(plan)?;
-        self.run(plan.py(), move |m| m.abort_step(step_id))
+    fn abort(&self, plan: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (step_id, work) = self.own_plan(plan, "abort")?;
+        self.run_sized(plan.py(), work, move |m| m.abort_step(step_id))
     }
 
     /// Appends sampled (or new user) tokens to a sequence; new full units are hashed.
     fn append(&self, seq_id: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::seq_id(seq_id)?;
         let tokens = convert::tokens(tokens, "tokens")?;
-        self.run(seq_id.py(), move |m| m.append(id, &tokens))
+        self.run_sized(seq_id.py(), tokens.len(), move |m| m.append(id, &tokens))
     }
 
     /// One token per sequence (a decode step) in one call; every id is checked first.
     fn append_batch(&self, seq_ids: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = self::seq_ids(seq_ids)?;
         let tokens = convert::tokens(tokens, "tokens")?;
-        self.run(seq_ids.py(), move |m| m.append_batch(&ids, &tokens))
+        self.run_sized(seq_ids.py(), tokens.len(), move |m| m.append_batch(&ids, &tokens))
     }
 
     /// Releases a sequence's blocks (tail first), publishes its decode-tail checkpoint and
@@ -375,12 +462,12 @@ impl PyCacheManager {
 
     /// A snapshot of the counters.
     fn stats(&self, py: Python<'_>) -> PyResult<PyStats> {
-        self.run(py, |m| Ok(m.stats())).map(PyStats::from)
+        self.run_short(py, |m| Ok(m.stats())).map(PyStats::from)
     }
 
     /// Block usage per pool, in pool order.
     fn pool_usage(&self, py: Python<'_>) -> PyResult<Vec<PyPoolUsage>> {
-        let usage = self.run(py, |m| Ok(m.pool_usage()))?;
+        let usage = self.run_short(py, |m| Ok(m.pool_usage()))?;
         Ok(usage.into_iter().map(PyPoolUsage::from).collect())
     }
 
@@ -392,22 +479,31 @@ impl PyCacheManager {
     /// Tokens of a live sequence computed and committed so far.
     fn num_computed(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<u32> {
         let id = self::seq_id(seq_id)?;
-        self.run(seq_id.py(), move |m| m.num_computed(id))
+        self.run_short(seq_id.py(), move |m| m.num_computed(id))
     }
 
     /// Tokens of a live sequence (prompt plus appended).
     fn num_tokens(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<u32> {
         let id = self::seq_id(seq_id)?;
-        self.run(seq_id.py(), move |m| m.num_tokens(id))
+        self.run_short(seq_id.py(), move |m| m.num_tokens(id))
     }
 
-    /// Test hook: panics inside the lock, as a core bug would (the manager is unusable after).
-    fn _panic_for_testing(&self, py: Python<'_>) -> PyResult<()> {
-        self.run(py, |_| -> Result<(), CacheError> { panic!("deliberate panic for testing") })
+    /// Test hook: panics inside the lock, as a core bug would (the manager is unusable after);
+    /// `short` panics in a call that keeps the GIL.
+    #[pyo3(signature = (short = false))]
+    fn _panic_for_testing(&self, py: Python<'_>, short: bool) -> PyResult<()> {
+        let f = |_: &mut CacheManager| -> Result<(), CacheError> {
+            panic!("deliberate panic for testing")
+        };
+        if short {
+            self.run_short(py, f)
+        } else {
+            self.run(py, f)
+        }
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        let state = self.run(py, |m| Ok((m.num_sequences(), m.plan_in_flight())));
+        let state = self.run_short(py, |m| Ok((m.num_sequences(), m.plan_in_flight())));
         match state {
             Ok((live, plan)) => format!(
                 "CacheManager(sequences={live}, plan_in_flight={})",
@@ -419,16 +515,59 @@ impl PyCacheManager {
 }
 
 impl PyCacheManager {
-    /// The plan's step id, if this manager built it.
-    fn own_plan(&self, bound: &Bound<'_, PyStepPlan>) -> PyResult<u64> {
-        let plan = bound.get();
-        if plan.manager_id == self.id {
-            Ok(plan.step_id())
+    /// `schedule_batch`'s arguments converted and the core called: the core's results.
+    fn schedule_many(
+        &self,
+        seq_ids: &Bound<'_, PyAny>,
+        max_tokens: &Bound<'_, PyAny>,
+        exact: bool,
+    ) -> PyResult<Vec<Option<Scheduled>>> {
+        let py = seq_ids.py();
+        let ids = self::seq_ids(seq_ids)?;
+        let scalar = max_tokens.is_instance_of::<PyInt>()
+            || (max_tokens.hasattr("__index__")? && !max_tokens.hasattr("__len__")?);
+        let budgets = if scalar {
+            vec![u32_arg(max_tokens, "max_tokens", Domain::Request)?; ids.len()]
+        } else {
+            convert::int_sequence(max_tokens, "max_tokens", u64::from(u32::MAX), usize::MAX)?
+        };
+        let work = budgets.iter().map(|&b| b as usize).fold(ids.len(), usize::saturating_add);
+        self.run_sized(py, work, move |m| m.schedule_batch(&ids, &budgets, exact))
+    }
+
+    /// The step id and scheduled tokens of a `StepPlan` or `PlanBuffers`, if this manager
+    /// built the step.
+    fn own_plan(&self, plan: &Bound<'_, PyAny>, verb: &str) -> PyResult<(u64, usize)> {
+        let py = plan.py();
+        let (manager_id, step_id, tokens) = if let Ok(plan) = plan.cast::<PyStepPlan>() {
+            let plan = plan.get();
+            (plan.manager_id, plan.step_id(), plan.scheduled_tokens())
+        } else if let Ok(buffers) = plan.cast::<PyPlanBuffers>() {
+            let buffers = buffers.try_borrow()?;
+            let Some(step_id) = buffers.step_id() else {
+                return Err(to_pyerr(
+                    py,
+                    CacheError::Step {
+                        message: format!(
+                            "cannot {verb} these PlanBuffers: no plan was built into them"
+                        ),
+                    },
+                ));
+            };
+            (buffers.manager_id, step_id, buffers.scheduled_tokens())
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "{verb} takes a StepPlan or PlanBuffers, got {}",
+                plan.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string())
+            )));
+        };
+        if manager_id == self.id {
+            Ok((step_id, tokens))
         } else {
             Err(to_pyerr(
-                bound.py(),
+                py,
                 CacheError::StalePlan {
-                    plan_step: plan.step_id(),
+                    plan_step: step_id,
                     state: "it was built by another CacheManager".to_string(),
                 },
             ))

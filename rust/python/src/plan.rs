@@ -1,11 +1,16 @@
 //! The step plan as `NumPy` arrays.
 //!
-//! A [`PyStepPlan`] is built once from the core's `StepPlan`: every vector is *moved* into a
-//! `NumPy` array (`into_pyarray`, no copy; two-dimensional ones get their shape from
-//! `ndarray::Array2::from_shape_vec`, which keeps the buffer) and the arrays are stored, so every
-//! read of an attribute returns the same array object and buffer. The arrays are writable so
-//! that `torch.from_numpy` shares them without a warning; the manager never reads them back
-//! (`commit` uses only the step id). A plan remembers which manager built it.
+//! A [`PyStepPlan`] holds the vectors of the core's `StepPlan` and turns each into a `NumPy`
+//! array the first time it is read, then returns that same array object (and buffer) on every
+//! later read. Creating an array costs more than a decode step's core work, and a scheduler loop
+//! often reads only some of them, so an array nobody reads is never created. A small vector
+//! (a decode step's) is copied into an array that owns its memory on first read; a large one (a
+//! prefill chunk's slot mapping) is moved into its array when the plan is built, without a copy
+//! (`into_pyarray`, which keeps the vector alive through a base object). The arrays are
+//! writable so that `torch.from_numpy` shares them without a warning; the manager never reads
+//! them back (`commit` uses only the step id). A plan remembers which manager built it.
+
+use std::sync::OnceLock;
 
 use numpy::ndarray::Array2;
 use numpy::prelude::*;
@@ -17,33 +22,116 @@ use pyo3::prelude::*;
 use crate::convert::{u32_arg, Domain};
 use crate::errors::to_pyerr;
 
-fn matrix<'py, T: numpy::Element>(
-    py: Python<'py>,
-    data: Vec<T>,
-    columns: usize,
-    what: &str,
-) -> PyResult<Bound<'py, PyArray2<T>>> {
-    let rows = data.len().checked_div(columns).unwrap_or(0);
-    Array2::from_shape_vec((rows, columns), data).map(|a| a.into_pyarray(py)).map_err(|e| {
-        to_pyerr(
-            py,
-            CacheError::Invariant { message: format!("plan array {what} has a bad length: {e}") },
-        )
-    })
-}
+/// Vectors of more bytes than this are moved into their array when the plan is built; smaller
+/// ones are copied on first read (a copy of a few hundred bytes costs less than the second
+/// Python object a move needs).
+const COPY_MAX_BYTES: usize = 4096;
 
-/// A `[rows, columns]` array where `columns` may be 0 with `rows` given separately.
-fn matrix_rows<'py, T: numpy::Element>(
-    py: Python<'py>,
+/// One plan array: `[rows, columns]` values (`columns == 0`: one-dimensional, `rows` long),
+/// made a `NumPy` array on first read.
+struct PlanArray<T: numpy::Element> {
+    /// The values, until the array is made (always empty for a moved vector).
     data: Vec<T>,
     rows: usize,
-    columns: usize,
-    what: &str,
-) -> PyResult<Bound<'py, PyArray2<T>>> {
-    if columns == 0 {
-        return PyArray1::from_vec(py, data).reshape([rows, 0]);
+    columns: Option<usize>,
+    array: OnceLock<Py<PyAny>>,
+}
+
+impl<T: numpy::Element + Copy> PlanArray<T> {
+    /// A one-dimensional array of `data`.
+    fn vector(py: Python<'_>, data: Vec<T>) -> PyResult<Self> {
+        let rows = data.len();
+        Self::new(py, data, rows, None)
     }
-    matrix(py, data, columns, what)
+
+    /// A `[len / columns, columns]` array of `data` (`len` a multiple of `columns`, checked).
+    fn matrix(py: Python<'_>, data: Vec<T>, columns: usize, what: &str) -> PyResult<Self> {
+        let rows = data.len().checked_div(columns).unwrap_or(0);
+        Self::rows(py, data, rows, columns, what)
+    }
+
+    /// A `[rows, columns]` array of `data` (`rows * columns == len`, checked).
+    fn rows(
+        py: Python<'_>,
+        data: Vec<T>,
+        rows: usize,
+        columns: usize,
+        what: &str,
+    ) -> PyResult<Self> {
+        if rows.checked_mul(columns) != Some(data.len()) {
+            return Err(to_pyerr(
+                py,
+                CacheError::Invariant {
+                    message: format!(
+                        "plan array {what} has {} values, not {rows} x {columns}",
+                        data.len()
+                    ),
+                },
+            ));
+        }
+        Self::new(py, data, rows, Some(columns))
+    }
+
+    fn new(py: Python<'_>, data: Vec<T>, rows: usize, columns: Option<usize>) -> PyResult<Self> {
+        let array = OnceLock::new();
+        if std::mem::size_of_val(data.as_slice()) <= COPY_MAX_BYTES {
+            return Ok(Self { data, rows, columns, array });
+        }
+        let moved = match columns {
+            None => data.into_pyarray(py).into_any().unbind(),
+            Some(c) => Array2::from_shape_vec((rows, c), data)
+                .map_err(|e| {
+                    to_pyerr(
+                        py,
+                        CacheError::Invariant { message: format!("plan array shape: {e}") },
+                    )
+                })?
+                .into_pyarray(py)
+                .into_any()
+                .unbind(),
+        };
+        let _ = array.set(moved);
+        Ok(Self { data: Vec::new(), rows, columns, array })
+    }
+
+    /// The array (made now on the first read). Made with the GIL held and no lock taken, so
+    /// Python code run meanwhile (a garbage collection) cannot deadlock with another reader;
+    /// if two threads race, both make one and the first stored wins for every later read.
+    fn get(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        if let Some(array) = self.array.get() {
+            return Ok(array.clone_ref(py));
+        }
+        let made = self.make(py)?;
+        Ok(match self.array.set(made.clone_ref(py)) {
+            Ok(()) => made,
+            Err(_) => self.array.get().map_or(made, |first| first.clone_ref(py)),
+        })
+    }
+
+    fn make(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let Some(columns) = self.columns else {
+            return Ok(PyArray1::from_slice(py, &self.data).into_any().unbind());
+        };
+        // SAFETY: the array is created uninitialised with `rows * columns` elements,
+        // `data.len()` of them (checked when the plan was built), and all are written before
+        // Python can see it; a fresh array is C-contiguous, so `as_slice_mut` succeeds (were it
+        // to fail, the array is dropped unseen and the error raised).
+        unsafe {
+            let array = PyArray2::<T>::new(py, [self.rows, columns], false);
+            array.as_slice_mut()?.copy_from_slice(&self.data);
+            Ok(array.into_any().unbind())
+        }
+    }
+
+    /// The first dimension's length.
+    fn len(&self) -> usize {
+        self.rows
+    }
+
+    /// The second dimension's length (0 for a vector).
+    fn width(&self) -> usize {
+        self.columns.unwrap_or(0)
+    }
 }
 
 /// One paged group's part of a plan: block-table updates and the KV slot of every token.
@@ -52,38 +140,50 @@ pub struct PyPagedGroupPlan {
     /// Index of the group in the configuration.
     #[pyo3(get)]
     group: u32,
-    /// `int32 [M, 3]` rows `(row, column, block)`: entries appended to the sequences' tables.
-    #[pyo3(get)]
-    appended: Py<PyArray2<i32>>,
-    /// `int32 [M', 3]` rows `(row, column, block)`: entries replaced (released by a sliding
-    /// window: block 0).
-    #[pyo3(get)]
-    replaced: Py<PyArray2<i32>>,
-    /// `int64 [T]` slot `block * block_size + offset` of each scheduled token.
-    #[pyo3(get)]
-    slot_mapping: Py<PyArray1<i64>>,
+    appended: PlanArray<i32>,
+    replaced: PlanArray<i32>,
+    slot_mapping: PlanArray<i64>,
 }
 
 impl PyPagedGroupPlan {
     fn new(py: Python<'_>, plan: PagedGroupPlan) -> PyResult<Self> {
         Ok(Self {
             group: plan.group,
-            appended: matrix(py, plan.appended, 3, "appended")?.unbind(),
-            replaced: matrix(py, plan.replaced, 3, "replaced")?.unbind(),
-            slot_mapping: plan.slot_mapping.into_pyarray(py).unbind(),
+            appended: PlanArray::matrix(py, plan.appended, 3, "appended")?,
+            replaced: PlanArray::matrix(py, plan.replaced, 3, "replaced")?,
+            slot_mapping: PlanArray::vector(py, plan.slot_mapping)?,
         })
     }
 }
 
 #[pymethods]
 impl PyPagedGroupPlan {
-    fn __repr__(&self, py: Python<'_>) -> String {
+    /// `int32 [M, 3]` rows `(row, column, block)`: entries appended to the sequences' tables.
+    #[getter]
+    fn appended(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.appended.get(py)
+    }
+
+    /// `int32 [M', 3]` rows `(row, column, block)`: entries replaced (released by a sliding
+    /// window: block 0).
+    #[getter]
+    fn replaced(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.replaced.get(py)
+    }
+
+    /// `int64 [T]` slot `block * block_size + offset` of each scheduled token.
+    #[getter]
+    fn slot_mapping(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.slot_mapping.get(py)
+    }
+
+    fn __repr__(&self) -> String {
         format!(
             "PagedGroupPlan(group={}, appended={}, replaced={}, tokens={})",
             self.group,
-            self.appended.bind(py).shape()[0],
-            self.replaced.bind(py).shape()[0],
-            self.slot_mapping.bind(py).len(),
+            self.appended.len(),
+            self.replaced.len(),
+            self.slot_mapping.len(),
         )
     }
 }
@@ -94,21 +194,11 @@ pub struct PyStateGroupPlan {
     /// Index of the group in the configuration.
     #[pyo3(get)]
     group: u32,
-    /// `int32 [R]` the running-state slot each row writes.
-    #[pyo3(get)]
-    running_slot: Py<PyArray1<i32>>,
-    /// `int32 [R]` the slot each row reads (-1 = zero state); never equal to `running_slot`.
-    #[pyo3(get)]
-    initial_slot: Py<PyArray1<i32>>,
-    /// `int32 [R, Cmax]` interior checkpoint offsets from the row's query start (0 = none).
-    #[pyo3(get)]
-    checkpoint_offsets: Py<PyArray2<i32>>,
-    /// `int32 [R, Cmax]` the slot each interior checkpoint goes to (-1 = none).
-    #[pyo3(get)]
-    checkpoint_slots: Py<PyArray2<i32>>,
-    /// `int32 [S, 2]` rows `(running slot, checkpoint slot)` copied after the forward.
-    #[pyo3(get)]
-    snapshots: Py<PyArray2<i32>>,
+    running_slot: PlanArray<i32>,
+    initial_slot: PlanArray<i32>,
+    checkpoint_offsets: PlanArray<i32>,
+    checkpoint_slots: PlanArray<i32>,
+    snapshots: PlanArray<i32>,
 }
 
 impl PyStateGroupPlan {
@@ -117,34 +207,68 @@ impl PyStateGroupPlan {
         let cmax = plan.max_checkpoints;
         Ok(Self {
             group: plan.group,
-            running_slot: plan.running_slot.into_pyarray(py).unbind(),
-            initial_slot: plan.initial_slot.into_pyarray(py).unbind(),
-            checkpoint_offsets: matrix_rows(py, plan.checkpoint_offsets, rows, cmax, "offsets")?
-                .unbind(),
-            checkpoint_slots: matrix_rows(py, plan.checkpoint_slots, rows, cmax, "slots")?.unbind(),
-            snapshots: matrix(py, plan.snapshots, 2, "snapshots")?.unbind(),
+            running_slot: PlanArray::vector(py, plan.running_slot)?,
+            initial_slot: PlanArray::vector(py, plan.initial_slot)?,
+            checkpoint_offsets: PlanArray::rows(
+                py,
+                plan.checkpoint_offsets,
+                rows,
+                cmax,
+                "offsets",
+            )?,
+            checkpoint_slots: PlanArray::rows(py, plan.checkpoint_slots, rows, cmax, "slots")?,
+            snapshots: PlanArray::matrix(py, plan.snapshots, 2, "snapshots")?,
         })
     }
 }
 
 #[pymethods]
 impl PyStateGroupPlan {
-    fn __repr__(&self, py: Python<'_>) -> String {
-        let offsets = self.checkpoint_offsets.bind(py).shape().to_vec();
+    /// `int32 [R]` the running-state slot each row writes.
+    #[getter]
+    fn running_slot(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.running_slot.get(py)
+    }
+
+    /// `int32 [R]` the slot each row reads (-1 = zero state); never equal to `running_slot`.
+    #[getter]
+    fn initial_slot(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.initial_slot.get(py)
+    }
+
+    /// `int32 [R, Cmax]` interior checkpoint offsets from the row's query start (0 = none).
+    #[getter]
+    fn checkpoint_offsets(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.checkpoint_offsets.get(py)
+    }
+
+    /// `int32 [R, Cmax]` the slot each interior checkpoint goes to (-1 = none).
+    #[getter]
+    fn checkpoint_slots(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.checkpoint_slots.get(py)
+    }
+
+    /// `int32 [S, 2]` rows `(running slot, checkpoint slot)` copied after the forward.
+    #[getter]
+    fn snapshots(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.snapshots.get(py)
+    }
+
+    fn __repr__(&self) -> String {
         format!(
             "StateGroupPlan(group={}, rows={}, max_checkpoints={}, snapshots={})",
             self.group,
-            offsets[0],
-            offsets[1],
-            self.snapshots.bind(py).shape()[0],
+            self.checkpoint_offsets.len(),
+            self.checkpoint_offsets.width(),
+            self.snapshots.len(),
         )
     }
 }
 
 /// Everything the kernels need for one step (R scheduled sequences, T scheduled tokens).
 ///
-/// Arrays are `NumPy` arrays that own the buffers the core produced (no copy); reading an
-/// attribute twice returns the same array, and `torch.from_numpy` shares its memory.
+/// Arrays are `NumPy` arrays made on first read; reading an attribute twice returns the same
+/// array, and `torch.from_numpy` shares its memory.
 #[pyclass(frozen, name = "StepPlan", module = "prefixcache")]
 pub struct PyStepPlan {
     /// The manager that built the plan (`commit` on another manager is refused).
@@ -152,22 +276,11 @@ pub struct PyStepPlan {
     /// Identifies the step; `commit` and `abort` use it.
     #[pyo3(get)]
     step_id: u64,
-    /// `int64 [R]` the scheduled sequences, in schedule order.
-    #[pyo3(get)]
-    seq_ids: Py<PyArray1<i64>>,
-    /// `int32 [R + 1]` where each row's tokens start in the packed batch.
-    #[pyo3(get)]
-    query_start_loc: Py<PyArray1<i32>>,
-    /// `int32 [R]` tokens of each row computed before this step.
-    #[pyo3(get)]
-    num_computed: Py<PyArray1<i32>>,
-    /// `int32 [R]` tokens of each row scheduled in this step.
-    #[pyo3(get)]
-    num_scheduled: Py<PyArray1<i32>>,
-    /// `int64 [K, 4]` rows `(group, src_block, dst_block, num_tokens)`: copy-on-write copies
-    /// of paged blocks to run before the forward.
-    #[pyo3(get)]
-    copies: Py<PyArray2<i64>>,
+    seq_ids: PlanArray<i64>,
+    query_start_loc: PlanArray<i32>,
+    num_computed: PlanArray<i32>,
+    num_scheduled: PlanArray<i32>,
+    copies: PlanArray<i64>,
     paged: Vec<Py<PyPagedGroupPlan>>,
     state: Vec<Py<PyStateGroupPlan>>,
     num_tokens: usize,
@@ -180,11 +293,11 @@ impl PyStepPlan {
         Ok(Self {
             manager_id,
             step_id: plan.step_id,
-            seq_ids: seq_ids.into_pyarray(py).unbind(),
-            query_start_loc: plan.query_start_loc.into_pyarray(py).unbind(),
-            num_computed: plan.num_computed.into_pyarray(py).unbind(),
-            num_scheduled: plan.num_scheduled.into_pyarray(py).unbind(),
-            copies: matrix(py, plan.copies, 4, "copies")?.unbind(),
+            seq_ids: PlanArray::vector(py, seq_ids)?,
+            query_start_loc: PlanArray::vector(py, plan.query_start_loc)?,
+            num_computed: PlanArray::vector(py, plan.num_computed)?,
+            num_scheduled: PlanArray::vector(py, plan.num_scheduled)?,
+            copies: PlanArray::matrix(py, plan.copies, 4, "copies")?,
             paged: plan
                 .paged
                 .into_iter()
@@ -202,10 +315,46 @@ impl PyStepPlan {
     pub(crate) fn step_id(&self) -> u64 {
         self.step_id
     }
+
+    /// Tokens the step schedules (what `commit` and `abort` work through).
+    pub(crate) fn scheduled_tokens(&self) -> usize {
+        self.num_tokens
+    }
 }
 
 #[pymethods]
 impl PyStepPlan {
+    /// `int64 [R]` the scheduled sequences, in schedule order.
+    #[getter]
+    fn seq_ids(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.seq_ids.get(py)
+    }
+
+    /// `int32 [R + 1]` where each row's tokens start in the packed batch.
+    #[getter]
+    fn query_start_loc(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.query_start_loc.get(py)
+    }
+
+    /// `int32 [R]` tokens of each row computed before this step.
+    #[getter]
+    fn num_computed(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.num_computed.get(py)
+    }
+
+    /// `int32 [R]` tokens of each row scheduled in this step.
+    #[getter]
+    fn num_scheduled(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.num_scheduled.get(py)
+    }
+
+    /// `int64 [K, 4]` rows `(group, src_block, dst_block, num_tokens)`: copy-on-write copies
+    /// of paged blocks to run before the forward.
+    #[getter]
+    fn copies(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.copies.get(py)
+    }
+
     /// Per paged group (full attention, sliding window), in group order.
     #[getter]
     fn paged(&self, py: Python<'_>) -> Vec<Py<PyPagedGroupPlan>> {
@@ -220,8 +369,8 @@ impl PyStepPlan {
 
     /// R, the scheduled sequences.
     #[getter]
-    fn num_rows(&self, py: Python<'_>) -> usize {
-        self.seq_ids.bind(py).len()
+    fn num_rows(&self) -> usize {
+        self.seq_ids.len()
     }
 
     /// T, the scheduled tokens.
@@ -258,13 +407,13 @@ impl PyStepPlan {
         )
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
+    fn __repr__(&self) -> String {
         format!(
             "StepPlan(step_id={}, rows={}, tokens={}, copies={})",
             self.step_id,
-            self.num_rows(py),
+            self.num_rows(),
             self.num_tokens,
-            self.copies.bind(py).shape()[0],
+            self.copies.len(),
         )
     }
 }

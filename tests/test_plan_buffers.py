@@ -1,0 +1,157 @@
+"""`build_plan_into`: the plan written into persistent `PlanBuffers` equals `build_plan`'s."""
+
+from __future__ import annotations
+
+import numpy as np
+import prefixcache as pc
+import pytest
+from conftest import hybrid_config, paged_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+def assert_same_plan(plan: pc.StepPlan, buffers: pc.PlanBuffers) -> None:
+    """Every value of `plan` is in the leading rows of `buffers`."""
+    rows = plan.num_rows
+    assert (buffers.step_id, buffers.num_rows, buffers.num_tokens) == (
+        plan.step_id,
+        rows,
+        plan.num_tokens,
+    )
+    assert buffers.seq_ids[:rows].tolist() == plan.seq_ids.tolist()
+    assert buffers.query_start_loc[: rows + 1].tolist() == plan.query_start_loc.tolist()
+    assert buffers.num_computed[:rows].tolist() == plan.num_computed.tolist()
+    assert buffers.num_scheduled[:rows].tolist() == plan.num_scheduled.tolist()
+    assert buffers.num_copies == len(plan.copies)
+    assert buffers.copies[: buffers.num_copies].tolist() == plan.copies.tolist()
+    assert [b.group for b in buffers.paged] == [p.group for p in plan.paged]
+    for b, p in zip(buffers.paged, plan.paged, strict=True):
+        assert (b.num_appended, b.num_replaced) == (len(p.appended), len(p.replaced))
+        assert b.appended[: b.num_appended].tolist() == p.appended.tolist()
+        assert b.replaced[: b.num_replaced].tolist() == p.replaced.tolist()
+        assert b.slot_mapping[: plan.num_tokens].tolist() == p.slot_mapping.tolist()
+    assert [b.group for b in buffers.state] == [s.group for s in plan.state]
+    for b, s in zip(buffers.state, plan.state, strict=True):
+        assert b.running_slot[:rows].tolist() == s.running_slot.tolist()
+        assert b.initial_slot[:rows].tolist() == s.initial_slot.tolist()
+        c = b.max_checkpoints
+        assert (rows, c) == s.checkpoint_offsets.shape
+        if c:
+            assert b.checkpoint_offsets[:rows, :c].tolist() == s.checkpoint_offsets.tolist()
+            assert b.checkpoint_slots[:rows, :c].tolist() == s.checkpoint_slots.tolist()
+        assert b.num_snapshots == len(s.snapshots)
+        assert b.snapshots[: b.num_snapshots].tolist() == s.snapshots.tolist()
+
+
+STEP = st.tuples(
+    st.lists(st.integers(min_value=1, max_value=300), min_size=0, max_size=3),  # new prompts
+    st.integers(min_value=1, max_value=200),  # prefill budget per sequence
+    st.booleans(),  # finish the oldest sequence after the step
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(STEP, min_size=1, max_size=12), st.integers(min_value=1, max_value=4))
+def test_buffers_hold_what_build_plan_returns(steps: list, rows: int) -> None:
+    """Twin managers take the same steps; one builds plans, the other writes into one
+    `PlanBuffers` that starts small (so it grows) and is reused every step. Prompts share all
+    but their last token, so later ones hit earlier ones (with copy-on-write copies when a hit
+    ends inside a block), and the state group takes interior checkpoints and snapshots."""
+    twins = [
+        pc.CacheManager(hybrid_config(num_blocks=400, state_blocks=200, alignment=8))
+        for _ in range(2)
+    ]
+    buffers = pc.PlanBuffers(rows=rows)
+    live: list[int] = []
+    next_id = 0
+    for prompts, budget, finish in steps:
+        for length in prompts:
+            for mgr in twins:
+                mgr.add(next_id, [t % 50 for t in range(length - 1)] + [next_id % 50])
+            live.append(next_id)
+            next_id += 1
+        if not live:
+            continue
+        results = []
+        for mgr in twins:
+            counts = mgr.schedule_tokens(live, budget)
+            results.append(counts.tolist())
+        assert results[0] == results[1]
+        if all(c <= 0 for c in results[0]):
+            continue
+        plan = twins[0].build_plan()
+        step_id = twins[1].build_plan_into(buffers)
+        assert step_id == plan.step_id
+        assert_same_plan(plan, buffers)
+        twins[0].commit(plan)
+        twins[1].commit(buffers)
+        for mgr in twins:
+            for seq in live:
+                if mgr.num_computed(seq) == mgr.num_tokens(seq):
+                    mgr.append(seq, [seq % 50])
+        if finish:
+            for mgr in twins:
+                mgr.finish(live[0])
+            live.pop(0)
+    for mgr in twins:
+        mgr.check_invariants()
+    assert [twins[0].num_computed(s) for s in live] == [twins[1].num_computed(s) for s in live]
+
+
+def test_arrays_persist_across_steps_and_grow_when_needed() -> None:
+    mgr = pc.CacheManager(hybrid_config(num_blocks=256, state_blocks=64))
+    buffers = pc.PlanBuffers(rows=2)
+    assert buffers.step_id is None and buffers.paged == () and buffers.num_rows == 0
+    for seq in range(2):
+        mgr.add(seq, list(range(seq, seq + 40)))
+    mgr.schedule_tokens([0, 1], 40)
+    mgr.build_plan_into(buffers)
+    seq_ids, paged = buffers.seq_ids, buffers.paged
+    slots = buffers.state[0].running_slot
+    mgr.commit(buffers)
+    mgr.append_batch([0, 1], [5, 6])
+    mgr.schedule_tokens([0, 1], 1)
+    mgr.build_plan_into(buffers)
+    # Same objects, new values: nothing is made for a step that fits.
+    assert buffers.seq_ids is seq_ids and buffers.paged is paged
+    assert buffers.state[0].running_slot is slots
+    assert buffers.num_rows == 2 and buffers.num_tokens == 2
+    assert buffers.num_scheduled[:2].tolist() == [1, 1]
+    mgr.commit(buffers)
+    for seq in range(2, 5):
+        mgr.add(seq, list(range(seq, seq + 40)))
+    mgr.append_batch([0, 1], [7, 8])
+    mgr.schedule_tokens(list(range(5)), 40)
+    mgr.build_plan_into(buffers)
+    # Five rows do not fit two: the row arrays were replaced by larger ones.
+    assert buffers.num_rows == 5 and len(buffers.seq_ids) >= 5
+    assert buffers.seq_ids is not seq_ids
+    assert buffers.seq_ids[:5].tolist() == [0, 1, 2, 3, 4]
+    mgr.abort(buffers)
+    assert [mgr.num_computed(s) for s in range(5)] == [41, 41, 0, 0, 0]
+    mgr.check_invariants()
+
+
+def test_bad_uses_of_buffers_are_refused() -> None:
+    mgr = pc.CacheManager(paged_config())
+    other = pc.CacheManager(paged_config())
+    buffers = pc.PlanBuffers()
+    with pytest.raises(pc.StepError, match="no plan was built into them"):
+        mgr.commit(buffers)
+    with pytest.raises(pc.InvalidRequestError, match="rows"):
+        pc.PlanBuffers(rows=0)
+    with pytest.raises(TypeError, match="StepPlan or PlanBuffers"):
+        mgr.commit(np.zeros(3))  # type: ignore[arg-type]
+    mgr.add(1, list(range(40)))
+    mgr.schedule(1, 40)
+    mgr.build_plan_into(buffers)
+    with pytest.raises(pc.StalePlanError, match="another CacheManager"):
+        other.commit(buffers)
+    with pytest.raises(pc.StepError, match="in flight"):
+        mgr.build_plan_into(pc.PlanBuffers())
+    mgr.commit(buffers)
+    with pytest.raises(pc.StalePlanError, match="already committed"):
+        mgr.commit(buffers)
+    assert "rows=1, tokens=40" in repr(buffers)
+    assert "num_appended=2" in repr(buffers.paged[0])
+    mgr.check_invariants()
