@@ -1,16 +1,18 @@
 """What a scheduler pays to drive the Rust core through the Python bindings.
 
 Two scenarios, mirroring the core's criterion benches (``rust/core/benches/manager.rs``) so the
-difference is the cost of crossing into Rust (argument conversion, GIL release, result objects,
-NumPy arrays):
+difference is the cost of crossing into Rust (argument conversion, result objects, NumPy
+arrays, and releasing the GIL for long calls):
 
 - ``decode``: 256 sequences sharing a 164K-token context, all decoding: one step is
   ``append_batch`` + ``schedule_batch`` + ``build_plan`` + ``commit`` (NumPy id and token arrays),
   with a full-attention group (B = 16) alone and with a state group added;
 - ``hybrid decode``: the geometry of the hybrid comparison with vLLM (``benchmarks/vs_vllm.py``):
   B = 1536, U = 128, a state group (A = 64), 8 sequences of 20K tokens decoding; the whole step
-  and each of its four calls timed alone, reading every plan array once, and ``num_computed``
-  (one id in, one int out, under the manager's lock: the floor of any call);
+  (with a new ``StepPlan``, and with the plan written into persistent ``PlanBuffers``), each of
+  its four calls timed alone, reading every plan array once (plan arrays are made on first
+  read), and ``num_computed`` (one id in, one int out, under the manager's lock: the floor of
+  any call);
 - ``next turn``: ``add(.., extends=previous)`` of a 144K-token turn extending a finished
   142K-token one, from a ``uint32`` array (compared in place) and an ``int64`` one (converted);
 - ``admission``: one 164K-token prompt, ``add`` + ``lookup`` + ``schedule`` + ``build_plan`` +
@@ -104,6 +106,7 @@ def bench_decode(state: bool, steps: int) -> list[float]:
 HYBRID_ROWS = 8
 HYBRID_CALLS = (
     "step",
+    "step_into_buffers",
     "append_batch",
     "schedule_tokens",
     "schedule_batch",
@@ -118,7 +121,9 @@ def bench_hybrid_decode(call: str, steps: int) -> list[float]:
     """One decode step of 8 sequences at B = 1536 / U = 128 with a state group; ``call``
     names what is timed ("step": all four calls; "read_plan": reading all 13 plan arrays once,
     which the step does not include). Decodes are scheduled with ``schedule_tokens``, except
-    for the "schedule_batch" row, which times the call that returns ``Scheduled`` objects."""
+    for the "schedule_batch" row, which times the call that returns ``Scheduled`` objects;
+    "step_into_buffers" is the step with the plan written into persistent ``PlanBuffers``
+    (``build_plan_into``) instead of a new ``StepPlan``."""
     pools = [pc.PoolConfig(HYBRID_ROWS * 16 + 64), pc.PoolConfig(16 * HYBRID_ROWS + 1024)]
     groups: list[pc.Group] = [
         pc.FullAttention(block_size=1536, pool=0),
@@ -129,6 +134,7 @@ def bench_hybrid_decode(call: str, steps: int) -> list[float]:
         pc.CacheConfig(pools=pools, groups=groups, hash=hash_config, enable_events=False)
     )
     ids = np.arange(HYBRID_ROWS, dtype=np.int64)
+    buffers = pc.PlanBuffers(rows=HYBRID_ROWS)
     for seq in ids.tolist():
         mgr.add(seq, tokens(seq, 20_000).astype(np.uint32))
         while mgr.num_computed(seq) < 20_000:
@@ -145,16 +151,22 @@ def bench_hybrid_decode(call: str, steps: int) -> list[float]:
         else:
             scheduled = mgr.schedule_tokens(ids, 1).tolist()
         t2 = time.perf_counter_ns()
-        plan = mgr.build_plan()
-        t3 = time.perf_counter_ns()
-        read_plan(plan)
-        t3r = time.perf_counter_ns()
-        mgr.commit(plan)
+        if call == "step_into_buffers":
+            mgr.build_plan_into(buffers)
+            t3 = t3r = time.perf_counter_ns()
+            mgr.commit(buffers)
+        else:
+            plan = mgr.build_plan()
+            t3 = time.perf_counter_ns()
+            read_plan(plan)
+            t3r = time.perf_counter_ns()
+            mgr.commit(plan)
         t4 = time.perf_counter_ns()
         mgr.num_computed(0)
         t5 = time.perf_counter_ns()
         spans = {
             "step": t4 - t0 - (t3r - t3),
+            "step_into_buffers": t4 - t0,
             "append_batch": t1 - t0,
             "schedule_tokens": t2 - t1,
             "schedule_batch": t2 - t1,
@@ -259,7 +271,11 @@ def main() -> None:
         (decode, lambda: bench_decode(False, args.steps), decode),
         (f"{decode} + state", lambda: bench_decode(True, args.steps), f"{decode} + state"),
         *[
-            (f"hybrid decode 8 x 20K: {call}", partial(bench_hybrid_decode, call, args.steps), "")
+            (
+                f"hybrid decode 8 x 20K: {call}",
+                partial(bench_hybrid_decode, call, args.steps),
+                "hybrid decode 8 x 20K: step" if call.startswith("step") else "",
+            )
             for call in HYBRID_CALLS
         ],
         *[

@@ -5,9 +5,9 @@ the same token streams (``vs_vllm_workloads.py``): admission, chunked prefill st
 tokens per step), decode steps, sampled-token appends and finishing. For vLLM that is request
 block hashing + ``get_computed_blocks`` + ``allocate_slots`` (+ the per-step calls its
 scheduler makes, and ``free``); for prefixcache ``add`` + ``lookup`` + ``schedule`` /
-``schedule_tokens`` + ``build_plan_into`` + reading the block arrays of the plan + ``commit`` +
-``append_batch`` + ``finish`` (``vs_vllm_backends.py`` lists every call). Only manager calls are timed
-(``time.perf_counter`` around each), never the loop's own bookkeeping.
+``schedule_tokens`` + ``build_plan_into`` + reading the block arrays of the plan + ``commit``
++ ``append_batch`` + ``finish`` (``vs_vllm_backends.py`` lists every call). Only manager calls
+are timed (``time.perf_counter`` around each), never the loop's own bookkeeping.
 
 Workloads and configurations (``vs_vllm_workloads.py``; ``docs/BENCHMARKS.md``):
 

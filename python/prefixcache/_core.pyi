@@ -35,12 +35,15 @@ __all__ = [
     "InvalidRequestError",
     "InvariantError",
     "NothingToScheduleError",
+    "PagedGroupBuffers",
     "PagedGroupPlan",
+    "PlanBuffers",
     "PoolUsage",
     "PrefixCacheError",
     "ResetRefusedError",
     "Scheduled",
     "StalePlanError",
+    "StateGroupBuffers",
     "StateGroupPlan",
     "Stats",
     "StepError",
@@ -358,7 +361,7 @@ class PlanBuffers:
     """A step plan written in place by `CacheManager.build_plan_into`: arrays that persist
     across steps (grown when a step needs more); each step's values are their leading rows."""
 
-    def __init__(self, rows: int = 256) -> None: ...
+    def __new__(cls, rows: int = 256) -> PlanBuffers: ...
     @property
     def step_id(self) -> int | None:
         """The step the buffers hold (`None` before the first `build_plan_into`)."""
