@@ -67,6 +67,41 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
+    /// Empties every vector (keeping its memory) and lays out one part per group.
+    fn clear_for(&mut self, step_id: u64, groups: &[GroupRuntime]) {
+        self.step_id = step_id;
+        self.seq_ids.clear();
+        self.query_start_loc.clear();
+        self.num_computed.clear();
+        self.num_scheduled.clear();
+        self.copies.clear();
+        let paged = groups.iter().enumerate().filter(|(_, r)| r.block_size().is_some());
+        let state = groups.iter().enumerate().filter(|(_, r)| r.block_size().is_none());
+        if !self.paged.iter().map(|p| p.group as usize).eq(paged.clone().map(|(g, _)| g)) {
+            self.paged = paged
+                .map(|(g, _)| PagedGroupPlan { group: g as u32, ..PagedGroupPlan::default() })
+                .collect();
+        }
+        if !self.state.iter().map(|s| s.group as usize).eq(state.clone().map(|(g, _)| g)) {
+            self.state = state
+                .map(|(g, _)| StateGroupPlan { group: g as u32, ..StateGroupPlan::default() })
+                .collect();
+        }
+        for p in &mut self.paged {
+            p.appended.clear();
+            p.replaced.clear();
+            p.slot_mapping.clear();
+        }
+        for s in &mut self.state {
+            s.running_slot.clear();
+            s.initial_slot.clear();
+            s.max_checkpoints = 0;
+            s.checkpoint_offsets.clear();
+            s.checkpoint_slots.clear();
+            s.snapshots.clear();
+        }
+    }
+
     #[must_use]
     pub fn num_rows(&self) -> usize {
         self.seq_ids.len()
@@ -213,35 +248,24 @@ impl CacheManager {
 
     /// Builds the plan of every sequence scheduled since the last plan and puts it in flight.
     pub fn build_plan(&mut self) -> Result<StepPlan> {
+        let mut plan = StepPlan::default();
+        self.build_plan_into(&mut plan)?;
+        Ok(plan)
+    }
+
+    /// `build_plan` into an existing plan, whose vectors are cleared and refilled: a caller
+    /// that keeps one `StepPlan` across steps allocates nothing for it once the vectors are
+    /// large enough. On error the plan is left as it was.
+    pub fn build_plan_into(&mut self, plan: &mut StepPlan) -> Result<()> {
         self.refuse_in_flight("build_plan")?;
         let slots = std::mem::take(&mut self.scheduled);
         let step_id = self.next_step;
         self.next_step += 1;
-        let rows = slots.len();
-        let mut plan = StepPlan {
-            step_id,
-            seq_ids: Vec::with_capacity(rows),
-            query_start_loc: Vec::with_capacity(rows + 1),
-            num_computed: Vec::with_capacity(rows),
-            num_scheduled: Vec::with_capacity(rows),
-            ..StepPlan::default()
-        };
+        plan.clear_for(step_id, &self.groups);
         plan.query_start_loc.push(0);
         // Per state group: (row, column, offset, slot) of every interior checkpoint.
-        let mut checkpoints: Vec<Vec<(usize, usize, i32, i32)>> = Vec::new();
-        for (g, runtime) in self.groups.iter().enumerate() {
-            if runtime.block_size().is_some() {
-                plan.paged.push(PagedGroupPlan { group: g as u32, ..PagedGroupPlan::default() });
-            } else {
-                plan.state.push(StateGroupPlan {
-                    group: g as u32,
-                    running_slot: Vec::with_capacity(rows),
-                    initial_slot: Vec::with_capacity(rows),
-                    ..StateGroupPlan::default()
-                });
-                checkpoints.push(Vec::new());
-            }
-        }
+        let mut checkpoints: Vec<Vec<(usize, usize, i32, i32)>> =
+            vec![Vec::new(); plan.state.len()];
         let mut total = 0i32;
         for &slot in &slots {
             self.select_checkpoints(slot);
@@ -294,8 +318,8 @@ impl CacheManager {
         for (s, entries) in checkpoints.iter().enumerate() {
             let out = &mut plan.state[s];
             let cmax = out.max_checkpoints;
-            out.checkpoint_offsets = vec![0; rows * cmax];
-            out.checkpoint_slots = vec![-1; rows * cmax];
+            out.checkpoint_offsets.resize(rows * cmax, 0);
+            out.checkpoint_slots.resize(rows * cmax, -1);
             for &(row, i, offset, slot) in entries {
                 out.checkpoint_offsets[row * cmax + i] = offset;
                 out.checkpoint_slots[row * cmax + i] = slot;
@@ -303,7 +327,7 @@ impl CacheManager {
         }
         self.stats.copies += (plan.copies.len() / 4) as u64;
         self.in_flight = Some(InFlight { step_id, slots });
-        Ok(plan)
+        Ok(())
     }
 
     /// Chooses and allocates the checkpoints of one scheduled sequence, in every state group.

@@ -268,6 +268,8 @@ pub struct PyPlanBuffers {
     state_tuple: Py<PyTuple>,
     /// Reused for the `int64` sequence ids (the core's are `u64`).
     ids: Vec<i64>,
+    /// The core's plan of the last step, refilled by the next one.
+    scratch: StepPlan,
 }
 
 impl PyPlanBuffers {
@@ -277,6 +279,15 @@ impl PyPlanBuffers {
 
     pub(crate) fn scheduled_tokens(&self) -> usize {
         self.num_tokens
+    }
+
+    /// The core plan to refill (`build_plan_into` hands it back with `keep_scratch`).
+    pub(crate) fn take_scratch(&mut self) -> StepPlan {
+        std::mem::take(&mut self.scratch)
+    }
+
+    pub(crate) fn keep_scratch(&mut self, plan: StepPlan) {
+        self.scratch = plan;
     }
 
     /// Writes `plan`, built by manager `manager_id`, into the buffers.
@@ -357,6 +368,7 @@ impl PyPlanBuffers {
             paged_tuple: PyTuple::empty(py).unbind(),
             state_tuple: PyTuple::empty(py).unbind(),
             ids: Vec::with_capacity(rows),
+            scratch: StepPlan::default(),
         })
     }
 

@@ -381,10 +381,15 @@ impl PyCacheManager {
     fn build_plan_into(&self, buffers: &Bound<'_, PyPlanBuffers>) -> PyResult<u64> {
         let py = buffers.py();
         let mut target = buffers.try_borrow_mut()?;
-        let plan =
-            self.run_measured(py, CacheManager::scheduled_tokens, CacheManager::build_plan)?;
+        // The core refills the plan kept in the buffers (no allocation once it is large enough).
+        let mut scratch = target.take_scratch();
+        let plan = self.run_measured(py, CacheManager::scheduled_tokens, move |m| {
+            m.build_plan_into(&mut scratch).map(|()| scratch)
+        })?;
         let step_id = plan.step_id;
-        target.write(py, self.id, &plan).inspect_err(|_| {
+        let written = target.write(py, self.id, &plan);
+        target.keep_scratch(plan);
+        written.inspect_err(|_| {
             // The engine never saw the plan: take it out of flight again.
             let _ = self.run(py, move |m| m.abort_step(step_id));
         })?;

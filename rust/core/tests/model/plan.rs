@@ -31,7 +31,16 @@ impl Model {
         let usage = self.m.pool_usage();
         let stats = self.m.stats();
         let held = self.held()?;
-        let plan = self.m.build_plan().map_err(|e| format!("build_plan: {e}"))?;
+        let plan = if self.built.len() % 2 == 1 {
+            // A plan refilled in place must hold exactly what a fresh one would.
+            self.m
+                .build_plan_into(&mut self.reused_plan)
+                .map_err(|e| format!("build_plan: {e}"))?;
+            self.saw("plan refilled in place");
+            self.reused_plan.clone()
+        } else {
+            self.m.build_plan().map_err(|e| format!("build_plan: {e}"))?
+        };
         let ids = std::mem::take(&mut self.scheduled);
         ensure!(plan.seq_ids == ids, "plan rows {:?}, scheduled {ids:?}", plan.seq_ids);
         self.built.push(plan.step_id);

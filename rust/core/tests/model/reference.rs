@@ -144,6 +144,8 @@ pub(crate) struct Model {
     pub(crate) finished: BTreeMap<u64, Vec<u32>>,
     pub(crate) scheduled: Vec<u64>,
     pub(crate) in_flight: Option<StepPlan>,
+    /// Every other plan is built into this one, refilled each time (`build_plan_into`).
+    pub(crate) reused_plan: StepPlan,
     pub(crate) built: Vec<u64>,
     pub(crate) next_id: u64,
     pub(crate) next_token: u32,
@@ -178,6 +180,7 @@ impl Model {
             finished: BTreeMap::new(),
             scheduled: Vec::new(),
             in_flight: None,
+            reused_plan: StepPlan::default(),
             built: Vec::new(),
             next_id: 1,
             next_token: FIRST_FRESH_TOKEN,
