@@ -29,9 +29,10 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 from vs_vllm_workloads import Request, Workload
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     import prefixcache as pc
 
 perf_counter = time.perf_counter
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -358,10 +360,48 @@ class PrefixcacheBackend(Backend):
         self.reuse = config.reuse
         # The engine's persistent plan arrays (`build_plan_into` writes each step there).
         self.plan = pc.PlanBuffers(rows=workload.shape.max_running)
+        self.block_arrays = BlockArrays()
+        self.in_flight = False
+        self.pending: dict[int, int] = {}
+        self.decodes: np.ndarray | None = None
         self.added: set[int] = set()
         self.steps_with_plan = 0
 
+    # An engine's decode step is one call, `decode_step`: it commits the previous step (kept
+    # in flight until then), appends the tokens sampled from it, schedules one token of each
+    # sequence and writes the plan into the buffers. The loop reports the step's parts
+    # separately, so the backend defers them: sampled tokens wait in `pending` and the
+    # decodes in `decodes`; a step that only decodes the sequences that sampled makes the one
+    # call in `end_step`. Anything else (an admission, a prefill chunk, a finish) first makes
+    # the deferred calls separately (`flush`), as an engine would.
+
+    def _timed(self, name: str, call: Callable[[], T]) -> T:
+        t0 = perf_counter()
+        result = call()
+        self.seconds[name] += perf_counter() - t0
+        self.calls[name] += 1
+        return result
+
+    def flush(self) -> None:
+        """Commits the step in flight, appends the pending tokens, schedules the decodes."""
+        manager = self.manager
+        if self.in_flight:
+            self._timed("commit", lambda: manager.commit(self.plan))
+            self.in_flight = False
+        if self.pending:
+            ids = np.fromiter(self.pending, dtype=np.int64, count=len(self.pending))
+            values = np.fromiter(self.pending.values(), dtype=np.uint32, count=len(ids))
+            self._timed("append_batch", lambda: manager.append_batch(ids, values))
+            self.pending = {}
+        if self.decodes is not None:
+            decodes = self.decodes
+            scheduled = self._timed("schedule_tokens", lambda: manager.schedule_tokens(decodes, 1))
+            self.decodes = None
+            if (scheduled < 0).any():
+                raise RuntimeError("prefixcache ran out of blocks: the pool is sized too small")
+
     def admit(self, request: Request, budget: int) -> tuple[int, int] | None:
+        self.flush()
         manager = self.manager
         seconds = self.seconds
         rid = request.request_id
@@ -386,6 +426,7 @@ class PrefixcacheBackend(Backend):
         return scheduled.num_computed, scheduled.num_tokens
 
     def schedule_prefill(self, request: Request, budget: int) -> int:
+        self.flush()
         t0 = perf_counter()
         scheduled = self.manager.schedule(request.request_id, budget)
         self.seconds["schedule"] += perf_counter() - t0
@@ -396,41 +437,35 @@ class PrefixcacheBackend(Backend):
 
     def schedule_decodes(self, requests: list[Request]) -> None:
         ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
-        t0 = perf_counter()
-        scheduled = self.manager.schedule_tokens(ids, 1)
-        self.seconds["schedule_tokens"] += perf_counter() - t0
-        self.calls["schedule_tokens"] += 1
-        if (scheduled < 0).any():
-            raise RuntimeError("prefixcache ran out of blocks: the pool is sized too small")
+        if self.pending.keys() != set(ids.tolist()):
+            self.flush()
+        self.decodes = ids
 
     def end_step(self, scheduled: list[tuple[Request, int]]) -> None:
         if not scheduled:
             return
         manager = self.manager
-        seconds = self.seconds
-        t0 = perf_counter()
-        manager.build_plan_into(self.plan)
-        t1 = perf_counter()
-        read_block_arrays(self.plan)
-        t2 = perf_counter()
-        manager.commit(self.plan)
-        t3 = perf_counter()
-        seconds["build_plan"] += t1 - t0
-        seconds["read_plan"] += t2 - t1
-        seconds["commit"] += t3 - t2
-        self.calls["build_plan"] += 1
-        self.calls["read_plan"] += 1
-        self.calls["commit"] += 1
+        if self.decodes is not None and self.pending:
+            # A step of decodes only, of the sequences that sampled: one call.
+            ids = self.decodes
+            tokens = np.fromiter(
+                (self.pending[i] for i in ids.tolist()), dtype=np.uint32, count=len(ids)
+            )
+            got = self._timed("decode_step", lambda: manager.decode_step(self.plan, ids, tokens))
+            self.pending, self.decodes = {}, None
+            if (got < 0).any():
+                raise RuntimeError("prefixcache ran out of blocks: the pool is sized too small")
+        else:
+            self.flush()
+            self._timed("build_plan", lambda: manager.build_plan_into(self.plan))
+        self.in_flight = True
+        self._timed("read_plan", lambda: self.block_arrays.read(self.plan))
 
     def append(self, requests: list[Request], tokens: list[int]) -> None:
-        ids = np.fromiter((r.request_id for r in requests), dtype=np.int64, count=len(requests))
-        values = np.asarray(tokens, dtype=np.uint32)
-        t0 = perf_counter()
-        self.manager.append_batch(ids, values)
-        self.seconds["append_batch"] += perf_counter() - t0
-        self.calls["append_batch"] += 1
+        self.pending.update(zip((r.request_id for r in requests), tokens, strict=True))
 
     def finish(self, request: Request) -> None:
+        self.flush()
         t0 = perf_counter()
         self.manager.finish(request.request_id)
         self.seconds["finish"] += perf_counter() - t0
@@ -438,18 +473,32 @@ class PrefixcacheBackend(Backend):
         self.added.discard(request.request_id)
 
 
-def read_block_arrays(plan: pc.PlanBuffers) -> list[object]:
-    """The plan values that name blocks, what vLLM's scheduler takes from its manager as block
-    ids: copies, block-table updates and state slots, with their counts. The rest (slot
-    mapping, query starts, positions, checkpoint offsets) is what vLLM's model runner derives
-    itself, outside its manager."""
-    values: list[object] = [plan.num_rows, plan.num_copies, plan.copies]
-    for paged in plan.paged:
-        values += (paged.num_appended, paged.appended, paged.num_replaced, paged.replaced)
-    for state in plan.state:
-        values += (state.running_slot, state.initial_slot, state.max_checkpoints)
-        values += (state.checkpoint_slots, state.num_snapshots, state.snapshots)
-    return values
+class BlockArrays:
+    """What an engine takes from `PlanBuffers` each step, as vLLM's scheduler takes block ids
+    from its manager: the counts of the arrays that name blocks (copies, block-table updates,
+    state slots and snapshots), with the arrays themselves kept and fetched again only when
+    the buffers say one was replaced (`generation`). The rest of the plan (slot mapping, query
+    starts, positions, checkpoint offsets) is what vLLM's model runner derives itself."""
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.arrays: list[object] = []
+
+    def read(self, plan: pc.PlanBuffers) -> list[int]:
+        if plan.generation != self.generation:
+            self.generation = plan.generation
+            self.arrays = [plan.copies]
+            for paged in plan.paged:
+                self.arrays += (paged.appended, paged.replaced)
+            for state in plan.state:
+                self.arrays += (state.running_slot, state.initial_slot, state.checkpoint_slots)
+                self.arrays.append(state.snapshots)
+        counts = [plan.num_rows, plan.num_copies]
+        for paged in plan.paged:
+            counts += (paged.num_appended, paged.num_replaced)
+        for state in plan.state:
+            counts += (state.max_checkpoints, state.num_snapshots)
+        return counts
 
 
 def make_backend(side: str, config: ManagerConfig, workload: Workload) -> Backend:

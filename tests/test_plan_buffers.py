@@ -106,6 +106,8 @@ def test_arrays_persist_across_steps_and_grow_when_needed() -> None:
         mgr.add(seq, list(range(seq, seq + 40)))
     mgr.schedule_tokens([0, 1], 40)
     mgr.build_plan_into(buffers)
+    generation = buffers.generation
+    assert generation > 0  # the first plan laid out the groups' parts
     seq_ids, paged = buffers.seq_ids, buffers.paged
     slots = buffers.state[0].running_slot
     mgr.commit(buffers)
@@ -114,7 +116,7 @@ def test_arrays_persist_across_steps_and_grow_when_needed() -> None:
     mgr.build_plan_into(buffers)
     # Same objects, new values: nothing is made for a step that fits.
     assert buffers.seq_ids is seq_ids and buffers.paged is paged
-    assert buffers.state[0].running_slot is slots
+    assert buffers.state[0].running_slot is slots and buffers.generation == generation
     assert buffers.num_rows == 2 and buffers.num_tokens == 2
     assert buffers.num_scheduled[:2].tolist() == [1, 1]
     mgr.commit(buffers)
@@ -125,7 +127,7 @@ def test_arrays_persist_across_steps_and_grow_when_needed() -> None:
     mgr.build_plan_into(buffers)
     # Five rows do not fit two: the row arrays were replaced by larger ones.
     assert buffers.num_rows == 5 and len(buffers.seq_ids) >= 5
-    assert buffers.seq_ids is not seq_ids
+    assert buffers.seq_ids is not seq_ids and buffers.generation > generation
     assert buffers.seq_ids[:5].tolist() == [0, 1, 2, 3, 4]
     mgr.abort(buffers)
     assert [mgr.num_computed(s) for s in range(5)] == [41, 41, 0, 0, 0]
@@ -154,4 +156,68 @@ def test_bad_uses_of_buffers_are_refused() -> None:
         mgr.commit(buffers)
     assert "rows=1, tokens=40" in repr(buffers)
     assert "num_appended=2" in repr(buffers.paged[0])
+    mgr.check_invariants()
+
+
+def test_decode_step_equals_the_four_calls() -> None:
+    """`decode_step` against commit + append_batch + schedule_tokens + build_plan on a twin,
+    through a pool that runs out (a -1) and sequences finishing between steps."""
+    explicit, fused = (
+        pc.CacheManager(hybrid_config(num_blocks=10, state_blocks=64, alignment=8))
+        for _ in range(2)
+    )
+    buffers = pc.PlanBuffers(rows=1)
+    for mgr in (explicit, fused):
+        for seq in range(4):
+            mgr.add(seq, [seq % 3] * 60 + [seq])
+        mgr.schedule_tokens([0, 1, 2, 3], 100)
+    plan = explicit.build_plan()
+    fused.build_plan_into(buffers)
+    assert_same_plan(plan, buffers)
+    live = [0, 1, 2, 3]
+    saw_refusal = False
+    for step in range(40):
+        tokens = [(seq + step) % 50 for seq in live]
+        explicit.commit(plan)
+        explicit.append_batch(live, tokens)
+        expected = explicit.schedule_tokens(live, 1)
+        plan = explicit.build_plan()
+        got = fused.decode_step(buffers, np.array(live, dtype=np.int64), tokens)
+        assert got.dtype == np.int32 and got.tolist() == expected.tolist()
+        assert_same_plan(plan, buffers)
+        saw_refusal |= -1 in got.tolist()
+        if step % 10 == 9:  # the oldest finishes: commit it first, then finish it
+            explicit.commit(plan)
+            fused.commit(buffers)
+            for mgr in (explicit, fused):
+                mgr.finish(live[0])
+            live.pop(0)
+            plan = explicit.build_plan()
+            fused.build_plan_into(buffers)
+    assert saw_refusal  # 9 usable blocks of 32 tokens cannot hold four growing sequences
+    for mgr in (explicit, fused):
+        mgr.check_invariants()
+    assert [explicit.num_tokens(s) for s in live] == [fused.num_tokens(s) for s in live]
+
+
+def test_decode_step_checks_before_changing_anything() -> None:
+    mgr = pc.CacheManager(hybrid_config())
+    buffers = pc.PlanBuffers()
+    for seq in range(2):
+        mgr.add(seq, list(range(seq, seq + 40)))
+    mgr.schedule_tokens([0, 1], 100)
+    mgr.build_plan_into(buffers)
+    with pytest.raises(pc.InvalidRequestError, match="2 sequence ids but 1 tokens"):
+        mgr.decode_step(buffers, [0, 1], [5])
+    # The commit of the step in flight happened and stands; nothing was appended.
+    assert mgr.plan_in_flight is None and [mgr.num_tokens(s) for s in (0, 1)] == [40, 40]
+    with pytest.raises(pc.StepError, match="appears twice"):
+        mgr.decode_step(buffers, [0, 0], [5, 6])
+    with pytest.raises(pc.UnknownSequenceError):
+        mgr.decode_step(buffers, [0, 9], [5, 6])
+    assert [mgr.num_tokens(s) for s in (0, 1)] == [40, 40]
+    assert mgr.decode_step(buffers, [1, 0], [5, 6]).tolist() == [1, 1]
+    assert buffers.seq_ids[:2].tolist() == [1, 0] and buffers.num_tokens == 2
+    with pytest.raises(pc.StepError, match="in flight"):
+        mgr.decode_step(pc.PlanBuffers(), [0], [1])  # the step in flight is not in these
     mgr.check_invariants()

@@ -375,6 +375,9 @@ class PlanBuffers:
     def num_copies(self) -> int:
         """K, the copy-on-write copies of this step."""
     @property
+    def generation(self) -> int:
+        """Changes whenever an array is replaced (grown): refresh kept arrays or tensors."""
+    @property
     def seq_ids(self) -> npt.NDArray[np.int64]:
         """`int64 [>= R]` the scheduled sequences, in schedule order."""
     @property
@@ -549,6 +552,12 @@ class CacheManager:
         """Builds the plan of every sequence scheduled since the last plan."""
     def build_plan_into(self, buffers: PlanBuffers) -> int:
         """`build_plan` written into persistent `buffers`; returns the step id."""
+    def decode_step(
+        self, buffers: PlanBuffers, seq_ids: _Ints, tokens: _Ints
+    ) -> npt.NDArray[np.int32]:
+        """Commits the step `buffers` hold, appends one token to each sequence, schedules one
+        token of each and writes the plan into `buffers`: tokens scheduled, -1 when out of
+        blocks."""
     def commit(self, plan: StepPlan | PlanBuffers) -> None:
         """Publishes what the plan's step wrote and advances every sequence in it."""
     def abort(self, plan: StepPlan | PlanBuffers) -> None:

@@ -440,7 +440,7 @@ impl CacheManager {
         Ok(())
     }
 
-    fn append_slot(&mut self, slot: usize, tokens: &[u32]) -> Result<()> {
+    pub(crate) fn append_slot(&mut self, slot: usize, tokens: &[u32]) -> Result<()> {
         let unit = self.unit;
         let seq = self.seqs[slot].as_mut().ok_or(CacheError::invalid("stale slot"))?;
         if seq.tokens.len() + tokens.len() > MAX_SEQUENCE_TOKENS {

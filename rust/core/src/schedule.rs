@@ -9,7 +9,8 @@
 
 use crate::error::{CacheError, Result};
 use crate::hit::Hit;
-use crate::manager::{CacheManager, GroupRuntime};
+use crate::manager::{CacheManager, GroupRuntime, MAX_SEQUENCE_TOKENS};
+use crate::plan::StepPlan;
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
 use crate::sequence::{GroupStep, PagedSeq, SeqGroup, StateSeq, StepRecord};
 
@@ -89,6 +90,65 @@ impl CacheManager {
             .zip(max_tokens)
             .map(|(slot, &budget)| self.schedule_slot(slot, budget, 0, exact))
             .collect())
+    }
+
+    /// An engine's decode step in one call: commits step `commit` (the plan in flight, when
+    /// given), appends `tokens[i]` to `seq_ids[i]`, schedules one token of each and builds the
+    /// plan of everything scheduled into `plan` (see `build_plan_into`). Results are in input
+    /// order (`None`: the pools could not supply the sequence's block; it is not in the plan).
+    ///
+    /// The commit happens first and stands even if the rest is refused; the rest is checked
+    /// before any of it changes anything (lengths, known and distinct ids, none already
+    /// scheduled, the token limit).
+    pub fn decode_step(
+        &mut self,
+        commit: Option<u64>,
+        seq_ids: &[u64],
+        tokens: &[u32],
+        plan: &mut StepPlan,
+    ) -> Result<Vec<Option<Scheduled>>> {
+        if let Some(step_id) = commit {
+            self.commit_step(step_id)?;
+        }
+        self.refuse_in_flight("decode_step")?;
+        if seq_ids.len() != tokens.len() {
+            return Err(CacheError::invalid(format!(
+                "decode_step got {} sequence ids but {} tokens: give one token per sequence",
+                seq_ids.len(),
+                tokens.len()
+            )));
+        }
+        let mut slots = Vec::with_capacity(seq_ids.len());
+        for &id in seq_ids {
+            let slot = self.slot(id)?;
+            let seq = self.seq(slot);
+            if seq.step.is_some() {
+                return Err(CacheError::step(format!(
+                    "sequence {id} is already scheduled for the next plan: build and commit it first"
+                )));
+            }
+            if seq.tokens.len() >= MAX_SEQUENCE_TOKENS {
+                return Err(CacheError::invalid(format!(
+                    "appending a token to sequence {id} would exceed {MAX_SEQUENCE_TOKENS} tokens"
+                )));
+            }
+            slots.push(slot);
+        }
+        let mut sorted = slots.clone();
+        sorted.sort_unstable();
+        if let Some(pair) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            let id = self.seq(pair[0]).id;
+            return Err(CacheError::step(format!(
+                "sequence {id} appears twice in one decode_step"
+            )));
+        }
+        for (&slot, token) in slots.iter().zip(tokens) {
+            self.append_slot(slot, std::slice::from_ref(token))?;
+        }
+        let scheduled =
+            slots.into_iter().map(|slot| self.schedule_slot(slot, 1, 0, false)).collect();
+        self.build_plan_into(plan)?;
+        Ok(scheduled)
     }
 
     fn check_schedulable(&self, slot: usize, lookahead: u32) -> Result<()> {

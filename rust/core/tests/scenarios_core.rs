@@ -1166,3 +1166,39 @@ fn scheduled_tokens_counts_what_the_next_plan_will_hold() {
     h.schedule(1, 100);
     assert_eq!(h.m.scheduled_tokens(), 24);
 }
+
+#[test]
+fn decode_step_equals_commit_append_schedule_and_plan() {
+    // Decode tails every unit (U = 4): steps with and without snapshots, on a twin driven by
+    // the separate calls.
+    let (mut explicit, mut fused) = (Hybrid::default().harness(), Hybrid::default().harness());
+    let ids = [1u64, 2, 3];
+    for h in [&mut explicit, &mut fused] {
+        for &id in &ids {
+            h.add(id, &tokens(id as u32, 21));
+            h.schedule(id, ALL);
+        }
+    }
+    let mut plan = explicit.plan();
+    let mut kept = fused.plan();
+    assert_eq!(plan, kept);
+    for step in 0..12u32 {
+        let sampled: Vec<u32> = ids.iter().map(|&id| 1000 + step * 10 + id as u32).collect();
+        explicit.commit(&plan);
+        explicit.call(|m| m.append_batch(&ids, &sampled)).expect("append");
+        let expected = explicit.call(|m| m.schedule_batch(&ids, &[1; 3], false)).expect("schedule");
+        plan = explicit.plan();
+        let step_id = kept.step_id;
+        let got = fused
+            .call(|m| m.decode_step(Some(step_id), &ids, &sampled, &mut kept))
+            .expect("decode_step");
+        assert_eq!(got, expected);
+        assert_eq!(kept, plan, "step {step}");
+    }
+    // Refused before anything changes (after the commit, which stands).
+    let step_id = kept.step_id;
+    let before = fused.m.num_tokens(1);
+    let twice = fused.call(|m| m.decode_step(Some(step_id), &[1, 1], &[5, 6], &mut kept));
+    assert!(matches!(twice, Err(CacheError::Step { .. })), "{twice:?}");
+    assert_eq!((fused.m.plan_in_flight(), fused.m.num_tokens(1)), (None, before));
+}

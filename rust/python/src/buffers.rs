@@ -6,7 +6,8 @@
 //! a step unless a buffer has to grow (then that array is replaced by one twice as large). The
 //! arrays are sized for the largest step seen so far; each step's values are their leading
 //! rows, counted by `num_rows`, `num_copies`, `num_appended`, ... Values past the counts are
-//! left from earlier steps.
+//! left from earlier steps. `generation` changes when an array is replaced, so an engine can
+//! keep the arrays (or torch tensors over them) and refresh them only then.
 
 use numpy::prelude::*;
 use numpy::{Element, PyArray1, PyArray2};
@@ -36,10 +37,12 @@ impl<T: Element + Copy + Default> Buffer<T> {
     }
 
     /// Writes `data`, `rows` rows of `columns` values (`columns == 0`: a vector of `rows`),
-    /// into the leading rows, growing the array first if it is too small.
-    fn write(&mut self, py: Python<'_>, data: &[T], rows: usize, columns: usize) -> PyResult<()> {
+    /// into the leading rows, growing the array first if it is too small. Returns whether the
+    /// array was replaced by a larger one.
+    fn write(&mut self, py: Python<'_>, data: &[T], rows: usize, columns: usize) -> PyResult<bool> {
         let fixed = self.columns;
-        if rows > self.rows || columns > fixed || (fixed == 0 && columns != 0) {
+        let grow = rows > self.rows || columns > fixed || (fixed == 0 && columns != 0);
+        if grow {
             let grown_rows = if rows > self.rows { rows.max(2 * self.rows) } else { self.rows };
             let grown_columns = if fixed == 0 { 0 } else { columns.max(fixed) };
             *self = Self::new(py, grown_rows, grown_columns);
@@ -72,7 +75,7 @@ impl<T: Element + Copy + Default> Buffer<T> {
                 slice[row * stride..row * stride + width].copy_from_slice(values);
             }
         }
-        Ok(())
+        Ok(grow)
     }
 
     fn get(&self, py: Python<'_>) -> Py<PyAny> {
@@ -109,12 +112,14 @@ impl PyPagedGroupBuffers {
         }
     }
 
-    fn write(&mut self, py: Python<'_>, plan: &PagedGroupPlan) -> PyResult<()> {
+    /// Writes the group's part; whether an array grew.
+    fn write(&mut self, py: Python<'_>, plan: &PagedGroupPlan) -> PyResult<bool> {
         self.num_appended = plan.appended.len() / 3;
         self.num_replaced = plan.replaced.len() / 3;
-        self.appended.write(py, &plan.appended, self.num_appended, 3)?;
-        self.replaced.write(py, &plan.replaced, self.num_replaced, 3)?;
-        self.slot_mapping.write(py, &plan.slot_mapping, plan.slot_mapping.len(), 0)
+        let mut grew = self.appended.write(py, &plan.appended, self.num_appended, 3)?;
+        grew |= self.replaced.write(py, &plan.replaced, self.num_replaced, 3)?;
+        grew |= self.slot_mapping.write(py, &plan.slot_mapping, plan.slot_mapping.len(), 0)?;
+        Ok(grew)
     }
 }
 
@@ -179,18 +184,20 @@ impl PyStateGroupBuffers {
         }
     }
 
-    fn write(&mut self, py: Python<'_>, plan: &StateGroupPlan) -> PyResult<()> {
+    /// Writes the group's part; whether an array grew.
+    fn write(&mut self, py: Python<'_>, plan: &StateGroupPlan) -> PyResult<bool> {
         let rows = plan.running_slot.len();
         self.max_checkpoints = plan.max_checkpoints;
         self.num_snapshots = plan.snapshots.len() / 2;
-        self.running_slot.write(py, &plan.running_slot, rows, 0)?;
-        self.initial_slot.write(py, &plan.initial_slot, rows, 0)?;
+        let mut grew = self.running_slot.write(py, &plan.running_slot, rows, 0)?;
+        grew |= self.initial_slot.write(py, &plan.initial_slot, rows, 0)?;
         if plan.max_checkpoints > 0 {
             let c = plan.max_checkpoints;
-            self.checkpoint_offsets.write(py, &plan.checkpoint_offsets, rows, c)?;
-            self.checkpoint_slots.write(py, &plan.checkpoint_slots, rows, c)?;
+            grew |= self.checkpoint_offsets.write(py, &plan.checkpoint_offsets, rows, c)?;
+            grew |= self.checkpoint_slots.write(py, &plan.checkpoint_slots, rows, c)?;
         }
-        self.snapshots.write(py, &plan.snapshots, self.num_snapshots, 2)
+        grew |= self.snapshots.write(py, &plan.snapshots, self.num_snapshots, 2)?;
+        Ok(grew)
     }
 }
 
@@ -256,6 +263,11 @@ pub struct PyPlanBuffers {
     /// K, the copy-on-write copies of this step.
     #[pyo3(get)]
     num_copies: usize,
+    /// Changes whenever an array (or a group's part) is replaced: an engine that keeps the
+    /// arrays, or tensors made from them, refreshes them when it differs from the last value
+    /// it saw.
+    #[pyo3(get)]
+    generation: u64,
     capacity_rows: usize,
     seq_ids: Buffer<i64>,
     query_start_loc: Buffer<i32>,
@@ -320,17 +332,21 @@ impl PyPlanBuffers {
         let rows = plan.num_rows();
         self.ids.clear();
         self.ids.extend(plan.seq_ids.iter().map(|&id| id as i64));
-        self.seq_ids.write(py, &self.ids, rows, 0)?;
-        self.query_start_loc.write(py, &plan.query_start_loc, rows + 1, 0)?;
-        self.num_computed.write(py, &plan.num_computed, rows, 0)?;
-        self.num_scheduled.write(py, &plan.num_scheduled, rows, 0)?;
+        let mut grew = shape_changed;
+        grew |= self.seq_ids.write(py, &self.ids, rows, 0)?;
+        grew |= self.query_start_loc.write(py, &plan.query_start_loc, rows + 1, 0)?;
+        grew |= self.num_computed.write(py, &plan.num_computed, rows, 0)?;
+        grew |= self.num_scheduled.write(py, &plan.num_scheduled, rows, 0)?;
         self.num_copies = plan.copies.len() / 4;
-        self.copies.write(py, &plan.copies, self.num_copies, 4)?;
+        grew |= self.copies.write(py, &plan.copies, self.num_copies, 4)?;
         for (buffers, part) in self.paged.iter().zip(&plan.paged) {
-            buffers.borrow_mut(py).write(py, part)?;
+            grew |= buffers.borrow_mut(py).write(py, part)?;
         }
         for (buffers, part) in self.state.iter().zip(&plan.state) {
-            buffers.borrow_mut(py).write(py, part)?;
+            grew |= buffers.borrow_mut(py).write(py, part)?;
+        }
+        if grew {
+            self.generation += 1;
         }
         self.capacity_rows = self.capacity_rows.max(rows);
         self.num_rows = rows;
@@ -357,6 +373,7 @@ impl PyPlanBuffers {
             num_rows: 0,
             num_tokens: 0,
             num_copies: 0,
+            generation: 0,
             capacity_rows: rows,
             seq_ids: Buffer::new(py, rows, 0),
             query_start_loc: Buffer::new(py, rows + 1, 0),

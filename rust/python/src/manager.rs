@@ -63,6 +63,11 @@ fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     convert::int_sequence(obj, "seq_ids", MAX_SEQ_ID, usize::MAX)
 }
 
+/// A schedule result as `schedule_tokens` reports it: the tokens, or -1 (out of blocks).
+fn scheduled_tokens(result: Option<&Scheduled>) -> i32 {
+    result.map_or(-1, |s| i32::try_from(s.num_tokens).unwrap_or(i32::MAX))
+}
+
 fn u32_or(obj: Option<&Bound<'_, PyAny>>, what: &str, default: u32) -> PyResult<u32> {
     obj.filter(|o| !o.is_none()).map_or(Ok(default), |o| u32_arg(o, what, Domain::Request))
 }
@@ -332,11 +337,10 @@ impl PyCacheManager {
         exact: bool,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let results = self.schedule_many(seq_ids, max_tokens, exact)?;
-        let tokens: Vec<i32> = results
-            .iter()
-            .map(|s| s.as_ref().map_or(-1, |s| i32::try_from(s.num_tokens).unwrap_or(i32::MAX)))
-            .collect();
-        Ok(PyArray1::from_vec(seq_ids.py(), tokens))
+        Ok(PyArray1::from_iter(
+            seq_ids.py(),
+            results.iter().map(Option::as_ref).map(scheduled_tokens),
+        ))
     }
 
     /// Asks for a checkpoint at absolute `position` in the chunk scheduled for the next plan;
@@ -394,6 +398,42 @@ impl PyCacheManager {
             let _ = self.run(py, move |m| m.abort_step(step_id));
         })?;
         Ok(step_id)
+    }
+
+    /// An engine's decode step in one call: commits the step `buffers` hold when it is the
+    /// plan in flight, appends `tokens[i]` (the token sampled for it) to `seq_ids[i]`,
+    /// schedules one token of each and writes the plan of everything scheduled into
+    /// `buffers`. Returns `int32 [N]` in input order: the tokens scheduled (1; 0 for a
+    /// sequence still prefilling whose next token is not on the chunk grid), -1 where the
+    /// pools could not supply the sequence's block (it is not in the plan).
+    ///
+    /// The commit happens first and stands even if the rest is refused; the rest is checked
+    /// before any of it changes anything. A sequence that finished with the committed step is
+    /// left out of `seq_ids` and finished afterwards.
+    fn decode_step<'py>(
+        &self,
+        buffers: &Bound<'py, PyPlanBuffers>,
+        seq_ids: &Bound<'py, PyAny>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let py = buffers.py();
+        let ids = self::seq_ids(seq_ids)?;
+        let tokens = convert::tokens(tokens, "tokens")?;
+        let mut target = buffers.try_borrow_mut()?;
+        let held = target.step_id().filter(|_| target.manager_id == self.id);
+        let mut scratch = target.take_scratch();
+        let (scheduled, plan) = self.run_sized(py, ids.len(), move |m| {
+            let commit = held.filter(|&step| m.plan_in_flight() == Some(step));
+            let scheduled = m.decode_step(commit, &ids, &tokens, &mut scratch)?;
+            Ok((scheduled, scratch))
+        })?;
+        let step_id = plan.step_id;
+        let written = target.write(py, self.id, &plan);
+        target.keep_scratch(plan);
+        written.inspect_err(|_| {
+            let _ = self.run(py, move |m| m.abort_step(step_id));
+        })?;
+        Ok(PyArray1::from_iter(py, scheduled.iter().map(Option::as_ref).map(scheduled_tokens)))
     }
 
     /// Publishes what the plan's step wrote and advances every sequence in it. `plan`: the
