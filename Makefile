@@ -26,8 +26,10 @@ test: test-rust test-python
 bench:
 	cargo bench -p prefixcache-core
 
+# OPENBLAS_NUM_THREADS=1: NumPy's OpenBLAS otherwise keeps a worker thread spinning after a
+# BLAS call, which takes a core of these 2-core machines from the timed loop.
 bench-python: install
-	$(PYTHON) benchmarks/bindings.py
+	OPENBLAS_NUM_THREADS=1 $(PYTHON) benchmarks/bindings.py
 
 # Side by side with vLLM 0.33.0's KVCacheManager (docs/BENCHMARKS.md). vLLM (~10 GB) lives in
 # its own virtual environment, never a dependency of the project; prefixcache is installed
@@ -45,7 +47,7 @@ $(VLLM_VENV)/.vllm-installed:
 .PHONY: bench-vllm
 bench-vllm: $(VLLM_VENV)/.vllm-installed
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps .
-	PYTHONHASHSEED=0 $(NICE) $(VLLM_VENV)/bin/python benchmarks/vs_vllm.py $(VS_VLLM_ARGS)
+	PYTHONHASHSEED=0 OPENBLAS_NUM_THREADS=1 $(NICE) $(VLLM_VENV)/bin/python benchmarks/vs_vllm.py $(VS_VLLM_ARGS)
 
 lint: install
 	cargo fmt --all -- --check

@@ -107,6 +107,7 @@ HYBRID_ROWS = 8
 HYBRID_CALLS = (
     "step",
     "step_into_buffers",
+    "decode_step",
     "append_batch",
     "schedule_tokens",
     "schedule_batch",
@@ -123,7 +124,8 @@ def bench_hybrid_decode(call: str, steps: int) -> list[float]:
     which the step does not include). Decodes are scheduled with ``schedule_tokens``, except
     for the "schedule_batch" row, which times the call that returns ``Scheduled`` objects;
     "step_into_buffers" is the step with the plan written into persistent ``PlanBuffers``
-    (``build_plan_into``) instead of a new ``StepPlan``."""
+    (``build_plan_into``) instead of a new ``StepPlan``; "decode_step" is the whole step as
+    one call (commit of the previous step included)."""
     pools = [pc.PoolConfig(HYBRID_ROWS * 16 + 64), pc.PoolConfig(16 * HYBRID_ROWS + 1024)]
     groups: list[pc.Group] = [
         pc.FullAttention(block_size=1536, pool=0),
@@ -143,6 +145,12 @@ def bench_hybrid_decode(call: str, steps: int) -> list[float]:
     times = []
     for step in range(steps):
         sampled = ((ids + step) % 150_000).astype(np.uint32)
+        if call == "decode_step":  # the whole step, commit of the previous one included
+            t0 = time.perf_counter_ns()
+            scheduled = mgr.decode_step(buffers, ids, sampled).tolist()
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+            assert scheduled == [1] * HYBRID_ROWS
+            continue
         t0 = time.perf_counter_ns()
         mgr.append_batch(ids, sampled)
         t1 = time.perf_counter_ns()
@@ -177,6 +185,8 @@ def bench_hybrid_decode(call: str, steps: int) -> list[float]:
         }
         times.append(spans[call] / 1e3)
         assert scheduled == [1] * HYBRID_ROWS
+    if mgr.plan_in_flight is not None:
+        mgr.commit(buffers)
     mgr.check_invariants()
     return times[steps // 10 :]
 
@@ -274,7 +284,7 @@ def main() -> None:
             (
                 f"hybrid decode 8 x 20K: {call}",
                 partial(bench_hybrid_decode, call, args.steps),
-                "hybrid decode 8 x 20K: step" if call.startswith("step") else "",
+                "hybrid decode 8 x 20K: decode_step" if call == "decode_step" else "",
             )
             for call in HYBRID_CALLS
         ],

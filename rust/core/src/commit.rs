@@ -137,6 +137,7 @@ impl CacheManager {
         }
         seq.groups = groups;
         seq.num_computed = end;
+        seq.recycle_step(step.groups);
         self.seqs[slot] = Some(seq);
     }
 
@@ -282,6 +283,7 @@ impl CacheManager {
             seq.junction = None;
             self.started -= 1;
         }
+        seq.recycle_step(step.groups);
         self.seqs[slot] = Some(seq);
     }
 }

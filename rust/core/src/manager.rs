@@ -299,6 +299,7 @@ impl CacheManager {
             step: None,
             hint_chains,
             last_hit: None,
+            spare_step: Vec::new(),
         };
         let slot = if let Some(slot) = self.free_slots.pop() {
             self.seqs[slot] = Some(seq);

@@ -339,7 +339,8 @@ impl CacheManager {
         end: u32,
         admissions: Option<Vec<GroupAdmission>>,
     ) -> Vec<GroupStep> {
-        let mut steps = Vec::with_capacity(self.groups.len());
+        let mut steps = std::mem::take(&mut self.seq_mut(slot).spare_step);
+        steps.reserve(self.groups.len());
         // Every group's hit is pinned before any group allocates: groups may share a pool, and
         // an allocation must not evict a block another group is about to resume from.
         for (g, a) in admissions.iter().flatten().enumerate() {

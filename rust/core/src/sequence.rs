@@ -127,11 +127,20 @@ pub(crate) struct Sequence {
     pub hint_chains: Vec<Vec<BlockId>>,
     /// The chosen full-attention chains ride along (see `compute_hit_with_chains`).
     pub last_hit: Option<(u64, Hit, Vec<Vec<BlockId>>)>,
+    /// The per-group step vector of the last committed or undone step, emptied, for the next
+    /// schedule to fill (a decode step then allocates nothing for it).
+    pub spare_step: Vec<GroupStep>,
 }
 
 impl Sequence {
     pub fn num_tokens(&self) -> u32 {
         self.tokens.len() as u32
+    }
+
+    /// Keeps a finished step's group vector for the next schedule.
+    pub fn recycle_step(&mut self, mut groups: Vec<GroupStep>) {
+        groups.clear();
+        self.spare_step = groups;
     }
 }
 

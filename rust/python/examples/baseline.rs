@@ -3,11 +3,16 @@
 //! read as core work plus crossing cost.
 //!
 //! Run: `cargo run --release -p prefixcache-python --example baseline`.
+//!
+//! `baseline decode N` / `baseline hybrid N` run only N steps of one decode case (and its
+//! set-up), for instruction counts: `valgrind --tool=callgrind` of N2 and N1 steps, the
+//! difference divided by N2 - N1, is the instructions of one step, a figure machine load does
+//! not move.
 use std::time::Instant;
 
 use prefixcache_core::{
     CacheConfig, CacheManager, ExtraKeys, GroupConfig, GroupKind, HashConfig, PoolConfig,
-    StateGroupConfig,
+    StateGroupConfig, StepPlan,
 };
 
 const CONTEXT: u32 = 164_000;
@@ -99,7 +104,8 @@ fn decode(state: bool, steps: u64) -> Vec<f64> {
 }
 
 /// `bindings.py`'s hybrid decode: 8 sequences of 20K tokens at B = 1536 / U = 128 with a
-/// state group (A = 64), one decode token each per step (the four calls of a step).
+/// state group (A = 64), one decode token each per step, as `decode_step` (commit the previous
+/// step, append, schedule, build into a kept plan).
 fn hybrid_decode(steps: u64) -> Vec<f64> {
     const HYBRID_ROWS: u32 = 8;
     let mut m =
@@ -113,16 +119,15 @@ fn hybrid_decode(steps: u64) -> Vec<f64> {
             m.commit(&plan).expect("commit");
         }
     }
-    let budgets = vec![1u32; ids.len()];
+    let mut plan = StepPlan::default();
+    let mut in_flight = None;
     let mut times = Vec::new();
     for step in 0..steps {
         let sampled: Vec<u32> = ids.iter().map(|&i| ((i + step) % 150_000) as u32).collect();
         let start = Instant::now();
-        m.append_batch(&ids, &sampled).expect("append");
-        let scheduled = m.schedule_batch(&ids, &budgets, false).expect("schedule");
-        let plan = m.build_plan().expect("plan");
-        m.commit(&plan).expect("commit");
+        let scheduled = m.decode_step(in_flight, &ids, &sampled, &mut plan).expect("step");
         times.push(start.elapsed().as_secs_f64() * 1e6);
+        in_flight = Some(plan.step_id);
         assert!(scheduled.iter().all(|s| s.as_ref().is_some_and(|s| s.num_tokens == 1)));
     }
     times.split_off(times.len() / 10)
@@ -148,10 +153,20 @@ fn admission(warm: bool, reps: u32) -> Vec<f64> {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [case, steps] = args.as_slice() {
+        let steps: u64 = steps.parse().expect("a number of steps");
+        match case.as_str() {
+            "decode" => drop(decode(false, steps)),
+            "hybrid" => drop(hybrid_decode(steps)),
+            other => panic!("unknown case {other:?}: decode or hybrid"),
+        }
+        return;
+    }
     println!("{:<40} {:>9} {:>9}  (microseconds)", "case (pure Rust)", "median", "min");
     report("decode step, 256 x 164K, B=16", decode(false, 500));
     report("decode step, 256 x 164K, B=16 + state", decode(true, 500));
-    report("hybrid decode 8 x 20K: step", hybrid_decode(2000));
+    report("hybrid decode 8 x 20K: decode_step", hybrid_decode(2000));
     report("admit 164K cold", admission(false, 31));
     report("admit 164K warm resend", admission(true, 31));
 }
