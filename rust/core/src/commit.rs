@@ -72,6 +72,9 @@ impl CacheManager {
     }
 
     fn commit_slot(&mut self, slot: usize) {
+        if self.commit_quiet_step(slot) {
+            return;
+        }
         let Some(mut seq) = self.seqs[slot].take() else {
             return;
         };
@@ -139,6 +142,50 @@ impl CacheManager {
         seq.num_computed = end;
         seq.recycle_step(step.groups);
         self.seqs[slot] = Some(seq);
+    }
+
+    /// Commits a step that publishes nothing (most decode steps: no unit boundary crossed, no
+    /// copy, no checkpoint, no sliding window) in place, without moving the sequence out of its
+    /// slot. Returns false, having changed nothing, for any other step.
+    fn commit_quiet_step(&mut self, slot: usize) -> bool {
+        let unit = self.unit;
+        let Some(seq) = self.seqs[slot].as_mut() else {
+            return false;
+        };
+        let Some(step) = &seq.step else {
+            return false;
+        };
+        let boundary = (step.start / unit + 1) * unit <= step.end;
+        let quiet = step.groups.iter().zip(&self.groups).all(|(group_step, runtime)| {
+            match (group_step, runtime) {
+                (GroupStep::Paged { cow, .. }, GroupRuntime::FullAttention { .. }) => {
+                    cow.is_none() && !boundary
+                }
+                (GroupStep::State { interior, snapshot }, GroupRuntime::State { .. }) => {
+                    interior.is_empty() && snapshot.is_none()
+                }
+                _ => false,
+            }
+        });
+        if !quiet {
+            return false;
+        }
+        let Some(step) = seq.step.take() else {
+            return false;
+        };
+        for (runtime, group) in self.groups.iter().zip(seq.groups.iter_mut()) {
+            if let SeqGroup::State(state) = group {
+                let written = usize::from(state.current == Some(0));
+                state.current = Some(written);
+                if state.resume != NULL_BLOCK {
+                    self.pools[runtime.pool()].decref(state.resume, LruEnd::MostRecent);
+                    state.resume = NULL_BLOCK;
+                }
+            }
+        }
+        seq.num_computed = step.end;
+        seq.recycle_step(step.groups);
+        true
     }
 
     /// Keys `block` of paged group `g` at every unit boundary in `(from, to]`.

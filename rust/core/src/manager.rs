@@ -443,7 +443,7 @@ impl CacheManager {
 
     pub(crate) fn append_slot(&mut self, slot: usize, tokens: &[u32]) -> Result<()> {
         let unit = self.unit;
-        let seq = self.seqs[slot].as_mut().ok_or(CacheError::invalid("stale slot"))?;
+        let seq = self.seqs[slot].as_mut().ok_or_else(|| CacheError::invalid("stale slot"))?;
         if seq.tokens.len() + tokens.len() > MAX_SEQUENCE_TOKENS {
             return Err(CacheError::invalid(format!(
                 "appending {} tokens to sequence {} would exceed {MAX_SEQUENCE_TOKENS} tokens",

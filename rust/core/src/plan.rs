@@ -204,7 +204,8 @@ impl CacheManager {
         let alignment = self.chunk_alignment.max(alignment);
         let on_grid = |p: u32| p % unit == 0 && (p == end || (p - start) % alignment == 0);
         if position > start && position <= end && on_grid(position) {
-            let step = self.seq_mut(slot).step.as_mut().ok_or(CacheError::step("no step"))?;
+            let step =
+                self.seq_mut(slot).step.as_mut().ok_or_else(|| CacheError::step("no step"))?;
             if !step.requested.contains(&position) {
                 step.requested.push(position);
             }
