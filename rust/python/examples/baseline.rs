@@ -4,8 +4,8 @@
 //!
 //! Run: `cargo run --release -p prefixcache-python --example baseline`.
 //!
-//! `baseline decode N` / `baseline hybrid N` run only N steps of one decode case (and its
-//! set-up), for instruction counts: `valgrind --tool=callgrind` of N2 and N1 steps, the
+//! `baseline decode N` / `baseline hybrid N` / `baseline request N` run only N steps (requests)
+//! of one case (and its set-up), for instruction counts: `valgrind --tool=callgrind` of N2 and N1 steps, the
 //! difference divided by N2 - N1, is the instructions of one step, a figure machine load does
 //! not move.
 use std::time::Instant;
@@ -133,6 +133,22 @@ fn hybrid_decode(steps: u64) -> Vec<f64> {
     times.split_off(times.len() / 10)
 }
 
+/// The core bench's `request/4096_half_hit_b16`: a 4,096-token request whose first 2,048 tokens
+/// are cached, add + lookup + schedule + plan + commit + finish (each evicts the previous
+/// request's 128 new blocks once the pool is full).
+fn half_hit_requests(requests: u64) {
+    let prompt = tokens(7, 4096);
+    let mut m = manager(false, 4096, 0);
+    admit(&mut m, 1, &prompt[..2048], None);
+    for id in 10..10 + requests {
+        let mut request = prompt.clone();
+        for t in &mut request[2048..] {
+            *t ^= (id as u32) << 18;
+        }
+        assert_eq!(admit(&mut m, id, &request, None), 2048);
+    }
+}
+
 /// One long-lived manager, emptied by `reset` (untimed) between repetitions.
 fn admission(warm: bool, reps: u32) -> Vec<f64> {
     let mut m = manager(false, CONTEXT / 16 + 64, 0);
@@ -159,7 +175,8 @@ fn main() {
         match case.as_str() {
             "decode" => drop(decode(false, steps)),
             "hybrid" => drop(hybrid_decode(steps)),
-            other => panic!("unknown case {other:?}: decode or hybrid"),
+            "request" => half_hit_requests(steps),
+            other => panic!("unknown case {other:?}: decode, hybrid or request"),
         }
         return;
     }

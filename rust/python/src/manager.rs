@@ -421,8 +421,10 @@ impl PyCacheManager {
         let tokens = convert::tokens(tokens, "tokens")?;
         let mut target = buffers.try_borrow_mut()?;
         let held = target.step_id().filter(|_| target.manager_id == self.id);
+        // The step to commit may be a long prefill chunk: its tokens count as work too.
+        let work = ids.len() + held.map_or(0, |_| target.scheduled_tokens());
         let mut scratch = target.take_scratch();
-        let (scheduled, plan) = self.run_sized(py, ids.len(), move |m| {
+        let (scheduled, plan) = self.run_sized(py, work, move |m| {
             let commit = held.filter(|&step| m.plan_in_flight() == Some(step));
             let scheduled = m.decode_step(commit, &ids, &tokens, &mut scratch)?;
             Ok((scheduled, scratch))
