@@ -77,14 +77,7 @@ impl CacheManager {
             self.check_schedulable(slot, 0)?;
             slots.push(slot);
         }
-        let mut sorted = slots.clone();
-        sorted.sort_unstable();
-        if let Some(pair) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            let id = self.seq(pair[0]).id;
-            return Err(CacheError::step(format!(
-                "sequence {id} appears twice in one schedule_batch"
-            )));
-        }
+        self.refuse_repeats(&slots, "schedule_batch")?;
         Ok(slots
             .into_iter()
             .zip(max_tokens)
@@ -134,14 +127,7 @@ impl CacheManager {
             }
             slots.push(slot);
         }
-        let mut sorted = slots.clone();
-        sorted.sort_unstable();
-        if let Some(pair) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            let id = self.seq(pair[0]).id;
-            return Err(CacheError::step(format!(
-                "sequence {id} appears twice in one decode_step"
-            )));
-        }
+        self.refuse_repeats(&slots, "decode_step")?;
         for (&slot, token) in slots.iter().zip(tokens) {
             self.append_slot(slot, std::slice::from_ref(token))?;
         }
@@ -149,6 +135,19 @@ impl CacheManager {
             slots.into_iter().map(|slot| self.schedule_slot(slot, 1, 0, false)).collect();
         self.build_plan_into(plan)?;
         Ok(scheduled)
+    }
+
+    /// `StepError` naming a sequence that appears twice in one `call`.
+    fn refuse_repeats(&self, slots: &[usize], call: &str) -> Result<()> {
+        let mut sorted = slots.to_vec();
+        sorted.sort_unstable();
+        match sorted.windows(2).find(|w| w[0] == w[1]) {
+            Some(pair) => {
+                let id = self.seq(pair[0]).id;
+                Err(CacheError::step(format!("sequence {id} appears twice in one {call}")))
+            }
+            None => Ok(()),
+        }
     }
 
     fn check_schedulable(&self, slot: usize, lookahead: u32) -> Result<()> {

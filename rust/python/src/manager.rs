@@ -20,7 +20,7 @@ use std::sync::{Mutex, TryLockError};
 
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
-use prefixcache_core::{CacheError, CacheManager, HashAlgorithm, Scheduled};
+use prefixcache_core::{CacheError, CacheManager, HashAlgorithm, Scheduled, StepPlan};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyInt;
@@ -390,14 +390,7 @@ impl PyCacheManager {
         let plan = self.run_measured(py, CacheManager::scheduled_tokens, move |m| {
             m.build_plan_into(&mut scratch).map(|()| scratch)
         })?;
-        let step_id = plan.step_id;
-        let written = target.write(py, self.id, &plan);
-        target.keep_scratch(plan);
-        written.inspect_err(|_| {
-            // The engine never saw the plan: take it out of flight again.
-            let _ = self.run(py, move |m| m.abort_step(step_id));
-        })?;
-        Ok(step_id)
+        self.deliver(py, &mut target, plan)
     }
 
     /// An engine's decode step in one call: commits the step `buffers` hold when it is the
@@ -429,12 +422,7 @@ impl PyCacheManager {
             let scheduled = m.decode_step(commit, &ids, &tokens, &mut scratch)?;
             Ok((scheduled, scratch))
         })?;
-        let step_id = plan.step_id;
-        let written = target.write(py, self.id, &plan);
-        target.keep_scratch(plan);
-        written.inspect_err(|_| {
-            let _ = self.run(py, move |m| m.abort_step(step_id));
-        })?;
+        self.deliver(py, &mut target, plan)?;
         Ok(PyArray1::from_iter(py, scheduled.iter().map(Option::as_ref).map(scheduled_tokens)))
     }
 
@@ -580,6 +568,18 @@ impl PyCacheManager {
         };
         let work = budgets.iter().map(|&b| b as usize).fold(ids.len(), usize::saturating_add);
         self.run_sized(py, work, move |m| m.schedule_batch(&ids, &budgets, exact))
+    }
+
+    /// Writes the plan just built into `target` and keeps it there for the next refill; if the
+    /// write fails, the engine never saw the plan, so it is taken out of flight again.
+    fn deliver(&self, py: Python<'_>, target: &mut PyPlanBuffers, plan: StepPlan) -> PyResult<u64> {
+        let step_id = plan.step_id;
+        let written = target.write(py, self.id, &plan);
+        target.keep_scratch(plan);
+        written.inspect_err(|_| {
+            let _ = self.run(py, move |m| m.abort_step(step_id));
+        })?;
+        Ok(step_id)
     }
 
     /// The step id and scheduled tokens of a `StepPlan` or `PlanBuffers`, if this manager
