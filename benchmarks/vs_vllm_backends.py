@@ -17,10 +17,11 @@ timed):
   hashes new full blocks) and ``free``. Chunk ends of the hybrid configuration come from the
   scheduler's own ``_mamba_block_aligned_split`` (untimed: it is scheduler policy).
 - :class:`PrefixcacheBackend`: ``prefixcache.CacheManager``: ``add`` (hashing), ``lookup``,
-  ``schedule`` (admissions, prefill chunks) / ``schedule_tokens`` (decodes),
-  ``build_plan_into`` (the plan written into the engine's persistent ``PlanBuffers``), reading
-  the plan arrays that name blocks (``read_plan``: what vLLM's scheduler takes from its manager
-  as block ids), ``commit``, ``append_batch``, ``finish``.
+  ``schedule`` (admissions, prefill chunks), ``decode_step`` for a step that only decodes
+  (commit of the previous step, append, schedule and plan in one call), otherwise
+  ``commit`` + ``append_batch`` + ``schedule_tokens`` + ``build_plan_into`` (the plan written
+  into the engine's persistent ``PlanBuffers``), reading the plan's block counts and arrays
+  (``read_plan``: what vLLM's scheduler takes from its manager as block ids), ``finish``.
 """
 
 from __future__ import annotations

@@ -358,8 +358,9 @@ class StateGroupBuffers:
 
 @final
 class PlanBuffers:
-    """A step plan written in place by `CacheManager.build_plan_into`: arrays that persist
-    across steps (grown when a step needs more); each step's values are their leading rows."""
+    """A step plan written in place by `CacheManager.build_plan_into` / `decode_step`: arrays
+    that persist across steps (grown when a step needs more); each step's values are their
+    leading rows. The next build overwrites them: finish reading the previous step first."""
 
     def __new__(cls, rows: int = 256) -> PlanBuffers: ...
     @property

@@ -40,21 +40,23 @@ impl<T: Element + Copy + Default> Buffer<T> {
     /// into the leading rows, growing the array first if it is too small. Returns whether the
     /// array was replaced by a larger one.
     fn write(&mut self, py: Python<'_>, data: &[T], rows: usize, columns: usize) -> PyResult<bool> {
-        let fixed = self.columns;
-        let grow = rows > self.rows || columns > fixed || (fixed == 0 && columns != 0);
+        // A one-dimensional buffer is always written with `columns == 0`; a two-dimensional
+        // one with at most as many columns as it has, or it grows.
+        let grow = rows > self.rows || columns > self.columns;
         if grow {
             let grown_rows = if rows > self.rows { rows.max(2 * self.rows) } else { self.rows };
-            let grown_columns = if fixed == 0 { 0 } else { columns.max(fixed) };
-            *self = Self::new(py, grown_rows, grown_columns);
+            *self = Self::new(py, grown_rows, columns.max(self.columns));
         }
         let stride = self.columns.max(1);
         let width = columns.max(1);
         let needed = rows * stride;
-        // SAFETY: the array was made here and is reachable from Python only through this
-        // object's getters; the GIL is held, so no Python code reads or resizes it during the
-        // write, and this crate never holds another borrow of it. A user who resized it in place
-        // gets a shorter slice, caught below.
-        // The array is the type `new` made (nothing replaces it from Python: no setter).
+        // SAFETY: the array is the type `new` made (no setter replaces it from Python). It is
+        // reachable from Python only through this object's getters; the GIL is held, so no
+        // Python code reads or resizes it during the write, and this crate never holds another
+        // borrow of it. (Native code that works on it without the GIL, such as a torch CPU op
+        // on a tensor made from it in another thread, must not run during a build: the class
+        // documents that the next build overwrites the arrays.) A user who resized an array in
+        // place gets a shorter slice, caught below.
         let slice = unsafe {
             let bound = self.array.bind(py);
             if self.columns == 0 {
@@ -245,8 +247,10 @@ impl PyStateGroupBuffers {
 
 /// A step plan written in place: arrays that persist across steps (see the module doc).
 ///
-/// `CacheManager.build_plan_into(buffers)` fills them; `commit(buffers)` / `abort(buffers)`
-/// end the step they hold. One `PlanBuffers` serves one manager at a time.
+/// `CacheManager.build_plan_into(buffers)` and `decode_step(buffers, ..)` fill them;
+/// `commit(buffers)` / `abort(buffers)` end the step they hold. One `PlanBuffers` serves one
+/// manager at a time. The next build overwrites the arrays: finish reading the previous step
+/// (and any work other threads do on tensors made from the arrays) before it.
 #[pyclass(name = "PlanBuffers", module = "prefixcache")]
 pub struct PyPlanBuffers {
     /// The manager whose step the buffers hold (0: none yet).

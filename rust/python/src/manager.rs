@@ -10,9 +10,8 @@
 //! array in place with the GIL held. Nothing here decides anything about the cache. The lock is
 //! never held while Python runs (the core never calls into Python, so waiting for the lock with
 //! the GIL held cannot deadlock), and a panic in the core never reaches Python: it is caught and
-//! raised as
-//! `InvariantError`, and the mutex it poisoned makes every later call raise `InvariantError` too
-//! (the manager's state is no longer trustworthy; build a new one).
+//! raised as `InvariantError`, and the mutex it poisoned makes every later call raise
+//! `InvariantError` too (the manager's state is no longer trustworthy; build a new one).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -368,7 +367,8 @@ impl PyCacheManager {
     }
 
     /// Builds the plan of every sequence scheduled since the last plan (by any thread) and
-    /// puts it in flight (without the GIL). Commit or abort it before the next step.
+    /// puts it in flight (without the GIL when it holds more than 4,096 tokens). Commit or
+    /// abort it before the next step.
     fn build_plan(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
         let plan =
             self.run_measured(py, CacheManager::scheduled_tokens, CacheManager::build_plan)?;
