@@ -221,3 +221,29 @@ def test_decode_step_checks_before_changing_anything() -> None:
     with pytest.raises(pc.StepError, match="in flight"):
         mgr.decode_step(pc.PlanBuffers(), [0], [1])  # the step in flight is not in these
     mgr.check_invariants()
+
+
+def test_buffers_follow_a_manager_with_other_groups() -> None:
+    """One `PlanBuffers` used by managers whose groups differ (kinds, not just ids): the parts
+    are laid out again, and every value is still the plan's."""
+    two_paged = pc.CacheConfig(
+        pools=[pc.PoolConfig(num_blocks=128)],
+        groups=[
+            pc.FullAttention(block_size=16, pool=0),
+            pc.SlidingWindow(block_size=16, window=32, pool=0),
+        ],
+        hash=pc.HashConfig(unit=16),
+    )
+    buffers = pc.PlanBuffers(rows=2)
+    for config in (hybrid_config(), two_paged, hybrid_config()):
+        twins = [pc.CacheManager(config) for _ in range(2)]
+        for mgr in twins:
+            mgr.add(1, list(range(70)))
+            mgr.schedule(1, 70)
+        plan = twins[0].build_plan()
+        generation = buffers.generation
+        twins[1].build_plan_into(buffers)
+        assert buffers.generation > generation  # other parts: the engine must refresh
+        assert_same_plan(plan, buffers)
+        assert len(buffers.paged) == len(plan.paged) and len(buffers.state) == len(plan.state)
+        twins[1].commit(buffers)

@@ -40,6 +40,9 @@ impl<T: Element + Copy + Default> Buffer<T> {
     /// into the leading rows, growing the array first if it is too small. Returns whether the
     /// array was replaced by a larger one.
     fn write(&mut self, py: Python<'_>, data: &[T], rows: usize, columns: usize) -> PyResult<bool> {
+        if rows == 0 {
+            return Ok(false); // nothing to write, and any array holds no rows
+        }
         // A one-dimensional buffer is always written with `columns == 0`; a two-dimensional
         // one with at most as many columns as it has, or it grows.
         let grow = rows > self.rows || columns > self.columns;
@@ -282,6 +285,8 @@ pub struct PyPlanBuffers {
     state: Vec<Py<PyStateGroupBuffers>>,
     paged_tuple: Py<PyTuple>,
     state_tuple: Py<PyTuple>,
+    /// The groups of `paged` then `state` (which parts the buffers are laid out for).
+    groups: Vec<u32>,
     /// Reused for the `int64` sequence ids (the core's are `u64`).
     ids: Vec<i64>,
     /// The core's plan of the last step, refilled by the next one.
@@ -313,11 +318,12 @@ impl PyPlanBuffers {
         manager_id: u64,
         plan: &StepPlan,
     ) -> PyResult<()> {
+        let groups = plan.paged.iter().map(|p| p.group).chain(plan.state.iter().map(|s| s.group));
         let shape_changed = self.paged.len() != plan.paged.len()
             || self.state.len() != plan.state.len()
-            || self.paged.iter().zip(&plan.paged).any(|(b, p)| b.borrow(py).group != p.group)
-            || self.state.iter().zip(&plan.state).any(|(b, s)| b.borrow(py).group != s.group);
+            || !groups.clone().eq(self.groups.iter().copied());
         if shape_changed {
+            self.groups = groups.collect();
             // A first step, or buffers moved to a manager with other groups.
             let rows = self.capacity_rows;
             self.paged = plan
@@ -388,6 +394,7 @@ impl PyPlanBuffers {
             state: Vec::new(),
             paged_tuple: PyTuple::empty(py).unbind(),
             state_tuple: PyTuple::empty(py).unbind(),
+            groups: Vec::new(),
             ids: Vec::with_capacity(rows),
             scratch: StepPlan::default(),
         })
