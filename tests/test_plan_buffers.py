@@ -176,24 +176,27 @@ def test_decode_step_equals_the_four_calls() -> None:
     assert_same_plan(plan, buffers)
     live = [0, 1, 2, 3]
     saw_refusal = False
+    in_flight: pc.StepPlan | None = plan
     for step in range(40):
         tokens = [(seq + step) % 50 for seq in live]
-        explicit.commit(plan)
+        if in_flight is not None:
+            explicit.commit(in_flight)
         explicit.append_batch(live, tokens)
         expected = explicit.schedule_tokens(live, 1)
-        plan = explicit.build_plan()
+        plan = in_flight = explicit.build_plan()
         got = fused.decode_step(buffers, np.array(live, dtype=np.int64), tokens)
         assert got.dtype == np.int32 and got.tolist() == expected.tolist()
         assert_same_plan(plan, buffers)
         saw_refusal |= -1 in got.tolist()
-        if step % 10 == 9:  # the oldest finishes: commit it first, then finish it
+        if step % 10 == 9:
+            # The oldest finishes: commit first, finish it; the next `decode_step` then finds
+            # no step in flight and commits nothing.
             explicit.commit(plan)
             fused.commit(buffers)
+            in_flight = None
             for mgr in (explicit, fused):
                 mgr.finish(live[0])
             live.pop(0)
-            plan = explicit.build_plan()
-            fused.build_plan_into(buffers)
     assert saw_refusal  # 9 usable blocks of 32 tokens cannot hold four growing sequences
     for mgr in (explicit, fused):
         mgr.check_invariants()

@@ -401,8 +401,8 @@ impl PyCacheManager {
     /// pools could not supply the sequence's block (it is not in the plan).
     ///
     /// The commit happens first and stands even if the rest is refused; the rest is checked
-    /// before any of it changes anything. A sequence that finished with the committed step is
-    /// left out of `seq_ids` and finished afterwards.
+    /// before any of it changes anything. To finish sequences, `commit(buffers)` first, finish
+    /// them, then call this for the others (it commits only a step still in flight).
     fn decode_step<'py>(
         &self,
         buffers: &Bound<'py, PyPlanBuffers>,
