@@ -476,16 +476,17 @@ class PrefixcacheBackend(Backend):
 
 class BlockArrays:
     """What an engine takes from `PlanBuffers` each step, as vLLM's scheduler takes block ids
-    from its manager: the counts of the arrays that name blocks (copies, block-table updates,
-    state slots and snapshots), with the arrays themselves kept and fetched again only when
-    the buffers say one was replaced (`generation`). The rest of the plan (slot mapping, query
-    starts, positions, checkpoint offsets) is what vLLM's model runner derives itself."""
+    from its manager: the step's counts (`counts`: rows, copies, block-table updates, state
+    checkpoints and snapshots) and the arrays that name blocks (copies, block-table updates,
+    state slots and snapshots), kept and fetched again only when the buffers say one was
+    replaced (`generation`). The rest of the plan (slot mapping, query starts, positions,
+    checkpoint offsets) is what vLLM's model runner derives itself."""
 
     def __init__(self) -> None:
         self.generation = -1
         self.arrays: list[object] = []
 
-    def read(self, plan: pc.PlanBuffers) -> list[int]:
+    def read(self, plan: pc.PlanBuffers) -> tuple[int, ...]:
         if plan.generation != self.generation:
             self.generation = plan.generation
             self.arrays = [plan.copies]
@@ -494,12 +495,7 @@ class BlockArrays:
             for state in plan.state:
                 self.arrays += (state.running_slot, state.initial_slot, state.checkpoint_slots)
                 self.arrays.append(state.snapshots)
-        counts = [plan.num_rows, plan.num_copies]
-        for paged in plan.paged:
-            counts += (paged.num_appended, paged.num_replaced)
-        for state in plan.state:
-            counts += (state.max_checkpoints, state.num_snapshots)
-        return counts
+        return plan.counts
 
 
 def make_backend(side: str, config: ManagerConfig, workload: Workload) -> Backend:

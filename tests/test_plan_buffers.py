@@ -31,6 +31,10 @@ def assert_same_plan(plan: pc.StepPlan, buffers: pc.PlanBuffers) -> None:
         assert b.replaced[: b.num_replaced].tolist() == p.replaced.tolist()
         assert b.slot_mapping[: plan.num_tokens].tolist() == p.slot_mapping.tolist()
     assert [b.group for b in buffers.state] == [s.group for s in plan.state]
+    counts = [rows, plan.num_tokens, len(plan.copies)]
+    counts += [n for p in plan.paged for n in (len(p.appended), len(p.replaced))]
+    counts += [n for s in plan.state for n in (s.checkpoint_offsets.shape[1], len(s.snapshots))]
+    assert buffers.counts == tuple(counts)
     for b, s in zip(buffers.state, plan.state, strict=True):
         assert b.running_slot[:rows].tolist() == s.running_slot.tolist()
         assert b.initial_slot[:rows].tolist() == s.initial_slot.tolist()
@@ -102,6 +106,7 @@ def test_arrays_persist_across_steps_and_grow_when_needed() -> None:
     mgr = pc.CacheManager(hybrid_config(num_blocks=256, state_blocks=64))
     buffers = pc.PlanBuffers(rows=2)
     assert buffers.step_id is None and buffers.paged == () and buffers.num_rows == 0
+    assert buffers.counts == (0, 0, 0)
     for seq in range(2):
         mgr.add(seq, list(range(seq, seq + 40)))
     mgr.schedule_tokens([0, 1], 40)

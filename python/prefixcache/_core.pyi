@@ -379,6 +379,10 @@ class PlanBuffers:
     def generation(self) -> int:
         """Changes whenever an array is replaced (grown): refresh kept arrays or tensors."""
     @property
+    def counts(self) -> tuple[int, ...]:
+        """`(num_rows, num_tokens, num_copies)`, then `(num_appended, num_replaced)` per paged
+        group and `(max_checkpoints, num_snapshots)` per state group, in group order."""
+    @property
     def seq_ids(self) -> npt.NDArray[np.int64]:
         """`int64 [>= R]` the scheduled sequences, in schedule order."""
     @property

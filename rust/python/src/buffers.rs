@@ -284,6 +284,8 @@ pub struct PyPlanBuffers {
     paged: Vec<Py<PyPagedGroupBuffers>>,
     state: Vec<Py<PyStateGroupBuffers>>,
     paged_tuple: Py<PyTuple>,
+    /// Every count of the step in one tuple (see the `counts` getter).
+    counts: Py<PyTuple>,
     state_tuple: Py<PyTuple>,
     /// The groups of `paged` then `state` (which parts the buffers are laid out for).
     groups: Vec<u32>,
@@ -361,6 +363,14 @@ impl PyPlanBuffers {
         self.capacity_rows = self.capacity_rows.max(rows);
         self.num_rows = rows;
         self.num_tokens = plan.num_tokens();
+        let mut counts = vec![rows, self.num_tokens, self.num_copies];
+        for part in &plan.paged {
+            counts.extend([part.appended.len() / 3, part.replaced.len() / 3]);
+        }
+        for part in &plan.state {
+            counts.extend([part.max_checkpoints, part.snapshots.len() / 2]);
+        }
+        self.counts = PyTuple::new(py, counts)?.unbind();
         self.manager_id = manager_id;
         self.step_id = Some(plan.step_id);
         Ok(())
@@ -394,6 +404,7 @@ impl PyPlanBuffers {
             state: Vec::new(),
             paged_tuple: PyTuple::empty(py).unbind(),
             state_tuple: PyTuple::empty(py).unbind(),
+            counts: PyTuple::new(py, [0usize, 0, 0])?.unbind(),
             groups: Vec::new(),
             ids: Vec::with_capacity(rows),
             scratch: StepPlan::default(),
@@ -440,6 +451,14 @@ impl PyPlanBuffers {
     #[getter]
     fn state(&self, py: Python<'_>) -> Py<PyTuple> {
         self.state_tuple.clone_ref(py)
+    }
+
+    /// Every count of this step in one tuple, for a loop that reads them all each step:
+    /// `(num_rows, num_tokens, num_copies)`, then `(num_appended, num_replaced)` per paged
+    /// group and `(max_checkpoints, num_snapshots)` per state group, in group order.
+    #[getter]
+    fn counts(&self, py: Python<'_>) -> Py<PyTuple> {
+        self.counts.clone_ref(py)
     }
 
     fn __repr__(&self) -> String {
