@@ -173,10 +173,17 @@ fn emit_paged(
             out.replaced.extend([row, col as i32, NULL_BLOCK as i32]);
         }
     }
-    out.slot_mapping.extend((rows.start..rows.end).map(|pos| {
-        let b = paged.table[(pos / block) as usize];
-        i64::from(b) * i64::from(block) + i64::from(pos % block)
-    }));
+    // One run of consecutive slots per block: a division per block, not per token.
+    out.slot_mapping.reserve((rows.end - rows.start) as usize);
+    let mut pos = rows.start;
+    while pos < rows.end {
+        let col = pos / block;
+        let run_end = ((col + 1) * block).min(rows.end);
+        let first =
+            i64::from(paged.table[col as usize]) * i64::from(block) + i64::from(pos % block);
+        out.slot_mapping.extend(first..first + i64::from(run_end - pos));
+        pos = run_end;
+    }
 }
 
 impl CacheManager {
