@@ -366,7 +366,6 @@ class PrefixcacheBackend(Backend):
         self.pending: dict[int, int] = {}
         self.decodes: np.ndarray | None = None
         self.added: set[int] = set()
-        self.steps_with_plan = 0
 
     # An engine's decode step is one call, `decode_step`: it commits the previous step (kept
     # in flight until then), appends the tokens sampled from it, schedules one token of each

@@ -17,7 +17,7 @@ use crate::events::CacheEvent;
 use crate::hashing::Digest;
 use crate::manager::{CacheManager, GroupRuntime};
 use crate::plan::StepPlan;
-use crate::pool::{BlockId, BlockKey, Key, LruEnd, NULL_BLOCK};
+use crate::pool::{BlockId, BlockKey, BlockPool, Key, LruEnd, NULL_BLOCK};
 use crate::sequence::{GroupStep, PagedSeq, SeqGroup, Sequence, StateSeq};
 
 impl CacheManager {
@@ -117,12 +117,7 @@ impl CacheManager {
                     }
                 }
                 (GroupStep::State { interior, snapshot }, SeqGroup::State(state)) => {
-                    let written = usize::from(state.current == Some(0));
-                    state.current = Some(written);
-                    if state.resume != NULL_BLOCK {
-                        self.pools[pool].decref(state.resume, LruEnd::MostRecent);
-                        state.resume = NULL_BLOCK;
-                    }
+                    advance_running_state(&mut self.pools[pool], state);
                     for c in interior.iter().chain(snapshot.iter()) {
                         if c.decode_tail {
                             if let Some((old, _)) = state.decode_tail.replace((c.block, c.position))
@@ -175,12 +170,7 @@ impl CacheManager {
         };
         for (runtime, group) in self.groups.iter().zip(seq.groups.iter_mut()) {
             if let SeqGroup::State(state) = group {
-                let written = usize::from(state.current == Some(0));
-                state.current = Some(written);
-                if state.resume != NULL_BLOCK {
-                    self.pools[runtime.pool()].decref(state.resume, LruEnd::MostRecent);
-                    state.resume = NULL_BLOCK;
-                }
+                advance_running_state(&mut self.pools[runtime.pool()], state);
             }
         }
         seq.num_computed = step.end;
@@ -332,6 +322,18 @@ impl CacheManager {
         }
         seq.recycle_step(step.groups);
         self.seqs[slot] = Some(seq);
+    }
+}
+
+/// A committed step's effect on a state group's running buffers, whatever else the step
+/// publishes: the buffer the step wrote becomes the current one, and the checkpoint the
+/// sequence resumed from (its first step only) is released.
+fn advance_running_state(pool: &mut BlockPool, state: &mut StateSeq) {
+    let written = usize::from(state.current == Some(0));
+    state.current = Some(written);
+    if state.resume != NULL_BLOCK {
+        pool.decref(state.resume, LruEnd::MostRecent);
+        state.resume = NULL_BLOCK;
     }
 }
 

@@ -114,12 +114,8 @@ impl CacheManager {
         let mut slots = Vec::with_capacity(seq_ids.len());
         for &id in seq_ids {
             let slot = self.slot(id)?;
+            self.refuse_pending_step(slot)?;
             let seq = self.seq(slot);
-            if seq.step.is_some() {
-                return Err(CacheError::step(format!(
-                    "sequence {id} is already scheduled for the next plan: build and commit it first"
-                )));
-            }
             if seq.tokens.len() >= MAX_SEQUENCE_TOKENS {
                 return Err(CacheError::invalid(format!(
                     "appending a token to sequence {id} would exceed {MAX_SEQUENCE_TOKENS} tokens"
@@ -150,7 +146,8 @@ impl CacheManager {
         }
     }
 
-    fn check_schedulable(&self, slot: usize, lookahead: u32) -> Result<()> {
+    /// `StepError` for a sequence already scheduled for the next plan.
+    fn refuse_pending_step(&self, slot: usize) -> Result<()> {
         let seq = self.seq(slot);
         if seq.step.is_some() {
             return Err(CacheError::step(format!(
@@ -158,6 +155,12 @@ impl CacheManager {
                 seq.id
             )));
         }
+        Ok(())
+    }
+
+    fn check_schedulable(&self, slot: usize, lookahead: u32) -> Result<()> {
+        self.refuse_pending_step(slot)?;
+        let seq = self.seq(slot);
         if seq.num_computed >= seq.num_tokens() {
             return Err(CacheError::NothingToSchedule {
                 seq_id: seq.id,

@@ -63,7 +63,7 @@ fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
 }
 
 /// A schedule result as `schedule_tokens` reports it: the tokens, or -1 (out of blocks).
-fn scheduled_tokens(result: Option<&Scheduled>) -> i32 {
+fn tokens_or_refused(result: Option<&Scheduled>) -> i32 {
     result.map_or(-1, |s| i32::try_from(s.num_tokens).unwrap_or(i32::MAX))
 }
 
@@ -338,7 +338,7 @@ impl PyCacheManager {
         let results = self.schedule_many(seq_ids, max_tokens, exact)?;
         Ok(PyArray1::from_iter(
             seq_ids.py(),
-            results.iter().map(Option::as_ref).map(scheduled_tokens),
+            results.iter().map(Option::as_ref).map(tokens_or_refused),
         ))
     }
 
@@ -423,7 +423,7 @@ impl PyCacheManager {
             Ok((scheduled, scratch))
         })?;
         self.deliver(py, &mut target, plan)?;
-        Ok(PyArray1::from_iter(py, scheduled.iter().map(Option::as_ref).map(scheduled_tokens)))
+        Ok(PyArray1::from_iter(py, scheduled.iter().map(Option::as_ref).map(tokens_or_refused)))
     }
 
     /// Publishes what the plan's step wrote and advances every sequence in it. `plan`: the
