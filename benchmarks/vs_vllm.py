@@ -23,6 +23,9 @@ vLLM / prefixcache is reported as min / median / max over the pairs. Hit tokens 
 are compared; a difference is "explained" when each manager's hit is exactly what its own
 publication rule gives (vLLM keys blocks when it allocates them, so a request admitted in the
 same step as the request computing its prefix hits it; prefixcache publishes at ``commit``).
+Each pair also times prefixcache's ``add`` of every prompt alone, without reuse (the hashing
+floor, ``hashing_floor``): vLLM's time over it is the highest ratio any manager hashing what it
+is sent could reach, reported as the configuration's ceiling.
 
 Run (vLLM lives in its own virtual environment, never a project dependency)::
 
@@ -52,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vs_vllm_backends import Backend, ManagerConfig, make_backend
+from vs_vllm_backends import Backend, ManagerConfig, PrefixcacheBackend, make_backend
 from vs_vllm_workloads import WORKLOAD_NAMES, Request, Workload, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,6 +187,27 @@ def run_once(side: str, config: ManagerConfig, workload: Workload) -> RunResult:
         gc.unfreeze()
 
 
+def hashing_floor(config: ManagerConfig, workload: Workload) -> float:
+    """Seconds prefixcache's ``add`` takes for every prompt of the workload, alone: each
+    prompt hashed once (no hash reuse), on a fresh manager of the run's configuration, timed
+    like the runs. No manager can do less than hash what it is sent, so vLLM's run time over
+    this is the highest ratio the configuration allows (sampled tokens, also hashed in the
+    runs, are left out: the floor is a lower bound)."""
+    manager = PrefixcacheBackend(config, workload).manager
+    gc.collect()
+    gc.freeze()
+    seconds = 0.0
+    try:
+        for request in _all_requests(workload):
+            t0 = time.perf_counter()
+            manager.add(request.request_id, request.prompt)
+            seconds += time.perf_counter() - t0
+            manager.finish(request.request_id)
+    finally:
+        gc.unfreeze()
+    return seconds
+
+
 def floor_to(value: int, multiple: int) -> int:
     return value // multiple * multiple
 
@@ -251,8 +275,17 @@ def _entry(
     ours: list[RunResult],
     judged: bool,
     meta: dict[str, Any],
+    floors: list[float] | None = None,
 ) -> dict[str, Any]:
     ratios = _ratios(vllm, ours)
+    ceiling: dict[str, Any] = {}
+    if floors:
+        ceilings = [v.seconds / f for v, f in zip(vllm, floors, strict=True)]
+        ceiling = {
+            "hashing_floor_seconds": statistics.median(floors),
+            "ratio_ceiling_median": statistics.median(ceilings),
+            "ratio_ceilings": ceilings,
+        }
     hits = compare_hits(workload, config, vllm[0], ours[0])
     hashed_tokens = sum(len(r.prompt) + len(r.output) for r in _all_requests(workload))
     vllm_hash = statistics.median(
@@ -279,6 +312,7 @@ def _entry(
         "vllm_hashing_us_per_1k_tokens": vllm_hash / hashed_tokens * 1e9,
         "hits": {**hits, "same_in_every_pair": stable},
         "hash_reuse": config.reuse,
+        **ceiling,
         "target_judged_here": judged,
         "meets_target": median >= TARGET_RATIO,
         **meta,
@@ -332,8 +366,9 @@ def write_chart(results: dict[str, dict[str, dict[str, Any]]], path: Path, title
 
 def markdown_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [
-        "| workload | config | vLLM s | prefixcache s | ratio min / median / max | hits equal |",
-        "|---|---|---|---|---|---|",
+        "| workload | config | vLLM s | prefixcache s | ratio min / median / max "
+        "| ceiling: vLLM / hashing floor | hits equal |",
+        "|---|---|---|---|---|---|---|",
     ]
     for workload, configs in results.items():
         for name, e in configs.items():
@@ -347,10 +382,15 @@ def markdown_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                     f"({hits['explained_same_step']} same-step)"
                 )
             )
+            ceiling = (
+                f"{e['ratio_ceiling_median']:.1f} ({e['hashing_floor_seconds']:.4f} s)"
+                if "ratio_ceiling_median" in e
+                else "-"
+            )
             lines.append(
                 f"| {workload} | {name}{judged} | {e['vllm_seconds']:.3f} | "
                 f"{e['prefixcache_seconds']:.4f} | {e['ratio_min']:.1f} / "
-                f"**{e['ratio_median']:.1f}** / {e['ratio_max']:.1f} | {equal} |"
+                f"**{e['ratio_median']:.1f}** / {e['ratio_max']:.1f} | {ceiling} | {equal} |"
             )
     return "\n".join(lines)
 
@@ -421,19 +461,22 @@ def main(argv: list[str] | None = None) -> int:
             vllm_runs: list[RunResult] = []
             plain_runs: list[RunResult] = []
             reuse_runs: list[RunResult] = []
+            floors: list[float] = []
             for pair in range(args.pairs):
                 vllm_runs.append(run_once("vllm", config, workload))
                 plain_runs.append(run_once("prefixcache", config, workload))
                 reuse_runs.append(run_once("prefixcache", reuse, workload))
+                floors.append(hashing_floor(config, workload))
                 print(
                     f"{workload_name} {config.name} pair {pair}: vLLM "
                     f"{vllm_runs[-1].seconds:.3f} s, prefixcache {plain_runs[-1].seconds:.4f} s"
-                    f", with extends {reuse_runs[-1].seconds:.4f} s",
+                    f", with extends {reuse_runs[-1].seconds:.4f} s"
+                    f", hashing floor {floors[-1]:.4f} s",
                     flush=True,
                 )
             judged = REUSE_JUDGED[workload_name]
             results[workload_name][config.name] = _entry(
-                workload, config, vllm_runs, plain_runs, not judged, meta
+                workload, config, vllm_runs, plain_runs, not judged, meta, floors
             )
             results[workload_name][reuse.name] = _entry(
                 workload, reuse, vllm_runs, reuse_runs, judged, meta
