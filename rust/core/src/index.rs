@@ -6,6 +6,12 @@
 //! cache is reset. It also remembers a bounded set of recently evicted keys, so a lookup can say
 //! `recently_evicted` instead of `not_cached`, and, with `verify_tokens`, the tokens and parent
 //! digest behind every published digest, so hits can be checked token by token.
+//!
+//! Recently evicted keys are remembered by their 64-bit fingerprints (`Key::fingerprint`):
+//! eight bytes a key instead of 36 keep that record small enough to stay in the caches while
+//! evictions stream through an index of many megabytes. Two keys sharing a fingerprint (a
+//! chance of about 2^-64 a pair) would at worst label a miss `recently_evicted` instead of
+//! `not_cached`; no hit depends on the record.
 
 use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
@@ -35,8 +41,9 @@ pub struct HashIndex {
     map: FxHashMap<Key, BlockId>,
     /// Keys published by several blocks (two sequences computed the same content): all of them.
     many: FxHashMap<Key, Vec<BlockId>>,
-    recent: FxHashSet<Key>,
-    recent_order: VecDeque<Key>,
+    /// Fingerprints of the recently evicted keys, and the order they were evicted in.
+    recent: FxHashSet<u64>,
+    recent_order: VecDeque<u64>,
     recent_capacity: usize,
     units: Option<FxHashMap<Digest, StoredUnit>>,
     /// Changes whenever a key is inserted or removed (lets a lookup's result be reused).
@@ -44,9 +51,16 @@ pub struct HashIndex {
 }
 
 impl HashIndex {
+    /// `expected_keys`: room reserved up front (a pool's blocks carry at least one key each
+    /// once published), so that filling the cache does not rehash the table as it grows.
     #[must_use]
-    pub fn new(recent_capacity: usize, verify_tokens: bool) -> Self {
-        Self { recent_capacity, units: verify_tokens.then(FxHashMap::default), ..Self::default() }
+    pub fn new(recent_capacity: usize, verify_tokens: bool, expected_keys: usize) -> Self {
+        Self {
+            map: FxHashMap::with_capacity_and_hasher(expected_keys, Default::default()),
+            recent_capacity,
+            units: verify_tokens.then(FxHashMap::default),
+            ..Self::default()
+        }
     }
 
     /// Blocks published under `key` (empty if none).
@@ -135,10 +149,11 @@ impl HashIndex {
     }
 
     fn remember_evicted(&mut self, key: Key) {
-        if self.recent_capacity == 0 || !self.recent.insert(key) {
+        let fingerprint = key.fingerprint();
+        if self.recent_capacity == 0 || !self.recent.insert(fingerprint) {
             return;
         }
-        self.recent_order.push_back(key);
+        self.recent_order.push_back(fingerprint);
         while self.recent_order.len() > self.recent_capacity {
             if let Some(old) = self.recent_order.pop_front() {
                 self.recent.remove(&old);
@@ -149,7 +164,7 @@ impl HashIndex {
     /// Whether `key` lost its last block to eviction recently (and was not published since).
     #[must_use]
     pub fn recently_evicted(&self, key: &Key) -> bool {
-        self.recent.contains(key) && !self.map.contains_key(key)
+        self.recent.contains(&key.fingerprint()) && !self.map.contains_key(key)
     }
 
     /// With `verify_tokens`: false when the unit stored under `digest` has other tokens or
@@ -207,7 +222,7 @@ mod tests {
 
     #[test]
     fn verify_rejects_other_tokens_but_not_units_nobody_publishes() {
-        let mut index = HashIndex::new(16, true);
+        let mut index = HashIndex::new(16, true, 0);
         let key = Key { group: 0, digest: digest(1) };
         index.insert(key, 7, Some((&digest(0), &[1, 2])));
         assert!(index.verify(&digest(1), &digest(0), &[1, 2]));

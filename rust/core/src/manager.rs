@@ -117,6 +117,10 @@ pub struct CacheManager {
     pub(crate) evicted: Vec<BlockKey>,
 }
 
+/// Most keys the hash index reserves room for up front (one per pool block below it); a
+/// larger cache grows the table as it fills.
+const INDEX_RESERVE_MAX: usize = 1 << 21;
+
 impl CacheManager {
     /// Builds a manager; the configuration is validated first.
     pub fn new(config: CacheConfig) -> Result<Self> {
@@ -141,7 +145,16 @@ impl CacheManager {
             unit: config.hash.unit,
             chunk_alignment: config.chunk_alignment(),
             pools: config.pools.iter().map(|p| BlockPool::new(p.num_blocks)).collect(),
-            index: HashIndex::new(config.recently_evicted_capacity, config.hash.verify_tokens),
+            index: HashIndex::new(
+                config.recently_evicted_capacity,
+                config.hash.verify_tokens,
+                config
+                    .pools
+                    .iter()
+                    .map(|p| p.num_blocks as usize)
+                    .sum::<usize>()
+                    .min(INDEX_RESERVE_MAX),
+            ),
             hasher: Hasher::new(config.hash.algorithm, config.hash.seed),
             seqs: Vec::new(),
             free_slots: Vec::new(),

@@ -33,13 +33,22 @@ pub struct Key {
     pub digest: Digest,
 }
 
-impl std::hash::Hash for Key {
-    /// The digest is already uniformly distributed: its first eight bytes, mixed with the
-    /// group, are a good map hash and much cheaper than feeding all 32 bytes to the hasher.
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+impl Key {
+    /// The digest's first eight bytes mixed with the group. The digest is already uniformly
+    /// distributed, so this is a good map hash, and a 64-bit stand-in for the key wherever a
+    /// rare false match costs nothing (the record of recently evicted keys).
+    #[must_use]
+    pub fn fingerprint(&self) -> u64 {
         let mut head = [0u8; 8];
         head.copy_from_slice(&self.digest.0[..8]);
-        state.write_u64(u64::from_le_bytes(head) ^ u64::from(self.group).rotate_left(40));
+        u64::from_le_bytes(head) ^ u64::from(self.group).rotate_left(40)
+    }
+}
+
+impl std::hash::Hash for Key {
+    /// The fingerprint: much cheaper than feeding all 32 digest bytes to the hasher.
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.fingerprint());
     }
 }
 
@@ -82,22 +91,62 @@ pub enum LruEnd {
     LeastRecent,
 }
 
+/// The state of one block, in one 64-byte record: every field an allocation, a release, a
+/// publication or an eviction reads or writes sits in one cache line, so touching a block
+/// costs one miss instead of one per parallel array.
+#[derive(Clone, Copy, Debug)]
+#[repr(align(64))]
+struct Slot {
+    /// The key most recently added (`NO_BLOCK_KEY` when none): a full block's full key, so
+    /// confirming a chain of blocks reads one record per block. When the block carries a
+    /// single key (one unit per block) it is the block's only key list.
+    last: BlockKey,
+    /// Recency: larger is more recently released or used.
+    stamp: u64,
+    ref_count: u32,
+    prev: u32,
+    next: u32,
+    kind: BlockKind,
+    /// The block shares a key with another block (set when the second one is published,
+    /// cleared when the block is reused): a chain hint naming it is not taken on trust.
+    shared_key: bool,
+    in_lru: bool,
+    /// The block carries several keys, all in `BlockPool::spill` (`last` is the latest).
+    spilled: bool,
+}
+
+// One cache line per block, whatever the target: a field added here must find room.
+const _: () = assert!(std::mem::size_of::<Slot>() == 64);
+
+/// `last` of a block that carries no key (no group has this id).
+const NO_BLOCK_KEY: BlockKey = BlockKey { key: NO_KEY, position: 0 };
+
+const EMPTY_SLOT: Slot = Slot {
+    last: NO_BLOCK_KEY,
+    stamp: 0,
+    ref_count: 0,
+    prev: NIL,
+    next: NIL,
+    kind: BlockKind::Free,
+    shared_key: false,
+    in_lru: false,
+    spilled: false,
+};
+
+impl Slot {
+    fn keyed(&self) -> bool {
+        self.last.key.group != NO_KEY.group
+    }
+}
+
 /// One pool of blocks.
 #[derive(Clone, Debug)]
 pub struct BlockPool {
-    ref_count: Vec<u32>,
-    keys: Vec<Vec<BlockKey>>,
-    kind: Vec<BlockKind>,
-    /// The block shares a key with another block (set when the second one is published,
-    /// cleared when the block is reused): a chain hint naming it is not taken on trust.
-    shared_key: Vec<bool>,
-    /// The key most recently added to each block (a full block's full key), inline so that
-    /// confirming a chain of blocks reads one dense array instead of a heap list per block.
-    last_key: Vec<Key>,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    in_lru: Vec<bool>,
-    stamp: Vec<u64>,
+    slots: Vec<Slot>,
+    /// The keys of blocks that carry several (one per unit boundary when a block spans
+    /// several units), in the order they were added; empty for every other block. Emptied
+    /// lists keep their capacity for the block's next use.
+    spill: Vec<Vec<BlockKey>>,
     clock: u64,
     lru_head: u32,
     lru_tail: u32,
@@ -112,15 +161,8 @@ impl BlockPool {
     pub fn new(num_blocks: u32) -> Self {
         let n = num_blocks as usize;
         Self {
-            ref_count: vec![0; n],
-            keys: vec![Vec::new(); n],
-            kind: vec![BlockKind::Free; n],
-            shared_key: vec![false; n],
-            last_key: vec![NO_KEY; n],
-            prev: vec![NIL; n],
-            next: vec![NIL; n],
-            in_lru: vec![false; n],
-            stamp: vec![0; n],
+            slots: vec![EMPTY_SLOT; n],
+            spill: vec![Vec::new(); n],
             clock: 0,
             lru_head: NIL,
             lru_tail: NIL,
@@ -134,7 +176,7 @@ impl BlockPool {
     /// Number of ids, the null block included.
     #[must_use]
     pub fn num_blocks(&self) -> u32 {
-        self.ref_count.len() as u32
+        self.slots.len() as u32
     }
 
     /// Unpublished free blocks.
@@ -163,39 +205,44 @@ impl BlockPool {
 
     #[must_use]
     pub fn ref_count(&self, block: BlockId) -> u32 {
-        self.ref_count.get(block as usize).copied().unwrap_or(0)
+        self.slots.get(block as usize).map_or(0, |s| s.ref_count)
     }
 
     #[must_use]
     pub fn keys(&self, block: BlockId) -> &[BlockKey] {
-        self.keys.get(block as usize).map_or(&[], Vec::as_slice)
+        let b = block as usize;
+        match self.slots.get(b) {
+            Some(slot) if slot.spilled => &self.spill[b],
+            Some(slot) if slot.keyed() => std::slice::from_ref(&slot.last),
+            _ => &[],
+        }
     }
 
     #[must_use]
     pub fn kind(&self, block: BlockId) -> BlockKind {
-        self.kind.get(block as usize).copied().unwrap_or_default()
+        self.slots.get(block as usize).map_or_else(BlockKind::default, |s| s.kind)
     }
 
     #[must_use]
     pub fn is_published(&self, block: BlockId) -> bool {
-        !self.keys(block).is_empty()
+        self.slots.get(block as usize).is_some_and(Slot::keyed)
     }
 
     #[must_use]
     pub fn is_cached(&self, block: BlockId) -> bool {
-        self.in_lru.get(block as usize).copied().unwrap_or(false)
+        self.slots.get(block as usize).is_some_and(|s| s.in_lru)
     }
 
     /// Recency of a block: larger is more recently released or used.
     #[must_use]
     pub fn stamp(&self, block: BlockId) -> u64 {
-        self.stamp.get(block as usize).copied().unwrap_or(0)
+        self.slots.get(block as usize).map_or(0, |s| s.stamp)
     }
 
     /// Marks a block as sharing a key with another block.
     pub fn mark_shared_key(&mut self, block: BlockId) {
-        if let Some(flag) = self.shared_key.get_mut(block as usize) {
-            *flag = true;
+        if let Some(slot) = self.slots.get_mut(block as usize) {
+            slot.shared_key = true;
         }
     }
 
@@ -205,26 +252,28 @@ impl BlockPool {
     pub fn sole_holder_of(&self, block: BlockId, key: &Key) -> bool {
         let b = block as usize;
         block != NULL_BLOCK
-            && b < self.keys.len()
-            && !self.shared_key[b]
-            && (self.last_key[b] == *key || self.keys[b].iter().any(|k| k.key == *key))
+            && self.slots.get(b).is_some_and(|slot| {
+                !slot.shared_key
+                    && (slot.last.key == *key
+                        || (slot.spilled && self.spill[b].iter().any(|k| k.key == *key)))
+            })
     }
 
     fn set_kind(&mut self, block: BlockId, kind: BlockKind) {
-        let slot = &mut self.kind[block as usize];
-        if slot.is_checkpoint() {
+        let slot = &mut self.slots[block as usize];
+        if slot.kind.is_checkpoint() {
             self.num_checkpoints -= 1;
         }
         if kind.is_checkpoint() {
             self.num_checkpoints += 1;
         }
-        *slot = kind;
+        slot.kind = kind;
     }
 
     /// Re-labels an owned block (a decode-tail snapshot stays a `DecodeTail`; a checkpoint
     /// allocated as `Checkpoint` keeps its label). Used only by the manager on blocks it holds.
     pub fn relabel(&mut self, block: BlockId, kind: BlockKind) {
-        if block != NULL_BLOCK && (block as usize) < self.kind.len() {
+        if block != NULL_BLOCK && (block as usize) < self.slots.len() {
             self.set_kind(block, kind);
         }
     }
@@ -242,9 +291,7 @@ impl BlockPool {
         } else {
             return None;
         };
-        self.ref_count[block as usize] = 1;
-        self.shared_key[block as usize] = false;
-        self.set_kind(block, kind);
+        self.own(block, kind);
         Some(block)
     }
 
@@ -260,66 +307,97 @@ impl BlockPool {
             return false;
         }
         self.take_cached(block, evicted);
-        self.ref_count[block as usize] = 1;
-        self.shared_key[block as usize] = false;
-        self.set_kind(block, kind);
+        self.own(block, kind);
         true
+    }
+
+    /// A just taken block: one holder, no shared key, labelled `kind`.
+    fn own(&mut self, block: BlockId, kind: BlockKind) {
+        let slot = &mut self.slots[block as usize];
+        slot.ref_count = 1;
+        slot.shared_key = false;
+        self.set_kind(block, kind);
     }
 
     fn take_cached(&mut self, block: BlockId, evicted: &mut Vec<BlockKey>) {
         self.unlink(block);
-        evicted.append(&mut self.keys[block as usize]);
-        self.last_key[block as usize] = NO_KEY;
+        let b = block as usize;
+        let slot = &mut self.slots[b];
+        if slot.spilled {
+            evicted.append(&mut self.spill[b]);
+            slot.spilled = false;
+        } else if slot.keyed() {
+            evicted.push(slot.last);
+        }
+        slot.last = NO_BLOCK_KEY;
     }
 
     /// Adds a holder. A cached block leaves the LRU (it can no longer be evicted).
     pub fn incref(&mut self, block: BlockId) {
-        if block == NULL_BLOCK || block as usize >= self.ref_count.len() {
+        if block == NULL_BLOCK || block as usize >= self.slots.len() {
             return;
         }
-        if self.in_lru[block as usize] {
+        if self.slots[block as usize].in_lru {
             self.unlink(block);
         }
-        self.ref_count[block as usize] += 1;
+        self.slots[block as usize].ref_count += 1;
     }
 
     /// Drops a holder. At zero a published block enters the LRU at `end`, an unpublished one
     /// becomes free.
     pub fn decref(&mut self, block: BlockId, end: LruEnd) {
         let b = block as usize;
-        if block == NULL_BLOCK || b >= self.ref_count.len() || self.ref_count[b] == 0 {
+        let Some(slot) = self.slots.get_mut(b) else {
+            return;
+        };
+        if block == NULL_BLOCK || slot.ref_count == 0 {
             return;
         }
-        self.ref_count[b] -= 1;
-        if self.ref_count[b] > 0 {
+        slot.ref_count -= 1;
+        if slot.ref_count > 0 {
             return;
         }
-        if self.keys[b].is_empty() {
+        if slot.keyed() {
+            self.link(block, end);
+        } else {
             self.set_kind(block, BlockKind::Free);
             self.free.push(block);
-        } else {
-            self.link(block, end);
         }
     }
 
     /// Adds a key to a block; false if the block already carries it.
     pub fn add_key(&mut self, block: BlockId, key: BlockKey) -> bool {
-        let Some(keys) = self.keys.get_mut(block as usize) else {
+        let b = block as usize;
+        let Some(slot) = self.slots.get_mut(b) else {
             return false;
         };
-        if block == NULL_BLOCK || keys.iter().any(|k| k.key == key.key) {
+        if block == NULL_BLOCK || key.key.group == NO_KEY.group {
             return false;
         }
-        keys.push(key);
-        self.last_key[block as usize] = key.key;
+        if slot.spilled {
+            let keys = &mut self.spill[b];
+            if keys.iter().any(|k| k.key == key.key) {
+                return false;
+            }
+            keys.push(key);
+        } else if slot.keyed() {
+            if slot.last.key == key.key {
+                return false;
+            }
+            let keys = &mut self.spill[b];
+            keys.push(slot.last);
+            keys.push(key);
+            slot.spilled = true;
+        }
+        slot.last = key;
         true
     }
 
     /// Marks a block as just used (a hit promotes it like a release would).
     pub fn touch(&mut self, block: BlockId) {
         self.clock += 1;
-        if let Some(s) = self.stamp.get_mut(block as usize) {
-            *s = self.clock;
+        if let Some(slot) = self.slots.get_mut(block as usize) {
+            slot.stamp = self.clock;
         }
     }
 
@@ -331,7 +409,7 @@ impl BlockPool {
                 return None;
             }
             let block = cur;
-            cur = self.next[block as usize];
+            cur = self.slots[block as usize].next;
             Some(block)
         })
     }
@@ -340,69 +418,70 @@ impl BlockPool {
     /// Appends the removed keys to `evicted`.
     pub fn clear(&mut self, evicted: &mut Vec<BlockKey>) {
         let n = self.num_blocks();
-        for keys in &mut self.keys {
-            evicted.append(keys);
+        for block in 0..n {
+            evicted.extend_from_slice(self.keys(block));
         }
         *self = Self::new(n);
     }
 
     fn link(&mut self, block: BlockId, end: LruEnd) {
-        let b = block as usize;
         self.clock += 1;
-        self.stamp[b] = match end {
-            LruEnd::MostRecent => self.clock,
-            LruEnd::LeastRecent => 0,
-        };
+        let (head, tail) = (self.lru_head, self.lru_tail);
+        let slot = &mut self.slots[block as usize];
+        slot.in_lru = true;
         match end {
             LruEnd::MostRecent => {
-                self.prev[b] = self.lru_tail;
-                self.next[b] = NIL;
-                if self.lru_tail == NIL {
+                slot.stamp = self.clock;
+                slot.prev = tail;
+                slot.next = NIL;
+                if tail == NIL {
                     self.lru_head = block;
                 } else {
-                    self.next[self.lru_tail as usize] = block;
+                    self.slots[tail as usize].next = block;
                 }
                 self.lru_tail = block;
             }
             LruEnd::LeastRecent => {
-                self.next[b] = self.lru_head;
-                self.prev[b] = NIL;
-                if self.lru_head == NIL {
+                slot.stamp = 0;
+                slot.next = head;
+                slot.prev = NIL;
+                if head == NIL {
                     self.lru_tail = block;
                 } else {
-                    self.prev[self.lru_head as usize] = block;
+                    self.slots[head as usize].prev = block;
                 }
                 self.lru_head = block;
             }
         }
-        self.in_lru[b] = true;
         self.lru_len += 1;
     }
 
     fn unlink(&mut self, block: BlockId) {
-        let b = block as usize;
-        let (p, n) = (self.prev[b], self.next[b]);
+        let slot = &mut self.slots[block as usize];
+        let (p, n) = (slot.prev, slot.next);
+        slot.prev = NIL;
+        slot.next = NIL;
+        slot.in_lru = false;
         if p == NIL {
             self.lru_head = n;
         } else {
-            self.next[p as usize] = n;
+            self.slots[p as usize].next = n;
         }
         if n == NIL {
             self.lru_tail = p;
         } else {
-            self.prev[n as usize] = p;
+            self.slots[n as usize].prev = p;
         }
-        self.prev[b] = NIL;
-        self.next[b] = NIL;
-        self.in_lru[b] = false;
         self.lru_len -= 1;
     }
 
     /// Checks the pool's own invariants: the three states partition the ids, the LRU list is
-    /// well formed, the null block is untouched. Returns a description of the first violation.
+    /// well formed, the null block is untouched, every block's key list is consistent.
+    /// Returns a description of the first violation.
     pub fn check(&self) -> Result<(), String> {
-        let n = self.ref_count.len();
-        if self.ref_count[0] != 0 || !self.keys[0].is_empty() || self.in_lru[0] {
+        let n = self.slots.len();
+        let null = &self.slots[0];
+        if null.ref_count != 0 || null.keyed() || null.spilled || null.in_lru {
             return Err("the null block was allocated, keyed or cached".into());
         }
         let mut on_free = vec![false; n];
@@ -417,7 +496,7 @@ impl BlockPool {
         let mut prev = NIL;
         for block in self.lru_iter() {
             seen += 1;
-            if seen > self.lru_len || self.prev[block as usize] != prev {
+            if seen > self.lru_len || self.slots[block as usize].prev != prev {
                 return Err("LRU list is corrupt".into());
             }
             prev = block;
@@ -426,9 +505,8 @@ impl BlockPool {
             return Err(format!("LRU length {} but {seen} linked", self.lru_len));
         }
         let mut checkpoints = 0;
-        #[allow(clippy::needless_range_loop)] // b indexes five parallel vectors
-        for b in 1..n {
-            let (rc, keyed, cached) = (self.ref_count[b], !self.keys[b].is_empty(), self.in_lru[b]);
+        for (b, slot) in self.slots.iter().enumerate().skip(1) {
+            let (rc, keyed, cached) = (slot.ref_count, slot.keyed(), slot.in_lru);
             let state_ok = if rc > 0 {
                 !cached && !on_free[b]
             } else if keyed {
@@ -443,19 +521,25 @@ impl BlockPool {
                     on_free[b]
                 ));
             }
-            if rc == 0 && !keyed && self.kind[b] != BlockKind::Free {
-                return Err(format!("free block {b} still labelled {:?}", self.kind[b]));
+            if rc == 0 && !keyed && slot.kind != BlockKind::Free {
+                return Err(format!("free block {b} still labelled {:?}", slot.kind));
             }
-            if self.kind[b].is_checkpoint() {
+            if slot.kind.is_checkpoint() {
                 checkpoints += 1;
             }
-            let last_ok = if keyed {
-                self.keys[b].iter().any(|k| k.key == self.last_key[b])
+            let spill = &self.spill[b];
+            let keys_ok = if slot.spilled {
+                keyed && spill.len() >= 2 && spill.last() == Some(&slot.last)
             } else {
-                self.last_key[b] == NO_KEY
+                spill.is_empty()
             };
-            if !last_ok {
-                return Err(format!("block {b}: its last key is not one it carries"));
+            if !keys_ok {
+                return Err(format!(
+                    "block {b}: its key list ({} spilled keys, spilled {}) does not end with \
+                     its last key",
+                    spill.len(),
+                    slot.spilled
+                ));
             }
         }
         if checkpoints != self.num_checkpoints {
@@ -527,6 +611,41 @@ mod tests {
         pool.decref(ids[0], LruEnd::MostRecent);
         let order: Vec<_> = pool.lru_iter().collect();
         assert_eq!(order, vec![ids[2], ids[1], ids[3], ids[0]]);
+        pool.check().unwrap();
+    }
+
+    #[test]
+    fn keeps_one_key_inline_and_several_in_order() {
+        let mut pool = BlockPool::new(3);
+        let mut ev = Vec::new();
+        let a = pool.allocate(BlockKind::Paged, &mut ev).unwrap();
+        assert!(pool.add_key(a, key(1, 4)));
+        assert!(!pool.add_key(a, key(1, 4)), "a key a block carries is not added twice");
+        assert_eq!(pool.keys(a), &[key(1, 4)]);
+        assert!(pool.add_key(a, key(2, 8)));
+        assert!(pool.add_key(a, key(3, 12)));
+        assert!(!pool.add_key(a, key(2, 8)));
+        assert_eq!(pool.keys(a), &[key(1, 4), key(2, 8), key(3, 12)]);
+        assert!(pool.sole_holder_of(a, &key(2, 8).key));
+        assert!(!pool.sole_holder_of(a, &key(4, 16).key));
+        pool.check().unwrap();
+        pool.decref(a, LruEnd::MostRecent);
+        let b = pool.allocate(BlockKind::Paged, &mut ev).unwrap();
+        assert_ne!(a, b);
+        // The next allocation evicts `a`: every key it carried comes back, in order.
+        assert_eq!(pool.allocate(BlockKind::Paged, &mut ev), Some(a));
+        assert_eq!(ev, vec![key(1, 4), key(2, 8), key(3, 12)]);
+        assert!(pool.keys(a).is_empty() && !pool.is_published(a));
+        // Reused, the block starts with a single inline key again.
+        assert!(pool.add_key(a, key(5, 4)));
+        assert_eq!(pool.keys(a), &[key(5, 4)]);
+        pool.check().unwrap();
+        let mut cleared = Vec::new();
+        pool.decref(a, LruEnd::MostRecent);
+        pool.decref(b, LruEnd::MostRecent);
+        pool.clear(&mut cleared);
+        assert_eq!(cleared, vec![key(5, 4)]);
+        assert_eq!(pool.num_free(), 2);
         pool.check().unwrap();
     }
 
