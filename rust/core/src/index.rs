@@ -16,7 +16,7 @@
 use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::hashing::Digest;
 use crate::pool::{BlockId, Key};
@@ -56,7 +56,7 @@ impl HashIndex {
     #[must_use]
     pub fn new(recent_capacity: usize, verify_tokens: bool, expected_keys: usize) -> Self {
         Self {
-            map: FxHashMap::with_capacity_and_hasher(expected_keys, Default::default()),
+            map: FxHashMap::with_capacity_and_hasher(expected_keys, FxBuildHasher),
             recent_capacity,
             units: verify_tokens.then(FxHashMap::default),
             ..Self::default()
