@@ -49,11 +49,21 @@ impl CacheManager {
     /// `commit` by step id.
     pub fn commit_step(&mut self, step_id: u64) -> Result<()> {
         let slots = self.take_in_flight(step_id, "commit")?;
-        for slot in slots {
+        for &slot in &slots {
             self.commit_slot(slot);
         }
+        self.recycle_slot_list(slots);
         self.stats.commits += 1;
         Ok(())
+    }
+
+    /// Hands a finished step's slot list back as the next step's (emptied), so that steps
+    /// of a steady batch allocate nothing for it.
+    fn recycle_slot_list(&mut self, mut slots: Vec<usize>) {
+        if self.scheduled.is_empty() && self.scheduled.capacity() < slots.capacity() {
+            slots.clear();
+            self.scheduled = slots;
+        }
     }
 
     /// Undoes the plan's step: nothing is published, every sequence is back where it was.
@@ -64,9 +74,10 @@ impl CacheManager {
     /// `abort` by step id.
     pub fn abort_step(&mut self, step_id: u64) -> Result<()> {
         let slots = self.take_in_flight(step_id, "abort")?;
-        for slot in slots.into_iter().rev() {
+        for &slot in slots.iter().rev() {
             self.undo_step(slot);
         }
+        self.recycle_slot_list(slots);
         self.stats.aborts += 1;
         Ok(())
     }

@@ -286,6 +286,8 @@ pub struct PyPlanBuffers {
     paged_tuple: Py<PyTuple>,
     /// Every count of the step in one tuple (see the `counts` getter).
     counts: Py<PyTuple>,
+    /// The values of `counts`, gathered here first (kept, so a step allocates nothing).
+    counts_scratch: Vec<usize>,
     state_tuple: Py<PyTuple>,
     /// The groups of `paged` then `state` (which parts the buffers are laid out for).
     groups: Vec<u32>,
@@ -363,14 +365,16 @@ impl PyPlanBuffers {
         self.capacity_rows = self.capacity_rows.max(rows);
         self.num_rows = rows;
         self.num_tokens = plan.num_tokens();
-        let mut counts = vec![rows, self.num_tokens, self.num_copies];
+        let counts = &mut self.counts_scratch;
+        counts.clear();
+        counts.extend([rows, self.num_tokens, self.num_copies]);
         for part in &plan.paged {
             counts.extend([part.appended.len() / 3, part.replaced.len() / 3]);
         }
         for part in &plan.state {
             counts.extend([part.max_checkpoints, part.snapshots.len() / 2]);
         }
-        self.counts = PyTuple::new(py, counts)?.unbind();
+        self.counts = PyTuple::new(py, counts.iter())?.unbind();
         self.manager_id = manager_id;
         self.step_id = Some(plan.step_id);
         Ok(())
@@ -405,6 +409,7 @@ impl PyPlanBuffers {
             paged_tuple: PyTuple::empty(py).unbind(),
             state_tuple: PyTuple::empty(py).unbind(),
             counts: PyTuple::new(py, [0usize, 0, 0])?.unbind(),
+            counts_scratch: Vec::new(),
             groups: Vec::new(),
             ids: Vec::with_capacity(rows),
             scratch: StepPlan::default(),
