@@ -7,8 +7,9 @@
 //!
 //! Block 0 is the null block: it is never allocated, freed, keyed or evicted.
 //!
-//! The LRU is an intrusive doubly linked list over `Vec`s of indices: linking, unlinking and
-//! popping are O(1) and allocate nothing. The pool does not know the hash index: when a cached
+//! A block's state is one 64-byte record (`Slot`), so that touching a block costs one cache
+//! line. The LRU is an intrusive doubly linked list through those records: linking, unlinking
+//! and popping are O(1) and allocate nothing. The pool does not know the hash index: when a cached
 //! block is evicted its keys are drained into a caller-supplied buffer, and the caller removes
 //! them from the index. The pool never panics on ids it handed out; the manager only passes ids
 //! it holds.
