@@ -358,6 +358,18 @@ impl CacheManager {
             let pool = self.groups[g].pool();
             let admission = admissions.as_mut().and_then(Iterator::next);
             let step = if let Some(block) = self.groups[g].block_size() {
+                let cols = end.div_ceil(block) as usize;
+                if admission.is_none() {
+                    // A running sequence whose table already covers the chunk (most decode
+                    // steps): nothing to allocate, so its table stays where it is.
+                    if let SeqGroup::Paged(paged) = &self.seq(slot).groups[g] {
+                        if paged.table.len() >= cols {
+                            let table_len_before = paged.table.len();
+                            steps.push(GroupStep::Paged { table_len_before, cow: None });
+                            continue;
+                        }
+                    }
+                }
                 {
                     let mut paged = match (&admission, &mut self.seq_mut(slot).groups[g]) {
                         (Some(a), _) => PagedSeq {
@@ -375,7 +387,7 @@ impl CacheManager {
                         paged.table.push(dst);
                         cow = Some((src, dst, tokens));
                     }
-                    while paged.table.len() < end.div_ceil(block) as usize {
+                    while paged.table.len() < cols {
                         let b = self.allocate(pool, BlockKind::Paged).unwrap_or(NULL_BLOCK);
                         paged.table.push(b);
                     }
