@@ -233,4 +233,31 @@ mod tests {
         assert!(index.verify(&digest(1), &digest(0), &[1, 3]));
         assert!(!index.contains(&key));
     }
+
+    #[test]
+    fn remembers_the_latest_evicted_keys_up_to_its_capacity() {
+        let mut index = HashIndex::new(2, false, 4);
+        let keys: Vec<Key> = (1..=3).map(|n| Key { group: 0, digest: digest(n) }).collect();
+        for (block, key) in keys.iter().enumerate() {
+            index.insert(*key, block as BlockId + 1, None);
+        }
+        // Removed without eviction (e.g. a released window): not a recent eviction.
+        index.remove(&keys[0], 1, false);
+        assert!(!index.recently_evicted(&keys[0]));
+        index.remove(&keys[1], 2, true);
+        index.remove(&keys[2], 3, true);
+        assert!(index.recently_evicted(&keys[1]) && index.recently_evicted(&keys[2]));
+        // The same digest in another group is another key.
+        assert!(!index.recently_evicted(&Key { group: 1, digest: digest(2) }));
+        // Published again: a hit, not a recent eviction.
+        index.insert(keys[1], 4, None);
+        assert!(!index.recently_evicted(&keys[1]));
+        // A third eviction pushes the oldest out of a record of two.
+        index.insert(keys[0], 5, None);
+        index.remove(&keys[0], 5, true);
+        assert!(index.recently_evicted(&keys[0]) && index.recently_evicted(&keys[2]));
+        index.remove(&keys[1], 4, true);
+        assert!(!index.recently_evicted(&keys[2]), "the oldest of three is forgotten");
+        assert!(index.recently_evicted(&keys[0]) && index.recently_evicted(&keys[1]));
+    }
 }
