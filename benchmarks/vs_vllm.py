@@ -24,8 +24,8 @@ are compared; a difference is "explained" when each manager's hit is exactly wha
 publication rule gives (vLLM keys blocks when it allocates them, so a request admitted in the
 same step as the request computing its prefix hits it; prefixcache publishes at ``commit``).
 Each pair also times prefixcache's ``add`` of every prompt alone, without reuse (the hashing
-floor, ``hashing_floor``): vLLM's time over it is the highest ratio any manager hashing what it
-is sent could reach, reported as the configuration's ceiling.
+floor, ``hashing_floor``): vLLM's time over it is the highest ratio prefixcache could reach
+without hash reuse, reported as the configuration's ceiling.
 
 Run (vLLM lives in its own virtual environment, never a project dependency)::
 
@@ -39,6 +39,7 @@ cProfile of one prefixcache run per configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
 import gc
@@ -51,6 +52,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,37 +176,41 @@ def simulate(workload: Workload, backend: Backend) -> RunResult:
     )
 
 
-def run_once(side: str, config: ManagerConfig, workload: Workload) -> RunResult:
-    """One timed run on a fresh manager. Garbage of earlier runs is collected and what is
-    alive is frozen first (as vLLM's engine freezes its heap after start-up), so neither side
-    pays for scanning the other's objects."""
-    backend = make_backend(side, config, workload)
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Garbage of earlier runs is collected and what is alive is frozen for the block (as
+    vLLM's engine freezes its heap after start-up), so no timed run pays for scanning the
+    objects of another."""
     gc.collect()
     gc.freeze()
     try:
-        return simulate(workload, backend)
+        yield
     finally:
         gc.unfreeze()
 
 
+def run_once(side: str, config: ManagerConfig, workload: Workload) -> RunResult:
+    """One timed run on a fresh manager, on a frozen heap."""
+    backend = make_backend(side, config, workload)
+    with frozen_heap():
+        return simulate(workload, backend)
+
+
 def hashing_floor(config: ManagerConfig, workload: Workload) -> float:
     """Seconds prefixcache's ``add`` takes for every prompt of the workload, alone: each
-    prompt hashed once (no hash reuse), on a fresh manager of the run's configuration, timed
-    like the runs. No manager can do less than hash what it is sent, so vLLM's run time over
-    this is the highest ratio the configuration allows (sampled tokens, also hashed in the
-    runs, are left out: the floor is a lower bound)."""
+    prompt hashed once (no hash reuse) and taken in, on a fresh manager of the run's
+    configuration, timed like the runs. prefixcache cannot run the workload in less, so
+    vLLM's run time over this is the highest ratio it could reach without hash reuse
+    (sampled tokens, also hashed in the runs, are left out: the floor is a lower bound).
+    With SHA-256 the floor is nearly all hashing."""
     manager = PrefixcacheBackend(config, workload).manager
-    gc.collect()
-    gc.freeze()
     seconds = 0.0
-    try:
+    with frozen_heap():
         for request in _all_requests(workload):
             t0 = time.perf_counter()
             manager.add(request.request_id, request.prompt)
             seconds += time.perf_counter() - t0
             manager.finish(request.request_id)
-    finally:
-        gc.unfreeze()
     return seconds
 
 
