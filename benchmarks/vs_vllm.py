@@ -16,7 +16,11 @@ Workloads and configurations (``vs_vllm_workloads.py``; ``docs/BENCHMARKS.md``):
   block 1536, hash unit 128, xxh3-128. prefixcache runs twice per pair: without and with hash
   reuse (``add(..., extends=previous round)``); the target is judged with reuse.
 - shared-prompts: full attention, block 16, sha256 (target judged without reuse; the reuse run,
-  ``extends=`` the latest request with the same system prompt, is reported beside it).
+  ``extends=`` the latest request with the same system prompt, is reported beside it, and so is
+  prefixcache as configured by default, ``+live``: no ``extends``, but ``reuse_live_prefixes``
+  takes the system prompt's hashes from a running request that shares it).
+
+In the runs without reuse, ``reuse_live_prefixes`` is off: every prompt is hashed in full.
 
 Every pair runs vLLM, then prefixcache (then prefixcache with reuse), in one process; the ratio
 vLLM / prefixcache is reported as min / median / max over the pairs. Hit tokens per request
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import datetime
 import gc
 import io
@@ -74,6 +79,9 @@ CONFIGS: dict[str, list[ManagerConfig]] = {
     ],
 }
 REUSE_JUDGED = {"growing-prefix": True, "shared-prompts": False}
+# Workloads whose requests share prefixes with requests still running: there prefixcache also
+# runs as configured by default (``reuse_live_prefixes``, no ``extends``), reported beside.
+LIVE_REUSE = {"growing-prefix": False, "shared-prompts": True}
 
 
 @dataclass
@@ -318,6 +326,7 @@ def _entry(
         "vllm_hashing_us_per_1k_tokens": vllm_hash / hashed_tokens * 1e9,
         "hits": {**hits, "same_in_every_pair": stable},
         "hash_reuse": config.reuse,
+        "live_prefix_reuse": config.live_prefixes,
         **ceiling,
         "target_judged_here": judged,
         "meets_target": median >= TARGET_RATIO,
@@ -456,39 +465,45 @@ def main(argv: list[str] | None = None) -> int:
         for config in CONFIGS[workload_name]:
             if args.config and config.name not in args.config:
                 continue
-            reuse = ManagerConfig(
-                config.name + "+extends",
-                config.kind,
-                config.block_size,
-                config.unit,
-                config.hash,
-                reuse=True,
+            reuse = dataclasses.replace(
+                config, name=config.name + "+extends", reuse=True, live_prefixes=True
             )
+            live = dataclasses.replace(config, name=config.name + "+live", live_prefixes=True)
+            variants = [config, reuse] + ([live] if LIVE_REUSE[workload_name] else [])
             vllm_runs: list[RunResult] = []
-            plain_runs: list[RunResult] = []
-            reuse_runs: list[RunResult] = []
+            runs: dict[str, list[RunResult]] = {v.name: [] for v in variants}
             floors: list[float] = []
             for pair in range(args.pairs):
                 vllm_runs.append(run_once("vllm", config, workload))
-                plain_runs.append(run_once("prefixcache", config, workload))
-                reuse_runs.append(run_once("prefixcache", reuse, workload))
+                for variant in variants:
+                    runs[variant.name].append(run_once("prefixcache", variant, workload))
                 floors.append(hashing_floor(config, workload))
                 print(
                     f"{workload_name} {config.name} pair {pair}: vLLM "
-                    f"{vllm_runs[-1].seconds:.3f} s, prefixcache {plain_runs[-1].seconds:.4f} s"
-                    f", with extends {reuse_runs[-1].seconds:.4f} s"
-                    f", hashing floor {floors[-1]:.4f} s",
+                    f"{vllm_runs[-1].seconds:.3f} s, prefixcache "
+                    + ", ".join(
+                        f"{v.name.removeprefix(config.name) or 'no reuse'} "
+                        f"{runs[v.name][-1].seconds:.4f} s"
+                        for v in variants
+                    )
+                    + f", hashing floor {floors[-1]:.4f} s",
                     flush=True,
                 )
-            judged = REUSE_JUDGED[workload_name]
-            results[workload_name][config.name] = _entry(
-                workload, config, vllm_runs, plain_runs, not judged, meta, floors
-            )
-            results[workload_name][reuse.name] = _entry(
-                workload, reuse, vllm_runs, reuse_runs, judged, meta
-            )
+            # Judged with `extends` where the workload re-sends prefixes, elsewhere without any
+            # reuse (every prompt hashed in full, as vLLM does).
+            judged = reuse if REUSE_JUDGED[workload_name] else config
+            for variant in variants:
+                results[workload_name][variant.name] = _entry(
+                    workload,
+                    variant,
+                    vllm_runs,
+                    runs[variant.name],
+                    variant is judged,
+                    meta,
+                    floors if variant is config else None,
+                )
             if args.profile:
-                for profiled in (config, reuse):
+                for profiled in variants:
                     profiles.append(
                         f"## {workload_name} / {profiled.name}\n"
                         + profile_prefixcache(profiled, workload)

@@ -59,6 +59,9 @@ class ManagerConfig:
         reuse: prefixcache only: ``add(..., extends=...)`` reuses the hashes of the request the
             workload names (the previous round of the stream, or the latest request with the
             same system prompt).
+        live_prefixes: prefixcache only: ``CacheConfig.reuse_live_prefixes`` (an ``add``
+            without ``extends`` reuses the hashes of a live request with the same prefix). Off
+            in the runs without reuse, so that every prompt is hashed in full as vLLM does.
     """
 
     name: str
@@ -67,6 +70,7 @@ class ManagerConfig:
     unit: int
     hash: Literal["sha256", "xxh3_128"]
     reuse: bool = False
+    live_prefixes: bool = False
 
     def attention_blocks(self, workload: Workload) -> int:
         """Attention blocks for twice the running sequences' worth (running + cached)."""
@@ -355,6 +359,7 @@ class PrefixcacheBackend(Backend):
                 pools=pools,
                 groups=groups,
                 hash=pc.HashConfig(algorithm=config.hash, seed=0, unit=config.unit),
+                reuse_live_prefixes=config.live_prefixes,
                 enable_events=False,
             )
         )

@@ -16,6 +16,7 @@ are what to read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 from vs_vllm import CONFIGS, simulate
-from vs_vllm_backends import ManagerConfig, make_backend
+from vs_vllm_backends import make_backend
 from vs_vllm_workloads import make_workload
 
 # Frame substrings per core component, first match wins. A sample belongs to the innermost
@@ -58,12 +59,10 @@ def component(frames: list[str]) -> str:
     return "PyO3 / NumPy glue" + (" [libc]" if in_libc else "")
 
 
-def run(workload_name: str, config_name: str, extends: bool, runs: int) -> None:
+def run(workload_name: str, config_name: str, extends: bool, live: bool, runs: int) -> None:
     workload = make_workload(workload_name, 1.0)
     base = next(c for c in CONFIGS[workload_name] if c.name == config_name)
-    config = ManagerConfig(
-        base.name, base.kind, base.block_size, base.unit, base.hash, reuse=extends
-    )
+    config = dataclasses.replace(base, reuse=extends, live_prefixes=extends or live)
     for _ in range(runs):
         result = simulate(workload, make_backend("prefixcache", config, workload))
         calls = sorted(result.by_call.items(), key=lambda kv: -kv[1])
@@ -93,18 +92,22 @@ def main() -> int:
     parser.add_argument("workload", choices=sorted(CONFIGS))
     parser.add_argument("config")
     parser.add_argument("--extends", action="store_true", help="hash reuse (add(extends=))")
+    parser.add_argument(
+        "--live", action="store_true", help="reuse_live_prefixes (implied by --extends)"
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rate", type=int, default=1000, help="samples per second")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        run(args.workload, args.config, args.extends, args.runs)
+        run(args.workload, args.config, args.extends, args.live, args.runs)
         return 0
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "profile.txt"
         child = [sys.executable, __file__, args.workload, args.config, "--runs", str(args.runs)]
         child += ["--child", *(["--extends"] if args.extends else [])]
+        child += ["--live"] if args.live else []
         record = [py_spy, "record", "--native", "-r", str(args.rate), "-f", "raw", "-o", str(raw)]
         subprocess.run([*record, "--", *child], check=True)
         print(f"\nnative samples inside prefixcache calls, {args.workload} / {args.config}")

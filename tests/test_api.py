@@ -310,6 +310,32 @@ def test_extends_reuses_the_hashes_of_the_common_prefix() -> None:
     assert not missing.extends_found and missing.reused_tokens == 0
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+def test_an_add_without_extends_reuses_the_prefix_of_a_live_sequence(reuse: bool) -> None:
+    config = dataclasses.replace(paged_config(unit=16), reuse_live_prefixes=reuse)
+    mgr = pc.CacheManager(config)
+    system = list(range(64))
+    mgr.add(1, [*system, *range(1000, 1040)])
+    second = [*system, *range(2000, 2050)]
+    added = mgr.add(2, np.asarray(second, dtype=np.uint32))
+    # The 64 system tokens (4 units) come from sequence 1 when reuse is on.
+    assert (added.reused_tokens, added.hashed_units, added.extends_found) == (
+        (64, 3, False) if reuse else (0, 7, False)
+    )
+    # What sequence 2 publishes is keyed by the real digests of its tokens.
+    mgr.drain_events()
+    mgr.schedule(2, len(second))
+    mgr.commit(mgr.build_plan())
+    published = [
+        key for e in mgr.drain_events() if isinstance(e, pc.BlockStored) for key in e.keys
+    ]
+    assert published == pc.hash_prefix(second, unit=16)
+    mgr.finish(1)
+    mgr.finish(2)
+    # Finished sequences are not live: nothing is reused without `extends` any more.
+    assert mgr.add(3, second).reused_tokens == 0
+
+
 @pytest.mark.parametrize(
     "as_input",
     [

@@ -389,6 +389,7 @@ def invalid_configs() -> list[tuple[Callable[[], object], type[BaseException], s
         (cfg(hash=None), TypeError, 'must have an attribute "algorithm"'),
         (cfg(enable_events="yes"), TypeError, "enable_events must be a bool"),
         (cfg(finished_cache_bytes=-1), pc.ConfigError, "finished_cache_bytes must be in"),
+        (cfg(reuse_live_prefixes=None), TypeError, "reuse_live_prefixes must be a bool"),  # type: ignore[arg-type]
         (cfg(recently_evicted_capacity=2.5), TypeError, "must be an int"),
         (lambda: pc.CacheManager(None), TypeError, "must have an attribute"),  # type: ignore[arg-type]
         (lambda: pc.CacheManager(5), TypeError, "must have an attribute"),  # type: ignore[arg-type]

@@ -117,7 +117,8 @@ class Added:
 
     @property
     def reused_tokens(self) -> int:
-        """Tokens whose unit hashes were reused from the `extends` sequence."""
+        """Tokens whose unit hashes were reused: from the `extends` sequence, or without it
+        from a live sequence with the same prefix (`CacheConfig.reuse_live_prefixes`)."""
     @property
     def hashed_units(self) -> int:
         """Units hashed by this call."""

@@ -208,6 +208,10 @@ class CacheConfig:
         hash: hashing settings.
         finished_cache_bytes: bytes of finished sequences' tokens and hashes kept for
             ``add(..., extends=...)``.
+        reuse_live_prefixes: an ``add`` without ``extends`` reuses the hashes of the live
+            sequence added last with the same first hash unit, for the token prefix the two
+            share (compared token by token, with the extra keys): a system prompt shared by
+            concurrent requests is hashed once. ``Added.reused_tokens`` reports it.
         recently_evicted_capacity: evicted keys remembered to explain misses
             (``"recently_evicted"``).
         enable_events: record block events for ``drain_events``.
@@ -222,6 +226,7 @@ class CacheConfig:
     groups: Sequence[Group]
     hash: HashConfig = field(default_factory=HashConfig)
     finished_cache_bytes: int = 64 << 20
+    reuse_live_prefixes: bool = True
     recently_evicted_capacity: int = 4096
     enable_events: bool = True
     max_pending_events: int = 1 << 20

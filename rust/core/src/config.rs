@@ -106,6 +106,10 @@ pub struct CacheConfig {
     pub groups: Vec<GroupConfig>,
     /// Bytes of finished sequences' tokens and hashes kept for `add(.., extends)`.
     pub finished_cache_bytes: usize,
+    /// An `add` without `extends` reuses the hashes of the live sequence added last with the
+    /// same first unit, for the token prefix the two share (compared, not trusted): a system
+    /// prompt shared by concurrent requests is hashed once, not once per request.
+    pub reuse_live_prefixes: bool,
     /// How many evicted keys are remembered to explain misses (`recently_evicted`).
     pub recently_evicted_capacity: usize,
     /// Record block events for `drain_events`.
@@ -121,6 +125,7 @@ impl Default for CacheConfig {
             pools: Vec::new(),
             groups: Vec::new(),
             finished_cache_bytes: 64 << 20,
+            reuse_live_prefixes: true,
             recently_evicted_capacity: 4096,
             enable_events: true,
             max_pending_events: 1 << 20,

@@ -72,7 +72,8 @@ pub(crate) struct InFlight {
 /// What `add` did with the prompt's hashes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Added {
-    /// Tokens whose unit hashes were reused from the `extends` sequence.
+    /// Tokens whose unit hashes were reused: from the `extends` sequence, or without `extends`
+    /// from a live sequence with the same prefix (`CacheConfig::reuse_live_prefixes`).
     pub reused_tokens: u32,
     /// Units hashed by this call.
     pub hashed_units: u32,
@@ -103,6 +104,9 @@ pub struct CacheManager {
     pub(crate) seqs: Vec<Option<Sequence>>,
     pub(crate) free_slots: Vec<usize>,
     pub(crate) by_id: FxHashMap<u64, usize>,
+    /// With `reuse_live_prefixes`: first-unit digest -> the live sequence added last with it
+    /// (the entry goes when that sequence finishes).
+    pub(crate) live_prefixes: FxHashMap<Digest, u64>,
     pub(crate) finished: FinishedCache,
     /// Slots scheduled since the last plan, in schedule order.
     pub(crate) scheduled: Vec<usize>,
@@ -159,6 +163,7 @@ impl CacheManager {
             seqs: Vec::new(),
             free_slots: Vec::new(),
             by_id: FxHashMap::default(),
+            live_prefixes: FxHashMap::default(),
             finished: FinishedCache::new(config.finished_cache_bytes),
             scheduled: Vec::new(),
             in_flight: None,
@@ -246,10 +251,19 @@ impl CacheManager {
         let unit = self.unit;
         // Headroom for decoded tokens, so the first appends do not copy a long prompt.
         let capacity = tokens.len() + tokens.len() / 16 + 256;
-        let (extends_found, (common, n)) = match extends.and_then(|o| self.extends_source(o)) {
-            Some((t, e, h)) => (true, shared_units(unit, tokens, &extra, &t, &e, h.len())),
-            None => (false, (0, 0)),
+        let (first, live) = match extends {
+            None => self.live_prefix_source(tokens, &extra),
+            Some(_) => (None, None),
         };
+        let (extends_found, (common, n)) =
+            match extends.or(live).and_then(|o| self.extends_source(o)) {
+                Some((t, e, h)) => {
+                    (extends.is_some(), shared_units(unit, tokens, &extra, &t, &e, h.len()))
+                }
+                None => (false, (0, 0)),
+            };
+        // From here on the live sequence is `extends`, when it shares a unit.
+        let extends = extends.or_else(|| live.filter(|_| n > 0));
         // A finished sequence extended by its next turn hands its buffers over: the shared
         // prefix is compared, neither copied nor rehashed. A record keeps what the new turn
         // does not share, so the finished id stays available to `extends` exactly as it was.
@@ -295,8 +309,14 @@ impl CacheManager {
         };
         hashes.reserve((capacity / unit as usize).saturating_sub(hashes.len()));
         let reused = hashes.len();
+        if reused == 0 {
+            hashes.extend(first); // unit 0, hashed by `live_prefix_source`
+        }
         self.hasher.extend(&owned, unit, &extra, &mut hashes);
         let hashed_units = (hashes.len() - reused) as u32;
+        if let Some(&h) = hashes.first().filter(|_| self.config.reuse_live_prefixes) {
+            self.live_prefixes.insert(h, seq_id);
+        }
         self.finished.unmap(seq_id);
         let seq = Sequence {
             id: seq_id,
@@ -323,6 +343,23 @@ impl CacheManager {
         };
         self.by_id.insert(seq_id, slot);
         Ok(Added { reused_tokens: reused as u32 * unit, hashed_units, extends_found })
+    }
+
+    /// Without `extends`, a live sequence with the same first unit stands in for it (with
+    /// `reuse_live_prefixes`): `add` compares its tokens and extra keys exactly as those of
+    /// `extends`, so only a prefix whose digests are provably this prompt's is reused. Returns
+    /// the digest of unit 0 (hashed here, not again by `add`) and that sequence, if any.
+    fn live_prefix_source(
+        &mut self,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+    ) -> (Option<Digest>, Option<u64>) {
+        let reuse = self.config.reuse_live_prefixes;
+        let Some(head) = tokens.get(..self.unit as usize).filter(|_| reuse) else {
+            return (None, None);
+        };
+        let first = self.hasher.hash_unit(&self.hasher.seed_digest(), 0, head, extra);
+        (Some(first), self.live_prefixes.get(&first).copied())
     }
 
     /// Per group, the first blocks of a sequence's full-attention table covering at most
@@ -481,6 +518,11 @@ impl CacheManager {
         self.release_all(slot, true);
         self.by_id.remove(&seq_id);
         if let Some(seq) = self.seqs[slot].take() {
+            if let Some(h) = seq.hashes.first() {
+                if self.live_prefixes.get(h) == Some(&seq_id) {
+                    self.live_prefixes.remove(h);
+                }
+            }
             self.finished.insert(
                 seq_id,
                 FinishedSequence {

@@ -77,8 +77,9 @@ fn run(setup: &Setup, ops: &[Op]) -> Result<BTreeMap<&'static str, u64>, String>
 
 /// What the random traffic must reach over a fixed sample of cases: a property whose generator
 /// stopped reaching these would still pass, without testing them.
-const PATHS: [&str; 37] = [
+const PATHS: [&str; 38] = [
     "add reused hashes",
+    "add reused a live prefix",
     "plan refilled in place",
     "hit",
     "verified hit above a unit nobody publishes",

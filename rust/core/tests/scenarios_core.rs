@@ -11,8 +11,8 @@ use common::{
     U,
 };
 use prefixcache_core::{
-    CacheConfig, CacheError, CacheEvent, CacheManager, ExtraKeys, GroupConfig, GroupKind,
-    HashConfig, MissReason, PoolConfig, Retention, StateGroupConfig,
+    Added, CacheConfig, CacheError, CacheEvent, CacheManager, Digest, ExtraKeys, GroupConfig,
+    GroupKind, HashConfig, MissReason, MultimodalInput, PoolConfig, Retention, StateGroupConfig,
 };
 
 fn fa(num_blocks: u32) -> Harness {
@@ -846,6 +846,71 @@ fn add_extending_another_sequence_reuses_the_hashes_of_the_common_prefix() {
     let added = h.add_extending(1, &q, 1);
     assert_eq!(added.reused_tokens, 40);
     assert_eq!(h.lookup(1).tokens, 40);
+}
+
+/// Every key the drained `BlockStored` events published, in order.
+fn published_keys(h: &mut Harness) -> Vec<Digest> {
+    h.events()
+        .into_iter()
+        .flat_map(|r| match r.event {
+            CacheEvent::BlockStored { keys, .. } => keys,
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+#[test]
+fn add_without_extends_reuses_what_a_live_sequence_provably_shares() {
+    let system = tokens(1, 24);
+    let (a, b) = (extend(&system, 2, 16), extend(&system, 3, 18));
+    let salted = ExtraKeys { cache_salt: Some(b"tenant".to_vec()), ..ExtraKeys::default() };
+    let image = |hash: u8| ExtraKeys {
+        multimodal: vec![MultimodalInput { start: 8, end: 12, hash: vec![hash] }],
+        ..ExtraKeys::default()
+    };
+    let traffic = |h: &mut Harness| -> Vec<Added> {
+        let mut added = vec![h.add(1, &a), h.add(2, &b)];
+        // Other extra keys over the shared tokens: a salt changes unit 0, so no live sequence
+        // is found; a multimodal input stops the reuse at its first token.
+        added.push(h.call(|m| m.add(3, &b, salted.clone(), None)).unwrap());
+        added.push(h.call(|m| m.add(4, &a, image(1), None)).unwrap());
+        added.push(h.call(|m| m.add(5, &b, image(2), None)).unwrap());
+        added.push(h.call(|m| m.add(6, &b, image(2), None)).unwrap());
+        for id in 1..=6 {
+            h.step(id, ALL);
+        }
+        // Finished sequences are not live: only `extends` reaches them.
+        for id in 1..=6 {
+            h.finish(id);
+        }
+        added.push(h.add(7, &a));
+        added
+    };
+    let mut on = fa(256);
+    let reused = traffic(&mut on);
+    let summary: Vec<(u32, u32, bool)> =
+        reused.iter().map(|a| (a.reused_tokens, a.hashed_units, a.extends_found)).collect();
+    assert_eq!(
+        summary,
+        [
+            (0, 10, false),
+            (24, 4, false),
+            (0, 10, false),
+            (8, 8, false),
+            (8, 8, false),
+            (40, 0, false),
+            (0, 10, false)
+        ]
+    );
+    // The reused digests are the real ones: the same traffic with the reuse turned off
+    // publishes the very same keys, and every sequence hashed all its units.
+    let keys = published_keys(&mut on);
+    let mut off =
+        Harness::new(CacheConfig { reuse_live_prefixes: false, ..full_attention(B, U, 256) });
+    let hashed = traffic(&mut off);
+    assert!(hashed.iter().all(|a| a.reused_tokens == 0));
+    assert_eq!(published_keys(&mut off), keys);
+    assert!(!keys.is_empty());
 }
 
 #[test]

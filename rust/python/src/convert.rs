@@ -464,6 +464,10 @@ pub fn cache_config(obj: &Bound<'_, PyAny>) -> PyResult<CacheConfig> {
             "finished_cache_bytes",
             c,
         )?,
+        reuse_live_prefixes: bool_arg(
+            &attr(obj, "reuse_live_prefixes", what)?,
+            "reuse_live_prefixes",
+        )?,
         recently_evicted_capacity: usize_arg(
             &attr(obj, "recently_evicted_capacity", what)?,
             "recently_evicted_capacity",

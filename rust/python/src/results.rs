@@ -17,7 +17,8 @@ fn optional<T: std::fmt::Display>(value: Option<T>) -> String {
 #[pyclass(frozen, eq, get_all, skip_from_py_object, name = "Added", module = "prefixcache")]
 #[derive(Clone, PartialEq, Eq)]
 pub struct PyAdded {
-    /// Tokens whose unit hashes were reused from the `extends` sequence.
+    /// Tokens whose unit hashes were reused: from the `extends` sequence, or without it
+    /// from a live sequence with the same prefix (`CacheConfig.reuse_live_prefixes`).
     pub reused_tokens: u32,
     /// Units hashed by this call.
     pub hashed_units: u32,

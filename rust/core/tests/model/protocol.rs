@@ -196,7 +196,10 @@ impl Model {
         let other = extends.and_then(|e| {
             self.seqs.get(&e).map(|s| s.tokens.clone()).or_else(|| self.finished.get(&e).cloned())
         });
-        let reused_units = other.as_ref().map_or(0, |o| {
+        // Without `extends`: the live sequence added last with the same first unit.
+        let first = tokens.get(..unit).filter(|_| self.s.reuse_live_prefixes && extends.is_none());
+        let live = first.and_then(|f| self.live_first.get(f)).map(|o| self.seqs[o].tokens.clone());
+        let reused_units = other.as_ref().or(live.as_ref()).map_or(0, |o| {
             let common = tokens.iter().zip(o).take_while(|(a, b)| a == b).count();
             (common / unit).min(o.len() / unit)
         });
@@ -207,7 +210,14 @@ impl Model {
             "add {id} extending {extends:?}: {added:?}, expected {reused_units} reused units"
         );
         if reused_units > 0 {
-            self.saw("add reused hashes");
+            self.saw(if other.is_some() {
+                "add reused hashes"
+            } else {
+                "add reused a live prefix"
+            });
+        }
+        if let Some(f) = tokens.get(..unit).filter(|_| self.s.reuse_live_prefixes) {
+            self.live_first.insert(f.to_vec(), id);
         }
         self.learn(&tokens)?;
         self.finished.remove(&id);
@@ -945,6 +955,11 @@ impl Model {
             return Ok(());
         }
         let seq = self.seqs.remove(&id).ok_or("gone")?;
+        if let Some(f) = seq.tokens.get(..self.unit as usize) {
+            if self.live_first.get(f) == Some(&id) {
+                self.live_first.remove(f);
+            }
+        }
         let expected: Vec<Stored> = decode_tails
             .iter()
             .enumerate()

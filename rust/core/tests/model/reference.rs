@@ -142,6 +142,8 @@ pub(crate) struct Model {
     pub(crate) digests: HashMap<Digest, Prefix>,
     pub(crate) seqs: BTreeMap<u64, SeqModel>,
     pub(crate) finished: BTreeMap<u64, Vec<u32>>,
+    /// With `reuse_live_prefixes`: first unit's tokens -> the live sequence added last with it.
+    pub(crate) live_first: HashMap<Vec<u32>, u64>,
     pub(crate) scheduled: Vec<u64>,
     pub(crate) in_flight: Option<StepPlan>,
     /// Every other plan is built into this one, refilled each time (`build_plan_into`).
@@ -178,6 +180,7 @@ impl Model {
             digests: HashMap::new(),
             seqs: BTreeMap::new(),
             finished: BTreeMap::new(),
+            live_first: HashMap::new(),
             scheduled: Vec::new(),
             in_flight: None,
             reused_plan: StepPlan::default(),

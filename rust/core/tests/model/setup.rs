@@ -33,6 +33,8 @@ pub(crate) struct Setup {
     pub pools: Vec<u32>,
     pub recent_capacity: usize,
     pub never_evicts: bool,
+    /// `CacheConfig::reuse_live_prefixes`.
+    pub reuse_live_prefixes: bool,
 }
 
 impl Setup {
@@ -65,6 +67,7 @@ impl Setup {
             pools: self.pools.iter().map(|&num_blocks| PoolConfig { num_blocks }).collect(),
             groups,
             recently_evicted_capacity: self.recent_capacity,
+            reuse_live_prefixes: self.reuse_live_prefixes,
             ..CacheConfig::default()
         }
     }
@@ -110,13 +113,16 @@ fn unit_and_block() -> impl Strategy<Value = (u32, u32)> {
         .prop_flat_map(|unit| (Just(unit), prop::sample::select(vec![unit, 2 * unit, 4 * unit])))
 }
 
-/// `(algorithm, seed, verify_tokens, recently evicted capacity)`
-fn hashing() -> impl Strategy<Value = (HashAlgorithm, u64, bool, usize)> {
+/// `(algorithm, seed, verify_tokens, recently evicted capacity, reuse_live_prefixes)`
+type Hashing = (HashAlgorithm, u64, bool, usize, bool);
+
+fn hashing() -> impl Strategy<Value = Hashing> {
     (
         prop_oneof![3 => Just(HashAlgorithm::Xxh3_128), 1 => Just(HashAlgorithm::Sha256)],
         prop_oneof![Just(0u64), any::<u64>()],
         any::<bool>(),
         prop_oneof![Just(0usize), Just(1usize << 20)],
+        any::<bool>(),
     )
 }
 
@@ -174,11 +180,21 @@ fn setup(
     unit: u32,
     groups: Vec<(Kind, usize)>,
     pools: Vec<u32>,
-    hashing: (HashAlgorithm, u64, bool, usize),
+    hashing: Hashing,
     never_evicts: bool,
 ) -> Setup {
-    let (algorithm, seed, verify_tokens, recent_capacity) = hashing;
-    Setup { unit, algorithm, seed, verify_tokens, groups, pools, recent_capacity, never_evicts }
+    let (algorithm, seed, verify_tokens, recent_capacity, reuse_live_prefixes) = hashing;
+    Setup {
+        unit,
+        algorithm,
+        seed,
+        verify_tokens,
+        groups,
+        pools,
+        recent_capacity,
+        never_evicts,
+        reuse_live_prefixes,
+    }
 }
 
 /// Full attention only: one group, or two with different block sizes in shared or separate
