@@ -326,9 +326,7 @@ def test_an_add_without_extends_reuses_the_prefix_of_a_live_sequence(reuse: bool
     mgr.drain_events()
     mgr.schedule(2, len(second))
     mgr.commit(mgr.build_plan())
-    published = [
-        key for e in mgr.drain_events() if isinstance(e, pc.BlockStored) for key in e.keys
-    ]
+    published = [key for e in mgr.drain_events() if isinstance(e, pc.BlockStored) for key in e.keys]
     assert published == pc.hash_prefix(second, unit=16)
     mgr.finish(1)
     mgr.finish(2)
