@@ -229,18 +229,20 @@ impl CacheManager {
     }
 
     fn index_insert(&mut self, key: Key, block: BlockId, seq: &Sequence, unit_index: u32) {
-        let duplicate = if self.index.verifies_tokens() {
+        let p = self.groups[key.group as usize].pool();
+        let unit = self.index.verifies_tokens().then(|| {
             let i = unit_index as usize;
             let unit = self.unit as usize;
             let parent = if i == 0 { self.hasher.seed_digest() } else { seq.hashes[i - 1] };
-            self.index.insert(key, block, Some((&parent, &seq.tokens[i * unit..(i + 1) * unit])))
-        } else {
-            self.index.insert(key, block, None)
-        };
+            (parent, &seq.tokens[i * unit..(i + 1) * unit])
+        });
+        let pool = &self.pools[p];
+        let carries = |b| pool.carries(b, &key);
+        let duplicate = self.index.insert(key, block, unit.as_ref().map(|(d, t)| (d, *t)), carries);
         if duplicate {
-            let pool = self.groups[key.group as usize].pool();
-            for &holder in self.index.get(&key) {
-                self.pools[pool].mark_shared_key(holder);
+            let holders: Vec<BlockId> = self.index.get(&key, carries).collect();
+            for holder in holders {
+                self.pools[p].mark_shared_key(holder);
             }
         }
     }

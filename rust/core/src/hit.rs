@@ -12,7 +12,7 @@
 //! bound downward in steps of U. Nothing here changes cache state.
 
 use crate::manager::{CacheManager, GroupRuntime};
-use crate::pool::{BlockId, BlockPool, Key};
+use crate::pool::{BlockId, BlockPool, Key, NULL_BLOCK};
 use crate::sequence::Sequence;
 
 /// Why a group's own hit stops where it does.
@@ -79,12 +79,21 @@ impl CacheManager {
         Key { group, digest: seq.hashes[(position / unit - 1) as usize] }
     }
 
+    /// The pool of `group`'s blocks.
+    fn group_pool(&self, group: u32) -> &BlockPool {
+        &self.pools[self.groups[group as usize].pool()]
+    }
+
     pub(crate) fn has_key(&self, seq: &Sequence, group: u32, position: u32) -> bool {
-        self.index.contains(&Self::key_at(seq, group, self.unit, position))
+        let key = Self::key_at(seq, group, self.unit, position);
+        let pool = self.group_pool(group);
+        self.index.contains(&key, |b| pool.carries(b, &key))
     }
 
     fn miss_reason(&self, seq: &Sequence, group: u32, position: u32) -> MissReason {
-        if self.index.recently_evicted(&Self::key_at(seq, group, self.unit, position)) {
+        let key = Self::key_at(seq, group, self.unit, position);
+        let pool = self.group_pool(group);
+        if self.index.recently_evicted(&key, |b| pool.carries(b, &key)) {
             MissReason::RecentlyEvicted
         } else {
             MissReason::NotCached
@@ -116,13 +125,10 @@ impl CacheManager {
             // is what the index would return: confirmed through the pool, no index probe.
             match hint.get(col) {
                 Some(&b) if pool.sole_holder_of(b, &key) => chain.push(b),
-                _ => {
-                    let holders = self.index.get(&key);
-                    if holders.is_empty() {
-                        break;
-                    }
-                    chain.push(Self::pick(pool, holders));
-                }
+                _ => match Self::pick(pool, self.index.get(&key, |b| pool.carries(b, &key))) {
+                    Some(b) => chain.push(b),
+                    None => break,
+                },
             }
             block_start += block;
         }
@@ -270,20 +276,22 @@ impl CacheManager {
 
     /// The block to use for a key: one already in use if any, else the most recently used.
     pub(crate) fn choose_block(&self, seq: &Sequence, group: u32, position: u32) -> BlockId {
-        let pool = &self.pools[self.groups[group as usize].pool()];
-        Self::pick(pool, self.index.get(&Self::key_at(seq, group, self.unit, position)))
+        let key = Self::key_at(seq, group, self.unit, position);
+        let pool = self.group_pool(group);
+        Self::pick(pool, self.index.get(&key, |b| pool.carries(b, &key))).unwrap_or(NULL_BLOCK)
     }
 
     /// Among the blocks published under one key: one already in use if any, else the most
-    /// recently used (ties to the lowest id), so the choice is deterministic.
-    fn pick(pool: &BlockPool, holders: &[BlockId]) -> BlockId {
-        if let [only] = holders {
-            return *only;
-        }
-        holders
-            .iter()
-            .copied()
+    /// recently used (ties to the lowest id), so the choice is deterministic. `None` when
+    /// there is none.
+    fn pick(pool: &BlockPool, mut holders: impl Iterator<Item = BlockId>) -> Option<BlockId> {
+        let first = holders.next()?;
+        let Some(second) = holders.next() else {
+            return Some(first);
+        };
+        [first, second]
+            .into_iter()
+            .chain(holders)
             .max_by_key(|&b| (pool.ref_count(b) > 0, pool.stamp(b), u32::MAX - b))
-            .unwrap_or(0)
     }
 }

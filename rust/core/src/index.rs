@@ -32,15 +32,21 @@ struct StoredUnit {
     holders: u32,
 }
 
-/// Key -> blocks, recently evicted keys, and optionally the stored unit tokens.
+/// Key fingerprint -> blocks, recently evicted keys, and optionally the stored unit tokens.
 #[derive(Clone, Debug, Default)]
 pub struct HashIndex {
-    /// Key -> its block. Four bytes a value keep the table dense: a lookup of a long prompt
-    /// probes one key per block, and each probe is a cache miss once the index outgrows the
-    /// caches.
-    map: FxHashMap<Key, BlockId>,
-    /// Keys published by several blocks (two sequences computed the same content): all of them.
-    many: FxHashMap<Key, Vec<BlockId>>,
+    /// Fingerprint (`Key::fingerprint`) -> its block. The full key is not stored here: the
+    /// block's record in its pool holds it, and every query confirms a block through that
+    /// record (`carries`), which the caller was about to read anyway (to pin, publish or
+    /// evict the block). An entry is 16 bytes instead of the 40 a full key takes, so the
+    /// table that every publication, eviction and lookup probes is 2.5 times smaller: once the
+    /// cache holds many blocks, each probe is a cache miss, and fewer of them reach memory.
+    map: FxHashMap<u64, BlockId>,
+    /// Fingerprints with several blocks, in the order they were published: duplicates of one
+    /// key (two sequences computed the same content), or distinct keys sharing a fingerprint
+    /// (by chance about 2^-64 a pair; with SHA-256 an adversary could make one with about 2^32
+    /// work, which `carries` turns into a miss, never a wrong hit).
+    many: FxHashMap<u64, Vec<BlockId>>,
     /// Fingerprints of the recently evicted keys, and the order they were evicted in.
     recent: FxHashSet<u64>,
     recent_order: VecDeque<u64>,
@@ -63,27 +69,46 @@ impl HashIndex {
         }
     }
 
-    /// Blocks published under `key` (empty if none).
-    #[must_use]
-    pub fn get(&self, key: &Key) -> &[BlockId] {
-        match self.map.get(key) {
-            None => &[],
-            Some(&MANY) => self.many.get(key).map_or(&[], Vec::as_slice),
-            Some(block) => std::slice::from_ref(block),
+    /// The blocks published under `key`'s fingerprint, unconfirmed.
+    fn candidates(&self, fingerprint: u64) -> (Option<BlockId>, &[BlockId]) {
+        match self.map.get(&fingerprint) {
+            None => (None, &[]),
+            Some(&MANY) => (None, self.many.get(&fingerprint).map_or(&[], Vec::as_slice)),
+            Some(&block) => (Some(block), &[]),
         }
     }
 
-    #[must_use]
-    pub fn contains(&self, key: &Key) -> bool {
-        self.map.contains_key(key)
+    /// Blocks published under `key`, in publication order. `carries(block)` must say whether
+    /// `block` carries `key` (the key's pool knows): only those are returned.
+    pub fn get<'a>(
+        &'a self,
+        key: &Key,
+        carries: impl Fn(BlockId) -> bool + 'a,
+    ) -> impl Iterator<Item = BlockId> + 'a {
+        let (one, many) = self.candidates(key.fingerprint());
+        one.into_iter().chain(many.iter().copied()).filter(move |&block| carries(block))
     }
 
-    /// Publishes `block` under `key`. `unit` carries (parent digest, unit tokens) when tokens
-    /// are verified.
-    /// Returns whether the key already had a block (the key now has duplicates).
-    pub fn insert(&mut self, key: Key, block: BlockId, unit: Option<(&Digest, &[u32])>) -> bool {
+    /// Whether any block is published under `key` (`carries` as for [`HashIndex::get`]).
+    #[must_use]
+    pub fn contains(&self, key: &Key, carries: impl Fn(BlockId) -> bool) -> bool {
+        self.get(key, carries).next().is_some()
+    }
+
+    /// Publishes `block` under `key`; the block's record must carry the key already.
+    /// `carries(block)` says whether a block carries `key`. `unit` carries (parent digest,
+    /// unit tokens) when tokens are verified. Returns whether another block already had the
+    /// key (the key now has duplicates).
+    pub fn insert(
+        &mut self,
+        key: Key,
+        block: BlockId,
+        unit: Option<(&Digest, &[u32])>,
+        carries: impl Fn(BlockId) -> bool,
+    ) -> bool {
         self.generation += 1;
-        let duplicate = match self.map.entry(key) {
+        let fingerprint = key.fingerprint();
+        let duplicate = match self.map.entry(fingerprint) {
             Entry::Vacant(v) => {
                 v.insert(block);
                 false
@@ -91,12 +116,16 @@ impl HashIndex {
             Entry::Occupied(mut o) => {
                 let first = o.get_mut();
                 if *first == MANY {
-                    self.many.entry(key).or_default().push(block);
+                    let blocks = self.many.entry(fingerprint).or_default();
+                    let duplicate = blocks.iter().any(|&b| b != block && carries(b));
+                    blocks.push(block);
+                    duplicate
                 } else {
-                    self.many.insert(key, vec![*first, block]);
+                    let duplicate = *first != block && carries(*first);
+                    self.many.insert(fingerprint, vec![*first, block]);
                     *first = MANY;
+                    duplicate
                 }
-                true
             }
         };
         if let (Some(units), Some((parent, tokens))) = (self.units.as_mut(), unit) {
@@ -112,31 +141,44 @@ impl HashIndex {
         duplicate
     }
 
-    /// Unpublishes `block` from `key`; `evicted` records the key as recently evicted when no
-    /// block is left under it.
-    pub fn remove(&mut self, key: &Key, block: BlockId, evicted: bool) {
-        let Entry::Occupied(mut o) = self.map.entry(*key) else {
+    /// Unpublishes `block` from `key` (once: a block publishes a key once). `evicted` records
+    /// the key as recently evicted when no block is left under it; `carries(block)` says
+    /// whether a block still carries `key`.
+    pub fn remove(
+        &mut self,
+        key: &Key,
+        block: BlockId,
+        evicted: bool,
+        carries: impl Fn(BlockId) -> bool,
+    ) {
+        let fingerprint = key.fingerprint();
+        let Entry::Occupied(mut o) = self.map.entry(fingerprint) else {
+            return;
+        };
+        let first = o.get_mut();
+        let now_empty = if *first == MANY {
+            let Some(blocks) = self.many.get_mut(&fingerprint) else {
+                return;
+            };
+            let Some(at) = blocks.iter().position(|&b| b == block) else {
+                return;
+            };
+            blocks.remove(at);
+            let now_empty = !blocks.iter().any(|&b| carries(b));
+            if let [last] = blocks.as_slice() {
+                *first = *last;
+                self.many.remove(&fingerprint);
+            }
+            now_empty
+        } else if *first == block {
+            o.remove();
+            true
+        } else {
             return;
         };
         self.generation += 1;
-        let first = o.get_mut();
-        let now_empty = if *first == MANY {
-            if let Some(v) = self.many.get_mut(key) {
-                v.retain(|&b| b != block);
-                if let [last] = v.as_slice() {
-                    *first = *last;
-                    self.many.remove(key);
-                }
-            }
-            false
-        } else {
-            *first == block
-        };
-        if now_empty {
-            o.remove();
-            if evicted {
-                self.remember_evicted(*key);
-            }
+        if now_empty && evicted {
+            self.remember_evicted(*key);
         }
         if let Some(units) = self.units.as_mut() {
             if let Some(unit) = units.get_mut(&key.digest) {
@@ -161,10 +203,11 @@ impl HashIndex {
         }
     }
 
-    /// Whether `key` lost its last block to eviction recently (and was not published since).
+    /// Whether `key` lost its last block to eviction recently (and was not published since);
+    /// `carries` as for [`HashIndex::get`].
     #[must_use]
-    pub fn recently_evicted(&self, key: &Key) -> bool {
-        self.recent.contains(&key.fingerprint()) && !self.map.contains_key(key)
+    pub fn recently_evicted(&self, key: &Key, carries: impl Fn(BlockId) -> bool) -> bool {
+        self.recent.contains(&key.fingerprint()) && !self.contains(key, carries)
     }
 
     /// With `verify_tokens`: false when the unit stored under `digest` has other tokens or
@@ -186,9 +229,12 @@ impl HashIndex {
         self.units.is_some()
     }
 
-    /// Iterates over every (key, block) pair (for invariant checks).
-    pub fn entries(&self) -> impl Iterator<Item = (&Key, BlockId)> + '_ {
-        self.map.keys().flat_map(move |k| self.get(k).iter().map(move |&b| (k, b)))
+    /// Iterates over every (fingerprint, block) pair (for invariant checks).
+    pub fn entries(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
+        self.map.keys().flat_map(move |&fingerprint| {
+            let (one, many) = self.candidates(fingerprint);
+            one.into_iter().chain(many.iter().copied()).map(move |b| (fingerprint, b))
+        })
     }
 
     /// A counter that changes with every insertion or removal.
@@ -213,6 +259,7 @@ impl HashIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     fn digest(n: u8) -> Digest {
         let mut d = [0u8; 32];
@@ -220,44 +267,116 @@ mod tests {
         Digest(d)
     }
 
+    /// The pools' side of the index: which block carries which keys.
+    #[derive(Default)]
+    struct Carried(HashMap<BlockId, Vec<Key>>);
+
+    impl Carried {
+        fn add(&mut self, block: BlockId, key: Key) {
+            self.0.entry(block).or_default().push(key);
+        }
+
+        fn drop_block(&mut self, block: BlockId) {
+            self.0.remove(&block);
+        }
+
+        fn carries(&self, key: Key) -> impl Fn(BlockId) -> bool + '_ {
+            move |b| self.0.get(&b).is_some_and(|keys| keys.contains(&key))
+        }
+    }
+
+    fn publish(index: &mut HashIndex, carried: &mut Carried, key: Key, block: BlockId) -> bool {
+        carried.add(block, key);
+        index.insert(key, block, None, carried.carries(key))
+    }
+
+    fn evict(index: &mut HashIndex, carried: &mut Carried, key: Key, block: BlockId) {
+        carried.drop_block(block);
+        index.remove(&key, block, true, carried.carries(key));
+    }
+
     #[test]
     fn verify_rejects_other_tokens_but_not_units_nobody_publishes() {
         let mut index = HashIndex::new(16, true, 0);
+        let mut carried = Carried::default();
         let key = Key { group: 0, digest: digest(1) };
-        index.insert(key, 7, Some((&digest(0), &[1, 2])));
+        carried.add(7, key);
+        index.insert(key, 7, Some((&digest(0), &[1, 2])), carried.carries(key));
         assert!(index.verify(&digest(1), &digest(0), &[1, 2]));
         assert!(!index.verify(&digest(1), &digest(0), &[1, 3]));
         assert!(!index.verify(&digest(1), &digest(9), &[1, 2]));
         // Once evicted, the unit cannot be compared; no key of it is left to hit either.
-        index.remove(&key, 7, true);
+        evict(&mut index, &mut carried, key, 7);
         assert!(index.verify(&digest(1), &digest(0), &[1, 3]));
-        assert!(!index.contains(&key));
+        assert!(!index.contains(&key, carried.carries(key)));
     }
 
     #[test]
     fn remembers_the_latest_evicted_keys_up_to_its_capacity() {
         let mut index = HashIndex::new(2, false, 4);
+        let mut carried = Carried::default();
         let keys: Vec<Key> = (1..=3).map(|n| Key { group: 0, digest: digest(n) }).collect();
         for (block, key) in keys.iter().enumerate() {
-            index.insert(*key, block as BlockId + 1, None);
+            publish(&mut index, &mut carried, *key, block as BlockId + 1);
         }
+        let recent = |index: &HashIndex, carried: &Carried, key: Key| {
+            index.recently_evicted(&key, carried.carries(key))
+        };
         // Removed without eviction (e.g. a released window): not a recent eviction.
-        index.remove(&keys[0], 1, false);
-        assert!(!index.recently_evicted(&keys[0]));
-        index.remove(&keys[1], 2, true);
-        index.remove(&keys[2], 3, true);
-        assert!(index.recently_evicted(&keys[1]) && index.recently_evicted(&keys[2]));
+        carried.drop_block(1);
+        index.remove(&keys[0], 1, false, carried.carries(keys[0]));
+        assert!(!recent(&index, &carried, keys[0]));
+        evict(&mut index, &mut carried, keys[1], 2);
+        evict(&mut index, &mut carried, keys[2], 3);
+        assert!(recent(&index, &carried, keys[1]) && recent(&index, &carried, keys[2]));
         // The same digest in another group is another key.
-        assert!(!index.recently_evicted(&Key { group: 1, digest: digest(2) }));
+        assert!(!recent(&index, &carried, Key { group: 1, digest: digest(2) }));
         // Published again: a hit, not a recent eviction.
-        index.insert(keys[1], 4, None);
-        assert!(!index.recently_evicted(&keys[1]));
+        publish(&mut index, &mut carried, keys[1], 4);
+        assert!(!recent(&index, &carried, keys[1]));
         // A third eviction pushes the oldest out of a record of two.
-        index.insert(keys[0], 5, None);
-        index.remove(&keys[0], 5, true);
-        assert!(index.recently_evicted(&keys[0]) && index.recently_evicted(&keys[2]));
-        index.remove(&keys[1], 4, true);
-        assert!(!index.recently_evicted(&keys[2]), "the oldest of three is forgotten");
-        assert!(index.recently_evicted(&keys[0]) && index.recently_evicted(&keys[1]));
+        publish(&mut index, &mut carried, keys[0], 5);
+        evict(&mut index, &mut carried, keys[0], 5);
+        assert!(recent(&index, &carried, keys[0]) && recent(&index, &carried, keys[2]));
+        evict(&mut index, &mut carried, keys[1], 4);
+        assert!(!recent(&index, &carried, keys[2]), "the oldest of three is forgotten");
+        assert!(recent(&index, &carried, keys[0]) && recent(&index, &carried, keys[1]));
+    }
+
+    #[test]
+    fn keys_sharing_a_fingerprint_stay_apart_and_duplicates_are_reported() {
+        let mut index = HashIndex::new(16, false, 4);
+        let mut carried = Carried::default();
+        // Two keys whose digests agree on the 8 bytes the fingerprint reads, and differ after.
+        let mut other = digest(1);
+        other.0[31] = 0xff;
+        let (a, b) = (Key { group: 0, digest: digest(1) }, Key { group: 0, digest: other });
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        assert!(!publish(&mut index, &mut carried, a, 1));
+        assert!(!publish(&mut index, &mut carried, b, 2), "another key is not a duplicate");
+        let holders = |index: &HashIndex, carried: &Carried, key: Key| -> Vec<BlockId> {
+            index.get(&key, carried.carries(key)).collect()
+        };
+        assert_eq!(holders(&index, &carried, a), [1]);
+        assert_eq!(holders(&index, &carried, b), [2]);
+        // A real duplicate of `a`: reported, both copies found, in publication order.
+        assert!(publish(&mut index, &mut carried, a, 3));
+        assert_eq!(holders(&index, &carried, a), [1, 3]);
+        // Evicting `b`'s only block leaves `a` whole and records only `b` as evicted.
+        evict(&mut index, &mut carried, b, 2);
+        assert!(holders(&index, &carried, b).is_empty());
+        assert!(index.recently_evicted(&b, carried.carries(b)));
+        assert!(!index.recently_evicted(&a, carried.carries(a)));
+        assert_eq!(holders(&index, &carried, a), [1, 3]);
+        evict(&mut index, &mut carried, a, 1);
+        assert_eq!(holders(&index, &carried, a), [3]);
+        assert!(!index.recently_evicted(&a, carried.carries(a)), "one copy is left");
+        evict(&mut index, &mut carried, a, 3);
+        assert!(index.recently_evicted(&a, carried.carries(a)));
+        assert_eq!(index.entries().count(), 0);
+        // Removing what is not there changes nothing.
+        let generation = index.generation();
+        index.remove(&a, 3, true, carried.carries(a));
+        assert_eq!(index.generation(), generation);
     }
 }

@@ -104,16 +104,19 @@ impl CacheManager {
 
     fn check_index(&self) -> Result<()> {
         let mut indexed = 0usize;
-        for (key, block) in self.index.entries() {
+        for (fingerprint, block) in self.index.entries() {
             indexed += 1;
-            let Some(runtime) = self.groups.get(key.group as usize) else {
-                return Err(CacheError::invariant(format!("key of unknown group {}", key.group)));
-            };
-            let pool = &self.pools[runtime.pool()];
-            if !pool.keys(block).iter().any(|k| k.key == *key) {
+            // Some group's pool holds the block, and it carries a key with this fingerprint.
+            let known = self.groups.iter().enumerate().any(|(g, runtime)| {
+                self.pools[runtime.pool()]
+                    .keys(block)
+                    .iter()
+                    .any(|k| k.key.group == g as u32 && k.key.fingerprint() == fingerprint)
+            });
+            if !known {
                 return Err(CacheError::invariant(format!(
-                    "index maps a key of group {} to block {block}, which does not carry it",
-                    key.group
+                    "index maps fingerprint {fingerprint:#x} to block {block}, which carries no \
+                     key with it in any group"
                 )));
             }
         }
@@ -123,7 +126,7 @@ impl CacheManager {
                 let keys = pool.keys(b);
                 carried += keys.len();
                 for k in keys {
-                    if !self.index.get(&k.key).contains(&b) {
+                    if !self.index.get(&k.key, |x| pool.carries(x, &k.key)).any(|x| x == b) {
                         return Err(CacheError::invariant(format!(
                             "pool {i} block {b} carries a key at {} that is not indexed",
                             k.position

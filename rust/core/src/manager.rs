@@ -741,8 +741,9 @@ impl CacheManager {
             return;
         }
         let group = evicted[0].key.group;
+        let pool = &self.pools[self.groups[group as usize].pool()];
         for k in evicted.iter() {
-            self.index.remove(&k.key, block, true);
+            self.index.remove(&k.key, block, true, |b| pool.carries(b, &k.key));
         }
         self.stats.evictions += 1;
         if let Some(g) = self.stats.groups.get_mut(group as usize) {

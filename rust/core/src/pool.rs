@@ -247,17 +247,22 @@ impl BlockPool {
         }
     }
 
+    /// Whether `block` carries `key` (the index confirms its fingerprint matches this way).
+    #[must_use]
+    pub fn carries(&self, block: BlockId, key: &Key) -> bool {
+        let b = block as usize;
+        block != NULL_BLOCK
+            && self.slots.get(b).is_some_and(|slot| {
+                slot.last.key == *key
+                    || (slot.spilled && self.spill[b].iter().any(|k| k.key == *key))
+            })
+    }
+
     /// Whether `block` is the only block published under `key`, as far as the pool knows:
     /// it carries the key and never shared a key with another block since it was allocated.
     #[must_use]
     pub fn sole_holder_of(&self, block: BlockId, key: &Key) -> bool {
-        let b = block as usize;
-        block != NULL_BLOCK
-            && self.slots.get(b).is_some_and(|slot| {
-                !slot.shared_key
-                    && (slot.last.key == *key
-                        || (slot.spilled && self.spill[b].iter().any(|k| k.key == *key)))
-            })
+        self.carries(block, key) && self.slots.get(block as usize).is_some_and(|s| !s.shared_key)
     }
 
     fn set_kind(&mut self, block: BlockId, kind: BlockKind) {
