@@ -100,7 +100,6 @@ impl CacheManager {
         }
     }
 
-    /// Full-attention bound of one group (downward closed scan), capped at `limit`.
     /// Full-attention bound of one group (downward closed scan), capped at `limit`. The block
     /// chosen for every full block on the way is pushed to `chain`, so the first schedule
     /// does not probe the index again.
@@ -119,13 +118,14 @@ impl CacheManager {
         let full_blocks = (limit / block) as usize;
         let mut block_start = 0;
         let hint = seq.hint_chains.get(group as usize).map_or(&[][..], Vec::as_slice);
+        chain.reserve(full_blocks.saturating_sub(chain.len()));
         for col in 0..full_blocks {
             let key = Key { group, digest: seq.hashes[(col + 1) * units_per_block - 1] };
             // The block the extended sequence held here, if it is still the key's only holder,
             // is what the index would return: confirmed through the pool, no index probe.
             match hint.get(col) {
                 Some(&b) if pool.sole_holder_of(b, &key) => chain.push(b),
-                _ => match Self::pick(pool, self.index.get(&key, |b| pool.carries(b, &key))) {
+                _ => match self.holder(pool, &key) {
                     Some(b) => chain.push(b),
                     None => break,
                 },
@@ -277,8 +277,20 @@ impl CacheManager {
     /// The block to use for a key: one already in use if any, else the most recently used.
     pub(crate) fn choose_block(&self, seq: &Sequence, group: u32, position: u32) -> BlockId {
         let key = Self::key_at(seq, group, self.unit, position);
-        let pool = self.group_pool(group);
-        Self::pick(pool, self.index.get(&key, |b| pool.carries(b, &key))).unwrap_or(NULL_BLOCK)
+        self.holder(self.group_pool(group), &key).unwrap_or(NULL_BLOCK)
+    }
+
+    /// The block a hit on `key` uses ([`CacheManager::pick`]), `None` when none is published.
+    /// A key's only candidate is confirmed directly: the common case, on every probe of a
+    /// lookup.
+    #[inline]
+    fn holder(&self, pool: &BlockPool, key: &Key) -> Option<BlockId> {
+        match self.index.candidates(key) {
+            (Some(b), _) => Some(b).filter(|&b| pool.carries(b, key)),
+            (None, many) => {
+                Self::pick(pool, many.iter().copied().filter(|&b| pool.carries(b, key)))
+            }
+        }
     }
 
     /// Among the blocks published under one key: one already in use if any, else the most

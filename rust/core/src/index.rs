@@ -69,8 +69,16 @@ impl HashIndex {
         }
     }
 
-    /// The blocks published under `key`'s fingerprint, unconfirmed.
-    fn candidates(&self, fingerprint: u64) -> (Option<BlockId>, &[BlockId]) {
+    /// The blocks published under `key`'s fingerprint, unconfirmed: the only one, or all of
+    /// them when there are several.
+    #[must_use]
+    #[inline]
+    pub fn candidates(&self, key: &Key) -> (Option<BlockId>, &[BlockId]) {
+        self.candidates_of(key.fingerprint())
+    }
+
+    #[inline]
+    fn candidates_of(&self, fingerprint: u64) -> (Option<BlockId>, &[BlockId]) {
         match self.map.get(&fingerprint) {
             None => (None, &[]),
             Some(&MANY) => (None, self.many.get(&fingerprint).map_or(&[], Vec::as_slice)),
@@ -85,7 +93,7 @@ impl HashIndex {
         key: &Key,
         carries: impl Fn(BlockId) -> bool + 'a,
     ) -> impl Iterator<Item = BlockId> + 'a {
-        let (one, many) = self.candidates(key.fingerprint());
+        let (one, many) = self.candidates(key);
         one.into_iter().chain(many.iter().copied()).filter(move |&block| carries(block))
     }
 
@@ -232,7 +240,7 @@ impl HashIndex {
     /// Iterates over every (fingerprint, block) pair (for invariant checks).
     pub fn entries(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
         self.map.keys().flat_map(move |&fingerprint| {
-            let (one, many) = self.candidates(fingerprint);
+            let (one, many) = self.candidates_of(fingerprint);
             one.into_iter().chain(many.iter().copied()).map(move |b| (fingerprint, b))
         })
     }

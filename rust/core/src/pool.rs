@@ -249,6 +249,7 @@ impl BlockPool {
 
     /// Whether `block` carries `key` (the index confirms its fingerprint matches this way).
     #[must_use]
+    #[inline]
     pub fn carries(&self, block: BlockId, key: &Key) -> bool {
         let b = block as usize;
         block != NULL_BLOCK
