@@ -45,7 +45,7 @@ pub struct HashIndex {
     /// Fingerprints with several blocks, in the order they were published: duplicates of one
     /// key (two sequences computed the same content), or distinct keys sharing a fingerprint
     /// (by chance about 2^-64 a pair; with SHA-256 an adversary could make one with about 2^32
-    /// work, which `carries` turns into a miss, never a wrong hit).
+    /// work): `carries` tells them apart, so a shared fingerprint never makes a wrong hit.
     many: FxHashMap<u64, Vec<BlockId>>,
     /// Fingerprints of the recently evicted keys, and the order they were evicted in.
     recent: FxHashSet<u64>,
