@@ -4,8 +4,8 @@
 //!
 //! Run: `cargo run --release -p prefixcache-python --example baseline`.
 //!
-//! `baseline decode N` / `baseline hybrid N` / `baseline request N` run only N steps (requests)
-//! of one case (and its set-up), for instruction counts: `valgrind --tool=callgrind` of N2 and N1 steps, the
+//! `baseline decode N` / `baseline hybrid N` / `baseline request N` / `baseline lookup N` run
+//! only N steps (requests, lookups) of one case (and its set-up), for instruction counts: `valgrind --tool=callgrind` of N2 and N1 steps, the
 //! difference divided by N2 - N1, is the instructions of one step, a figure machine load does
 //! not move.
 use std::time::Instant;
@@ -149,6 +149,19 @@ fn half_hit_requests(requests: u64) {
     }
 }
 
+/// `lookups` lookups of a fully cached 164,000-token prompt at B = 16, without hints (the core
+/// bench's `lookup/164k_b16`): every one of its 10,250 blocks is probed in the index and
+/// confirmed in its record.
+fn cached_lookups(lookups: u64) {
+    let prompt = tokens(5, CONTEXT);
+    let mut m = manager(false, CONTEXT / 16 + 64, 0);
+    admit(&mut m, 1, &prompt, None);
+    m.add(2, &prompt, ExtraKeys::default(), None).expect("add");
+    for _ in 0..lookups {
+        assert_eq!(m.lookup(2).expect("lookup").tokens, (CONTEXT - 1) / 16 * 16);
+    }
+}
+
 /// One long-lived manager, emptied by `reset` (untimed) between repetitions.
 fn admission(warm: bool, reps: u32) -> Vec<f64> {
     let mut m = manager(false, CONTEXT / 16 + 64, 0);
@@ -176,7 +189,8 @@ fn main() {
             "decode" => drop(decode(false, steps)),
             "hybrid" => drop(hybrid_decode(steps)),
             "request" => half_hit_requests(steps),
-            other => panic!("unknown case {other:?}: decode, hybrid or request"),
+            "lookup" => cached_lookups(steps),
+            other => panic!("unknown case {other:?}: decode, hybrid, request or lookup"),
         }
         return;
     }
