@@ -501,6 +501,30 @@ def test_token_inputs_of_every_supported_kind_agree(make: object) -> None:
     assert mgr.num_tokens(1) == 80
 
 
+@pytest.mark.parametrize("length", [40, 1024, 1025, 3000])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint32, np.uint64, np.uint16, np.int8])
+@pytest.mark.parametrize("strided", [False, True])
+def test_arrays_short_and_long_read_alike(length: int, dtype: type, strided: bool) -> None:
+    # Arrays up to 1,024 entries are copied out, longer ones read in place: same tokens, and
+    # the same check of every entry (the last one here).
+    tokens = [i % 100 for i in range(length)]
+    array = np.array(tokens, dtype=dtype)
+    if strided:
+        array = np.repeat(array, 2)[::2]
+    mgr = pc.CacheManager(paged_config())
+    mgr.add(1, array)
+    assert mgr.num_tokens(1) == length
+    assert pc.hash_prefix(array) == pc.hash_prefix(tokens)
+    bad = array.copy()
+    bad[-1] = -1 if np.issubdtype(dtype, np.signedinteger) else np.iinfo(dtype).max
+    if dtype in (np.uint32, np.uint16):
+        return  # every value of these fits a token
+    with pytest.raises(pc.InvalidRequestError, match=rf"tokens\[{length - 1}\] is out of range"):
+        mgr.add(2, bad)
+    with pytest.raises(pc.InvalidRequestError, match=rf"seq_ids\[{length - 1}\] is out of range"):
+        mgr.schedule_batch(bad.astype(np.int64) if dtype == np.uint64 else bad, 1)
+
+
 def test_a_finished_id_can_be_added_again() -> None:
     mgr = pc.CacheManager(paged_config())
     run_prompt(mgr, 1, list(range(64)))

@@ -271,9 +271,9 @@ impl CacheManager {
         self.next_step += 1;
         plan.clear_for(step_id, &self.groups);
         plan.query_start_loc.push(0);
-        // Per state group: (row, column, offset, slot) of every interior checkpoint.
-        let mut checkpoints: Vec<Vec<(usize, usize, i32, i32)>> =
-            vec![Vec::new(); plan.state.len()];
+        // (state group part, row, column, offset, slot) of every interior checkpoint; empty,
+        // so never allocated, in a step without any (every decode step).
+        let mut checkpoints: Vec<(usize, usize, usize, i32, i32)> = Vec::new();
         let mut total = 0i32;
         for &slot in &slots {
             self.select_checkpoints(slot);
@@ -311,11 +311,9 @@ impl CacheManager {
                             out.snapshots.extend([state.write_block() as i32, c.block as i32]);
                         }
                         out.max_checkpoints = out.max_checkpoints.max(interior.len());
-                        checkpoints[s].extend(
-                            interior.iter().enumerate().map(|(i, c)| {
-                                (row, i, (c.position - start) as i32, c.block as i32)
-                            }),
-                        );
+                        checkpoints.extend(interior.iter().enumerate().map(|(i, c)| {
+                            (s, row, i, (c.position - start) as i32, c.block as i32)
+                        }));
                         s += 1;
                     }
                     _ => {}
@@ -323,15 +321,16 @@ impl CacheManager {
             }
         }
         let rows = plan.seq_ids.len();
-        for (s, entries) in checkpoints.iter().enumerate() {
-            let out = &mut plan.state[s];
+        for out in &mut plan.state {
             let cmax = out.max_checkpoints;
             out.checkpoint_offsets.resize(rows * cmax, 0);
             out.checkpoint_slots.resize(rows * cmax, -1);
-            for &(row, i, offset, slot) in entries {
-                out.checkpoint_offsets[row * cmax + i] = offset;
-                out.checkpoint_slots[row * cmax + i] = slot;
-            }
+        }
+        for (s, row, i, offset, slot) in checkpoints {
+            let out = &mut plan.state[s];
+            let at = row * out.max_checkpoints + i;
+            out.checkpoint_offsets[at] = offset;
+            out.checkpoint_slots[at] = slot;
         }
         self.stats.copies += (plan.copies.len() / 4) as u64;
         self.in_flight = Some(InFlight { step_id, slots });

@@ -135,11 +135,17 @@ impl CacheManager {
 
     /// `StepError` naming a sequence that appears twice in one `call`.
     fn refuse_repeats(&self, slots: &[usize], call: &str) -> Result<()> {
-        let mut sorted = slots.to_vec();
-        sorted.sort_unstable();
-        match sorted.windows(2).find(|w| w[0] == w[1]) {
-            Some(pair) => {
-                let id = self.seq(pair[0]).id;
+        // A few slots (a small batch's decode step) are compared pairwise, without a copy.
+        let repeated = if slots.len() <= 16 {
+            slots.iter().enumerate().find(|&(i, s)| slots[..i].contains(s)).map(|(_, &s)| s)
+        } else {
+            let mut sorted = slots.to_vec();
+            sorted.sort_unstable();
+            sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
+        };
+        match repeated {
+            Some(slot) => {
+                let id = self.seq(slot).id;
                 Err(CacheError::step(format!("sequence {id} appears twice in one {call}")))
             }
             None => Ok(()),
@@ -184,58 +190,116 @@ impl CacheManager {
         lookahead: u32,
         exact: bool,
     ) -> Option<Scheduled> {
+        if self.seq(slot).started {
+            return self.schedule_started(slot, max_tokens, lookahead, exact);
+        }
         let generation = self.index.generation();
-        let seq = self.seq_mut(slot);
-        let first = !seq.started;
-        let cached = match seq.last_hit.take() {
-            Some((at, hit, chains)) if first && at == generation => Some((hit, chains)),
+        let cached = match self.seq_mut(slot).last_hit.take() {
+            Some((at, hit, chains)) if at == generation => Some((hit, chains)),
             _ => None,
         };
         let seq = self.seq(slot);
-        let (hit, chains) =
-            match first.then(|| cached.unwrap_or_else(|| self.compute_hit_with_chains(seq))) {
-                Some((hit, chains)) => (Some(hit), chains),
-                None => (None, Vec::new()),
-            };
-        let start = hit.as_ref().map_or(seq.num_computed, |h| h.tokens);
-        let total = seq.num_tokens();
-        let mut end = start.saturating_add(max_tokens).min(total);
-        if end < total && !exact {
-            end = end / self.chunk_alignment * self.chunk_alignment;
-        }
-        let seq_id = seq.id;
+        let (hit, chains) = cached.unwrap_or_else(|| self.compute_hit_with_chains(seq));
+        let (seq_id, start, total) = (seq.id, hit.tokens, seq.num_tokens());
+        let end = self.chunk_end(start, max_tokens, total, exact);
         if end <= start {
-            return Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit });
+            return Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: Some(hit) });
         }
-        let admissions = hit.as_ref().map(|h| self.admissions(slot, h.tokens, chains));
-        if !self.blocks_available(slot, end + lookahead, admissions.as_deref()) {
+        let admissions = self.admissions(slot, hit.tokens, chains);
+        if !self.blocks_available(slot, end + lookahead, Some(&admissions)) {
             self.stats.refused_schedules += 1;
             return None;
         }
-        let groups = self.take_blocks(slot, end + lookahead, admissions);
+        let groups = self.take_blocks(slot, end + lookahead, Some(admissions));
         let seq = self.seq_mut(slot);
-        if first {
-            seq.hint_chains = Vec::new();
-            seq.started = true;
-            seq.num_computed = start;
-            seq.prefill_target = total;
-            seq.junction = hit.as_ref().and_then(|h| h.junction);
-        }
-        seq.step = Some(StepRecord { start, end, first, groups, requested: Vec::new() });
+        seq.hint_chains = Vec::new();
+        seq.started = true;
+        seq.num_computed = start;
+        seq.prefill_target = total;
+        seq.junction = hit.junction;
+        seq.step = Some(StepRecord { start, end, first: true, groups, requested: Vec::new() });
         self.scheduled.push(slot);
-        if first {
-            self.started += 1;
-            self.stats.admissions += 1;
-            self.stats.admitted_hit_tokens += u64::from(start);
-            for (g, stats) in self.stats.groups.iter_mut().enumerate() {
-                stats.hit_tokens += u64::from(start);
-                if start > 0 && matches!(self.groups[g], GroupRuntime::State { .. }) {
-                    stats.checkpoint_hits += 1;
-                }
+        self.started += 1;
+        self.stats.admissions += 1;
+        self.stats.admitted_hit_tokens += u64::from(start);
+        for (g, stats) in self.stats.groups.iter_mut().enumerate() {
+            stats.hit_tokens += u64::from(start);
+            if start > 0 && matches!(self.groups[g], GroupRuntime::State { .. }) {
+                stats.checkpoint_hits += 1;
             }
         }
         self.stats.scheduled_tokens += u64::from(end - start);
-        Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit })
+        Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: Some(hit) })
+    }
+
+    /// `schedule_slot` of a started sequence: there is no hit to pin, and when its tables
+    /// already cover the chunk (most decode steps) there is nothing to allocate or check.
+    fn schedule_started(
+        &mut self,
+        slot: usize,
+        max_tokens: u32,
+        lookahead: u32,
+        exact: bool,
+    ) -> Option<Scheduled> {
+        let seq = self.seq_mut(slot);
+        seq.last_hit = None;
+        let (seq_id, start, total) = (seq.id, seq.num_computed, seq.num_tokens());
+        let end = self.chunk_end(start, max_tokens, total, exact);
+        if end <= start {
+            return Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None });
+        }
+        let reach = end + lookahead;
+        let groups = if self.tables_cover(slot, reach) {
+            let (runtimes, seq) = (&self.groups, self.seqs[slot].as_mut());
+            let Some(seq) = seq else { unreachable!("slot {slot} is not live") };
+            let mut steps = std::mem::take(&mut seq.spare_step);
+            steps.extend(runtimes.iter().zip(&seq.groups).map(|(runtime, group)| {
+                match (runtime.block_size(), group) {
+                    (Some(_), SeqGroup::Paged(paged)) => {
+                        GroupStep::Paged { table_len_before: paged.table.len(), cow: None }
+                    }
+                    _ => GroupStep::State { interior: Vec::new(), snapshot: None },
+                }
+            }));
+            steps
+        } else {
+            if !self.blocks_available(slot, reach, None) {
+                self.stats.refused_schedules += 1;
+                return None;
+            }
+            self.take_blocks(slot, reach, None)
+        };
+        self.seq_mut(slot).step =
+            Some(StepRecord { start, end, first: false, groups, requested: Vec::new() });
+        self.scheduled.push(slot);
+        self.stats.scheduled_tokens += u64::from(end - start);
+        Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: None })
+    }
+
+    /// Whether every paged table of a started sequence already has the blocks for tokens
+    /// `[0, reach)`.
+    fn tables_cover(&self, slot: usize, reach: u32) -> bool {
+        let seq = self.seq(slot);
+        self.groups.iter().zip(&seq.groups).all(|(runtime, group)| {
+            match (runtime.block_size(), group) {
+                (Some(block), SeqGroup::Paged(paged)) => {
+                    paged.table.len() as u64 * u64::from(block) >= u64::from(reach)
+                }
+                (Some(_), SeqGroup::State(_)) => false,
+                (None, _) => true,
+            }
+        })
+    }
+
+    /// Where a chunk of up to `max_tokens` from `start` ends: a non-final chunk is trimmed to a
+    /// multiple of the chunk alignment unless `exact`.
+    fn chunk_end(&self, start: u32, max_tokens: u32, total: u32, exact: bool) -> u32 {
+        let end = start.saturating_add(max_tokens).min(total);
+        if end < total && !exact {
+            end / self.chunk_alignment * self.chunk_alignment
+        } else {
+            end
+        }
     }
 
     /// Which published blocks a first step uses, per group, for a hit of `hit` tokens.

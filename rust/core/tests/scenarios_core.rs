@@ -1267,3 +1267,24 @@ fn decode_step_equals_commit_append_schedule_and_plan() {
     assert!(matches!(twice, Err(CacheError::Step { .. })), "{twice:?}");
     assert_eq!((fused.m.plan_in_flight(), fused.m.num_tokens(1)), (None, before));
 }
+
+#[test]
+fn a_batch_naming_a_sequence_twice_is_refused_whatever_its_size() {
+    // Up to 16 ids are compared pairwise, more are sorted: both name the repeated sequence
+    // and schedule nothing.
+    let mut h = fa(256);
+    for id in 1..=20u64 {
+        h.add(id, &tokens(id as u32, 40));
+    }
+    for ids in [vec![1u64, 2, 3, 2], (1..=20).chain([7]).collect::<Vec<u64>>()] {
+        let budgets = vec![16; ids.len()];
+        let got = h.call(|m| m.schedule_batch(&ids, &budgets, false));
+        let Err(CacheError::Step { message }) = got else { panic!("{got:?}") };
+        let repeated = if ids.len() == 4 { 2 } else { 7 };
+        assert!(message.contains(&format!("sequence {repeated} appears twice")), "{message}");
+        assert_eq!(h.m.scheduled_tokens(), 0);
+    }
+    let distinct: Vec<u64> = (1..=20).collect();
+    let got = h.call(|m| m.schedule_batch(&distinct, &[16; 20], false)).expect("distinct ids");
+    assert!(got.iter().all(|s| s.as_ref().is_some_and(|s| s.num_tokens == 16)), "{got:?}");
+}

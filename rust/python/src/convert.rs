@@ -138,6 +138,9 @@ impl Target for u64 {
     }
 }
 
+/// Arrays up to this length are copied out rather than borrowed (see `read_array`).
+const COPY_OUT_BELOW: usize = 1024;
+
 /// Reads a 1-D integer array into `Vec<T>`, checking `0..=max` (`max` fits `T`); `None` when
 /// the dtype is not `E`. Two passes without branches that depend on each other (a check, then
 /// a conversion), so both vectorise.
@@ -147,15 +150,25 @@ fn read_array<E: IntElement, T: Target>(
     max: u64,
 ) -> PyResult<Option<Vec<T>>> {
     let Ok(typed) = array.cast::<PyArray1<E>>() else { return Ok(None) };
-    let view = typed.try_readonly().map_err(|e| PyTypeError::new_err(format!("{what}: {e}")))?;
     let bad = |v: &E| v.to_u64().is_none_or(|x| x > max);
     let convert = |v: &E| T::from_checked(v.to_u64().unwrap_or(0));
-    let (first_bad, out) = if let Ok(slice) = view.as_slice() {
-        // Contiguous: plain slice loops.
-        (slice.iter().position(bad), slice.iter().map(convert).collect())
+    // A short contiguous array (a decode step's ids and tokens) is copied out first: cheaper
+    // than the bookkeeping of a read-only borrow, under which a long one (a prompt) is read
+    // in place.
+    let copied = if typed.len() <= COPY_OUT_BELOW { typed.to_vec().ok() } else { None };
+    let (first_bad, out) = if let Some(values) = copied {
+        // Same-sized types (`u32` tokens, `i64` ids) convert in place.
+        (values.iter().position(bad), values.into_iter().map(|v| convert(&v)).collect())
     } else {
-        let values = view.as_array();
-        (values.iter().position(bad), values.iter().map(convert).collect())
+        let view =
+            typed.try_readonly().map_err(|e| PyTypeError::new_err(format!("{what}: {e}")))?;
+        if let Ok(slice) = view.as_slice() {
+            // Contiguous: plain slice loops.
+            (slice.iter().position(bad), slice.iter().map(convert).collect())
+        } else {
+            let values = view.as_array();
+            (values.iter().position(bad), values.iter().map(convert).collect())
+        }
     };
     match first_bad {
         Some(i) => Err(range_error(
@@ -181,28 +194,22 @@ fn from_array<T: Target>(
             format!("{what} must be 1-D, got an array of shape {:?}", array.shape()),
         ));
     }
-    if let Some(v) = read_array::<u32, T>(array, what, max)? {
-        return Ok(v);
-    }
-    if let Some(v) = read_array::<i64, T>(array, what, max)? {
-        return Ok(v);
-    }
-    if let Some(v) = read_array::<i32, T>(array, what, max)? {
-        return Ok(v);
-    }
-    if let Some(v) = read_array::<u64, T>(array, what, max)? {
-        return Ok(v);
-    }
-    if let Some(v) = read_array::<u16, T>(array, what, max)? {
-        return Ok(v);
-    }
-    if let Some(v) = read_array::<i16, T>(array, what, max)? {
-        return Ok(v);
-    }
-    if let Some(v) = read_array::<u8, T>(array, what, max)? {
-        return Ok(v);
-    }
-    if let Some(v) = read_array::<i8, T>(array, what, max)? {
+    // The dtype picks the one typed read that can match: a typed cast that fails costs numpy
+    // a dtype comparison through its casting tables, which a decode step's arrays would pay
+    // on every call.
+    let descr = array.dtype();
+    let read = match (descr.kind(), descr.itemsize()) {
+        (b'u', 4) => read_array::<u32, T>(array, what, max)?,
+        (b'i', 8) => read_array::<i64, T>(array, what, max)?,
+        (b'i', 4) => read_array::<i32, T>(array, what, max)?,
+        (b'u', 8) => read_array::<u64, T>(array, what, max)?,
+        (b'u', 2) => read_array::<u16, T>(array, what, max)?,
+        (b'i', 2) => read_array::<i16, T>(array, what, max)?,
+        (b'u', 1) => read_array::<u8, T>(array, what, max)?,
+        (b'i', 1) => read_array::<i8, T>(array, what, max)?,
+        _ => None,
+    };
+    if let Some(v) = read {
         return Ok(v);
     }
     let dtype = array.dtype().str().map_or_else(|_| "?".to_string(), |s| s.to_string());
