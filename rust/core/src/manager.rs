@@ -119,6 +119,9 @@ pub struct CacheManager {
     pub(crate) events: EventLog,
     pub(crate) stats: Stats,
     pub(crate) evicted: Vec<BlockKey>,
+    /// Per slot, the stamp of the last batch call that named it (see `refuse_repeats`).
+    pub(crate) batch_marks: Vec<u64>,
+    pub(crate) batch_stamp: u64,
 }
 
 /// Most keys the hash index reserves room for up front (one per pool block below it); a
@@ -173,6 +176,8 @@ impl CacheManager {
             events: EventLog::new(config.enable_events, config.max_pending_events),
             stats,
             evicted: Vec::new(),
+            batch_marks: Vec::new(),
+            batch_stamp: 0,
             groups,
             config,
         })

@@ -133,23 +133,23 @@ impl CacheManager {
         Ok(scheduled)
     }
 
-    /// `StepError` naming a sequence that appears twice in one `call`.
-    fn refuse_repeats(&self, slots: &[usize], call: &str) -> Result<()> {
-        // A few slots (a small batch's decode step) are compared pairwise, without a copy.
-        let repeated = if slots.len() <= 16 {
-            slots.iter().enumerate().find(|&(i, s)| slots[..i].contains(s)).map(|(_, &s)| s)
-        } else {
-            let mut sorted = slots.to_vec();
-            sorted.sort_unstable();
-            sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
-        };
-        match repeated {
-            Some(slot) => {
-                let id = self.seq(slot).id;
-                Err(CacheError::step(format!("sequence {id} appears twice in one {call}")))
-            }
-            None => Ok(()),
+    /// `StepError` naming a sequence that appears twice in one `call`: each slot is stamped
+    /// with the call's number, in one pass, without sorting or copying the batch.
+    fn refuse_repeats(&mut self, slots: &[usize], call: &str) -> Result<()> {
+        self.batch_stamp += 1;
+        let stamp = self.batch_stamp;
+        if self.batch_marks.len() < self.seqs.len() {
+            self.batch_marks.resize(self.seqs.len(), 0);
         }
+        for &slot in slots {
+            let mark = &mut self.batch_marks[slot];
+            if *mark == stamp {
+                let id = self.seq(slot).id;
+                return Err(CacheError::step(format!("sequence {id} appears twice in one {call}")));
+            }
+            *mark = stamp;
+        }
+        Ok(())
     }
 
     /// `StepError` for a sequence already scheduled for the next plan.

@@ -1270,8 +1270,8 @@ fn decode_step_equals_commit_append_schedule_and_plan() {
 
 #[test]
 fn a_batch_naming_a_sequence_twice_is_refused_whatever_its_size() {
-    // Up to 16 ids are compared pairwise, more are sorted: both name the repeated sequence
-    // and schedule nothing.
+    // A short batch and a long one, the repeat last: the repeated sequence is named and
+    // nothing is scheduled; the same ids without the repeat are then scheduled.
     let mut h = fa(256);
     for id in 1..=20u64 {
         h.add(id, &tokens(id as u32, 40));
