@@ -6,11 +6,20 @@
 //! `add` and `append` take, so the figure includes the encoding, the chaining and the digest
 //! vector; throughput is reported per unit (`elem/s`), its inverse is the cost per unit.
 //!
+//! `sha256_floor` measures what SHA-256 itself allows on this CPU, below any encoding work: a
+//! 16-token unit is 105 bytes (version, 32-byte parent, count, tokens, extra-key count), two
+//! 64-byte blocks, and `sha2::compress256` alone is timed on such units, one chained through
+//! the next unit's message as the encoding chains them, and independent ones (nothing to wait
+//! for: the compression's own throughput).
+//!
 //! Run: `cargo bench -p prefixcache-core --bench hashing`
 //! (quick: `cargo bench -p prefixcache-core --bench hashing -- --warm-up-time 1 --measurement-time 3`).
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use prefixcache_core::hashing::{Digest, ExtraKeys, HashAlgorithm, Hasher, DEFAULT_SEED};
+use sha2::compress256;
+use sha2::digest::consts::U64;
+use sha2::digest::generic_array::GenericArray;
 
 /// Units hashed per iteration.
 const UNITS: usize = 8192;
@@ -69,5 +78,45 @@ fn hash_prompt_with_extra_keys(criterion: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, hash_prompt, hash_prompt_with_extra_keys);
+/// The chaining value each unit starts from (SHA-256 starts from its IV; the values do not
+/// change the cost).
+const START: [u32; 8] = [0x0123_4567; 8];
+
+fn sha256_floor(criterion: &mut Criterion) {
+    let mut group = criterion.benchmark_group("sha256_floor");
+    group.throughput(Throughput::Elements(UNITS as u64));
+    // Two blocks holding a 105-byte unit and its padding; the contents do not change the cost.
+    let mut blocks = [GenericArray::<u8, U64>::default(); 2];
+    for (i, byte) in blocks.iter_mut().flatten().enumerate() {
+        *byte = i as u8;
+    }
+    group.bench_function("unit_16_chained", |bencher| {
+        bencher.iter(|| {
+            let mut state = START;
+            for _ in 0..UNITS {
+                // The digest is the next unit's parent, bytes 1..33 of its first block.
+                for (bytes, word) in blocks[0][1..33].chunks_exact_mut(4).zip(state) {
+                    bytes.copy_from_slice(&word.to_be_bytes());
+                }
+                state = START;
+                compress256(&mut state, &blocks);
+            }
+            black_box(state)
+        });
+    });
+    group.bench_function("unit_16_independent", |bencher| {
+        bencher.iter(|| {
+            let mut last = 0;
+            for _ in 0..UNITS {
+                let mut state = START;
+                compress256(&mut state, black_box(&blocks));
+                last ^= state[0];
+            }
+            black_box(last)
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, hash_prompt, hash_prompt_with_extra_keys, sha256_floor);
 criterion_main!(benches);
