@@ -119,13 +119,13 @@ pub(crate) struct Sequence {
     pub junction: Option<u32>,
     pub groups: Vec<SeqGroup>,
     pub step: Option<StepRecord>,
-    /// The last lookup's result and the index generation it was computed at: the first
-    /// schedule reuses it when nothing was published or evicted since.
     /// Per group, the full-attention blocks the sequence it extends held for the shared
     /// prefix: a hint that lets the first lookup confirm a block through the pool instead of
     /// probing the index (always verified; dropped at the first schedule).
     pub hint_chains: Vec<Vec<BlockId>>,
-    /// The chosen full-attention chains ride along (see `compute_hit_with_chains`).
+    /// The last lookup's result and the index generation it was computed at: the first
+    /// schedule reuses it when nothing was published or evicted since. The chosen
+    /// full-attention chains ride along (see `compute_hit_with_chains`).
     pub last_hit: Option<(u64, Hit, Vec<Vec<BlockId>>)>,
     /// The per-group step vector of the last committed or undone step, emptied, for the next
     /// schedule to fill (a decode step then allocates nothing for it).
