@@ -507,16 +507,19 @@ def test_token_inputs_of_every_supported_kind_agree(make: object) -> None:
 def test_arrays_short_and_long_read_alike(length: int, dtype: type, strided: bool) -> None:
     # Arrays up to 1,024 entries are copied out, longer ones read in place: same tokens, and
     # the same check of every entry (the last one here).
+    def make(values: np.ndarray) -> np.ndarray:
+        return np.repeat(values, 2)[::2] if strided else values
+
     tokens = [i % 100 for i in range(length)]
-    array = np.array(tokens, dtype=dtype)
-    if strided:
-        array = np.repeat(array, 2)[::2]
+    array = make(np.array(tokens, dtype=dtype))
+    assert array.flags.c_contiguous != strided
     mgr = pc.CacheManager(paged_config())
     mgr.add(1, array)
     assert mgr.num_tokens(1) == length
     assert pc.hash_prefix(array) == pc.hash_prefix(tokens)
-    bad = array.copy()
-    bad[-1] = -1 if np.issubdtype(dtype, np.signedinteger) else np.iinfo(dtype).max
+    values = np.array(tokens, dtype=dtype)
+    values[-1] = -1 if np.issubdtype(dtype, np.signedinteger) else np.iinfo(dtype).max
+    bad = make(values)
     if dtype in (np.uint32, np.uint16):
         return  # every value of these fits a token
     with pytest.raises(pc.InvalidRequestError, match=rf"tokens\[{length - 1}\] is out of range"):
