@@ -212,8 +212,9 @@ class CacheConfig:
             sequence added last with the same first hash unit, for the token prefix the two
             share (compared token by token, with the extra keys): a system prompt shared by
             concurrent requests is hashed once. ``Added.reused_tokens`` reports it.
-        recently_evicted_capacity: evicted keys remembered to explain misses
-            (``"recently_evicted"``).
+        recently_evicted_capacity: how many of the latest evictions are remembered to
+            explain misses (``"recently_evicted"``): a key counts as recently evicted while
+            one of them evicted it.
         enable_events: record block events for ``drain_events``.
         max_pending_events: events kept before the oldest are dropped (and counted).
 

@@ -110,7 +110,8 @@ pub struct CacheConfig {
     /// same first unit, for the token prefix the two share (compared, not trusted): a system
     /// prompt shared by concurrent requests is hashed once, not once per request.
     pub reuse_live_prefixes: bool,
-    /// How many evicted keys are remembered to explain misses (`recently_evicted`).
+    /// How many of the latest evictions are remembered to explain misses (`recently_evicted`):
+    /// a key counts as recently evicted while one of them evicted it.
     pub recently_evicted_capacity: usize,
     /// Record block events for `drain_events`.
     pub enable_events: bool,

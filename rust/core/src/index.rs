@@ -16,7 +16,7 @@
 use std::collections::hash_map::Entry;
 use std::collections::VecDeque;
 
-use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use crate::hashing::Digest;
 use crate::pool::{BlockId, Key};
@@ -47,8 +47,9 @@ pub struct HashIndex {
     /// (by chance about 2^-64 a pair; with SHA-256 an adversary could make one with about 2^32
     /// work): `carries` tells them apart, so a shared fingerprint never makes a wrong hit.
     many: FxHashMap<u64, Vec<BlockId>>,
-    /// Fingerprints of the recently evicted keys, and the order they were evicted in.
-    recent: FxHashSet<u64>,
+    /// The fingerprints of the last `recent_capacity` evictions, oldest first, and how many
+    /// times each appears among them (a key evicted again appears again).
+    recent: FxHashMap<u64, u32>,
     recent_order: VecDeque<u64>,
     recent_capacity: usize,
     units: Option<FxHashMap<Digest, StoredUnit>>,
@@ -199,14 +200,19 @@ impl HashIndex {
     }
 
     fn remember_evicted(&mut self, key: Key) {
-        let fingerprint = key.fingerprint();
-        if self.recent_capacity == 0 || !self.recent.insert(fingerprint) {
+        if self.recent_capacity == 0 {
             return;
         }
+        let fingerprint = key.fingerprint();
+        *self.recent.entry(fingerprint).or_insert(0) += 1;
         self.recent_order.push_back(fingerprint);
         while self.recent_order.len() > self.recent_capacity {
-            if let Some(old) = self.recent_order.pop_front() {
-                self.recent.remove(&old);
+            let Some(old) = self.recent_order.pop_front() else { break };
+            if let Entry::Occupied(mut count) = self.recent.entry(old) {
+                *count.get_mut() -= 1;
+                if *count.get() == 0 {
+                    count.remove();
+                }
             }
         }
     }
@@ -215,7 +221,7 @@ impl HashIndex {
     /// `carries` as for [`HashIndex::get`].
     #[must_use]
     pub fn recently_evicted(&self, key: &Key, carries: impl Fn(BlockId) -> bool) -> bool {
-        self.recent.contains(&key.fingerprint()) && !self.contains(key, carries)
+        self.recent.contains_key(&key.fingerprint()) && !self.contains(key, carries)
     }
 
     /// With `verify_tokens`: false when the unit stored under `digest` has other tokens or
@@ -349,6 +355,31 @@ mod tests {
         evict(&mut index, &mut carried, keys[1], 4);
         assert!(!recent(&index, &carried, keys[2]), "the oldest of three is forgotten");
         assert!(recent(&index, &carried, keys[0]) && recent(&index, &carried, keys[1]));
+    }
+
+    #[test]
+    fn a_key_evicted_again_is_as_recent_as_its_latest_eviction() {
+        let mut index = HashIndex::new(2, false, 4);
+        let mut carried = Carried::default();
+        let [a, b, c] = [1, 2, 3].map(|n| Key { group: 0, digest: digest(n) });
+        let recent = |index: &HashIndex, carried: &Carried, key: Key| {
+            index.recently_evicted(&key, carried.carries(key))
+        };
+        for (key, block) in [(a, 1), (b, 2), (a, 3), (c, 4)] {
+            publish(&mut index, &mut carried, key, block);
+            evict(&mut index, &mut carried, key, block);
+        }
+        // The last two evictions are a's second and c's: b's is the one forgotten.
+        assert!(recent(&index, &carried, a) && recent(&index, &carried, c));
+        assert!(!recent(&index, &carried, b));
+        // Two more evictions of others push both of a's out.
+        for (n, block) in [(4, 5), (5, 6)] {
+            let key = Key { group: 0, digest: digest(n) };
+            publish(&mut index, &mut carried, key, block);
+            evict(&mut index, &mut carried, key, block);
+        }
+        assert!(!recent(&index, &carried, a) && !recent(&index, &carried, c));
+        assert_eq!(index.recent.len(), 2);
     }
 
     #[test]
