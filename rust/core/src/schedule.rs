@@ -190,8 +190,10 @@ impl CacheManager {
         lookahead: u32,
         exact: bool,
     ) -> Option<Scheduled> {
-        if self.seq(slot).started {
-            return self.schedule_started(slot, max_tokens, lookahead, exact);
+        let seq = self.seq(slot);
+        if seq.started {
+            let end = self.chunk_end(seq.num_computed, max_tokens, seq.num_tokens(), exact);
+            return self.schedule_started(slot, end, lookahead);
         }
         let generation = self.index.generation();
         let cached = match self.seq_mut(slot).last_hit.take() {
@@ -232,19 +234,13 @@ impl CacheManager {
         Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: Some(hit) })
     }
 
-    /// `schedule_slot` of a started sequence: there is no hit to pin, and when its tables
-    /// already cover the chunk (most decode steps) there is nothing to allocate or check.
-    fn schedule_started(
-        &mut self,
-        slot: usize,
-        max_tokens: u32,
-        lookahead: u32,
-        exact: bool,
-    ) -> Option<Scheduled> {
+    /// `schedule_slot` of a started sequence, for its chunk up to `end`: there is no hit to
+    /// pin, and when its tables already cover the chunk (most decode steps) there is nothing
+    /// to allocate or check.
+    fn schedule_started(&mut self, slot: usize, end: u32, lookahead: u32) -> Option<Scheduled> {
         let seq = self.seq_mut(slot);
         seq.last_hit = None;
-        let (seq_id, start, total) = (seq.id, seq.num_computed, seq.num_tokens());
-        let end = self.chunk_end(start, max_tokens, total, exact);
+        let (seq_id, start) = (seq.id, seq.num_computed);
         if end <= start {
             return Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None });
         }
