@@ -246,6 +246,9 @@ impl CacheManager {
         }
         let reach = end + lookahead;
         let groups = if self.tables_cover(slot, reach) {
+            // What `take_blocks` returns when every table covers the chunk, without its
+            // per-group block arithmetic (10.2K against 9.1K instructions a hybrid decode
+            // step by `baseline hybrid N`).
             let (runtimes, seq) = (&self.groups, self.seqs[slot].as_mut());
             let Some(seq) = seq else { unreachable!("slot {slot} is not live") };
             let mut steps = std::mem::take(&mut seq.spare_step);
