@@ -8,8 +8,7 @@
 use crate::error::{CacheError, Result};
 use crate::hashing::HashConfig;
 
-/// The largest pool: block ids must fit the `i32` arrays handed to kernels.
-pub const MAX_BLOCKS_PER_POOL: u32 = i32::MAX as u32;
+pub use crate::limits::MAX_BLOCKS_PER_POOL;
 
 /// One block pool: ids `0..num_blocks`, id 0 being the null block.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -14,6 +14,7 @@ pub mod hashing;
 mod hit;
 mod index;
 mod invariants;
+pub mod limits;
 mod manager;
 mod plan;
 pub mod pool;

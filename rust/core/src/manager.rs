@@ -29,8 +29,7 @@ use crate::sequence::{
 };
 use crate::stats::{GroupStats, Stats};
 
-/// Longest sequence accepted: positions and plan offsets are `i32` in the step plan.
-pub const MAX_SEQUENCE_TOKENS: usize = i32::MAX as usize;
+pub use crate::limits::MAX_SEQUENCE_TOKENS;
 
 /// What `extends` resolves to: tokens, extra keys and unit hashes.
 type ExtendsSource<'a> = (Cow<'a, [u32]>, Cow<'a, ExtraKeys>, Cow<'a, [Digest]>);

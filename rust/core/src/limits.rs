@@ -1,0 +1,74 @@
+//! The bounds on every count the API takes, in one place.
+//!
+//! Each constant is checked where the value enters (configuration validation, `add`, `append`,
+//! `schedule`, the batch calls); beyond it the caller gets `CacheError::Config` or
+//! `CacheError::InvalidRequest` naming the limit, and the manager is unchanged. Allocations sized
+//! by the caller below these bounds are reserved fallibly (`try_reserve`): a request the machine
+//! cannot hold is refused with the bytes it would need, never an abort of the process.
+//!
+//! The README ("Limits") lists each bound with what it costs in memory.
+
+/// The largest pool: block ids must fit the `i32` arrays handed to kernels.
+pub const MAX_BLOCKS_PER_POOL: u32 = i32::MAX as u32;
+
+/// Longest sequence accepted: positions and plan offsets are `i32` in the step plan.
+pub const MAX_SEQUENCE_TOKENS: usize = i32::MAX as usize;
+
+/// Most pools one configuration may name.
+pub const MAX_POOLS: usize = 256;
+
+/// Most groups one configuration may name (group ids are small integers in events and plans).
+pub const MAX_GROUPS: usize = 256;
+
+/// Largest hash unit U, in tokens (the hasher keeps a buffer of `4 U` bytes).
+pub const MAX_HASH_UNIT: u32 = 1 << 20;
+
+/// Largest paged block size B, in tokens (and sliding window W).
+pub const MAX_BLOCK_SIZE: u32 = 1 << 24;
+
+/// Most ids one batch call takes (`schedule_batch`, `append_batch`, `decode_step`,
+/// `block_table`).
+pub const MAX_BATCH_SEQUENCES: usize = 1 << 20;
+
+/// Most speculative (lookahead) tokens one `schedule` may reserve blocks for.
+pub const MAX_LOOKAHEAD_TOKENS: u32 = 1 << 16;
+
+/// Most keys remembered as recently evicted (`CacheConfig::recently_evicted_capacity`).
+pub const MAX_RECENTLY_EVICTED: usize = 1 << 26;
+
+/// Most events kept undrained (`CacheConfig::max_pending_events`).
+pub const MAX_PENDING_EVENTS: usize = 1 << 26;
+
+/// Memory of one block's bookkeeping in a pool: its 64-byte record, its (usually empty) spilled
+/// key list, its place on the free stack and its share of the hash index reserved up front.
+pub const BYTES_PER_BLOCK: usize = 64 + 24 + 4 + 16;
+
+/// Whether `bytes` more bytes can be reserved for a `Vec<T>` of `len` elements: a fallible
+/// reservation whose failure message names what was being allocated.
+pub(crate) fn try_vec<T>(len: usize, what: &str) -> Result<Vec<T>, String> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        format!(
+            "{what} needs {} of memory, which could not be allocated",
+            human_bytes(len.saturating_mul(std::mem::size_of::<T>()))
+        )
+    })?;
+    Ok(v)
+}
+
+/// `bytes` as a short human-readable size (`1.5 GiB`).
+#[must_use]
+pub fn human_bytes(bytes: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
