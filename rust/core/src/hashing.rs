@@ -51,6 +51,9 @@ use sha2::digest::generic_array::GenericArray;
 use sha2::{compress256, Digest as _, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
 
+use crate::error::CacheError;
+use crate::limits::{try_vec, MAX_HASH_UNIT, MAX_SEQUENCE_TOKENS};
+
 /// Version of the byte encoding; the first byte of every unit's hash input.
 pub const ENCODING_VERSION: u8 = 1;
 
@@ -196,9 +199,16 @@ impl ExtraKeys {
         self.cache_salt.is_none() && self.lora_id.is_none() && self.multimodal.is_empty()
     }
 
-    /// Checks that every multimodal range is non-empty and every hash is non-empty, and that no
-    /// byte string is longer than the encoding's `u32` length field.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks the extra keys of a sequence of `tokens_len` tokens: every multimodal range is
+    /// non-empty and within the tokens, every hash is non-empty, the inputs are in order of their
+    /// start (ties by end), and no byte string is longer than the encoding's `u32` length field.
+    /// One rule for the manager and for [`hash_prefix`], so a router never computes keys the
+    /// cache refuses.
+    ///
+    /// The order matters beyond tidiness: reusing digests between two sequences (`extends`, live
+    /// prefixes) stops at the earliest start among the inputs that differ, which for sorted lists
+    /// is the start of the first differing list entry.
+    pub fn validate(&self, tokens_len: usize) -> Result<(), String> {
         if let Some(salt) = &self.cache_salt {
             if u32::try_from(salt.len()).is_err() {
                 return Err(format!(
@@ -208,11 +218,19 @@ impl ExtraKeys {
                 ));
             }
         }
+        let mut previous: Option<&MultimodalInput> = None;
         for (index, input) in self.multimodal.iter().enumerate() {
             if input.start >= input.end {
                 return Err(format!(
                     "multimodal input {index} has token range [{}, {}), which is empty; \
                      set start < end (end is exclusive)",
+                    input.start, input.end
+                ));
+            }
+            if input.end as usize > tokens_len {
+                return Err(format!(
+                    "multimodal input {index} has token range [{}, {}), which ends beyond the \
+                     {tokens_len} tokens of the sequence",
                     input.start, input.end
                 ));
             }
@@ -229,6 +247,21 @@ impl ExtraKeys {
                     u32::MAX
                 ));
             }
+            if let Some(prev) = previous {
+                if (input.start, input.end) < (prev.start, prev.end) {
+                    return Err(format!(
+                        "multimodal input {index} at [{}, {}) is listed after input {} at \
+                         [{}, {}): multimodal inputs must be given in order of their start \
+                         (ties by end); sort them by (start, end)",
+                        input.start,
+                        input.end,
+                        index - 1,
+                        prev.start,
+                        prev.end
+                    ));
+                }
+            }
+            previous = Some(input);
         }
         Ok(())
     }
@@ -487,14 +520,41 @@ fn push_entry(buffer: &mut Vec<u8>, tag: u8, bytes: &[u8]) {
     buffer.extend_from_slice(bytes);
 }
 
-/// Convenience: digests of every full unit of `tokens` (for external routers and the Python `hash_prefix`).
+/// Digests of every full unit of `tokens` (for external routers and the Python `hash_prefix`),
+/// after the checks a [`crate::CacheManager`] makes of the same input: a prompt the cache would
+/// refuse gets no keys.
 ///
-/// Empty when `config.unit` is 0 or `tokens` is shorter than one unit.
-#[must_use]
-pub fn hash_prefix(config: &HashConfig, tokens: &[u32], extra: &ExtraKeys) -> Vec<Digest> {
-    let mut hashes = Vec::new();
+/// # Errors
+/// [`CacheError::InvalidRequest`] for a unit outside `1..=MAX_HASH_UNIT`, more than
+/// `MAX_SEQUENCE_TOKENS` tokens, extra keys that [`ExtraKeys::validate`] refuses, or digests that
+/// cannot be allocated.
+pub fn hash_prefix(
+    config: &HashConfig,
+    tokens: &[u32],
+    extra: &ExtraKeys,
+) -> Result<Vec<Digest>, CacheError> {
+    if config.unit == 0 || config.unit > MAX_HASH_UNIT {
+        return Err(CacheError::invalid(format!(
+            "hash unit {} is outside 1..={MAX_HASH_UNIT}",
+            config.unit
+        )));
+    }
+    validate_sequence(tokens.len(), extra)?;
+    let mut hashes = try_vec(tokens.len() / config.unit as usize, "the digests of the prompt")
+        .map_err(CacheError::invalid)?;
     Hasher::new(config.algorithm, config.seed).extend(tokens, config.unit, extra, &mut hashes);
-    hashes
+    Ok(hashes)
+}
+
+/// The checks every sequence passes before it is hashed: at most `MAX_SEQUENCE_TOKENS` tokens,
+/// and extra keys that [`ExtraKeys::validate`] accepts.
+pub(crate) fn validate_sequence(tokens_len: usize, extra: &ExtraKeys) -> Result<(), CacheError> {
+    if tokens_len > MAX_SEQUENCE_TOKENS {
+        return Err(CacheError::invalid(format!(
+            "sequence of {tokens_len} tokens is longer than the supported {MAX_SEQUENCE_TOKENS}"
+        )));
+    }
+    extra.validate(tokens_len).map_err(CacheError::invalid)
 }
 
 #[cfg(test)]
@@ -515,7 +575,7 @@ mod tests {
         extra: &ExtraKeys,
     ) -> Vec<Digest> {
         let config = HashConfig { algorithm, seed, unit: UNIT, verify_tokens: false };
-        hash_prefix(&config, tokens, extra)
+        hash_prefix(&config, tokens, extra).unwrap()
     }
 
     fn xxh3(tokens: &[u32], extra: &ExtraKeys) -> Vec<Digest> {
@@ -675,7 +735,35 @@ mod tests {
         let b = MultimodalInput { start: 4, end: 12, hash: b"b".to_vec() };
         let ab = ExtraKeys { multimodal: vec![a.clone(), b.clone()], ..ExtraKeys::default() };
         let ba = ExtraKeys { multimodal: vec![b, a], ..ExtraKeys::default() };
-        assert_ne!(xxh3(&all, &ab)[0], xxh3(&all, &ba)[0]);
+        let mut unsorted = Vec::new();
+        Hasher::new(HashAlgorithm::Xxh3_128, DEFAULT_SEED).extend(&all, UNIT, &ba, &mut unsorted);
+        assert_ne!(xxh3(&all, &ab)[0], unsorted[0]);
+    }
+
+    #[test]
+    fn hash_prefix_refuses_what_the_manager_refuses() {
+        let all = tokens(2 * UNIT);
+        let config = HashConfig::default();
+        let input = |start, end, hash: &[u8]| MultimodalInput { start, end, hash: hash.to_vec() };
+        let refused = [
+            (vec![input(4, 12, b"b"), input(0, 8, b"a")], "in order of their start"),
+            (vec![input(0, 8, b"a"), input(0, 4, b"b")], "in order of their start"),
+            (vec![input(5, 5, b"x")], "empty"),
+            (vec![input(0, 5, b"")], "empty hash"),
+            (vec![input(0, 50, b"x")], "ends beyond the 32 tokens"),
+        ];
+        for (multimodal, expected) in refused {
+            let extra = ExtraKeys { multimodal, ..ExtraKeys::default() };
+            let error = hash_prefix(&config, &all, &extra).unwrap_err();
+            assert!(error.to_string().contains(expected), "{error}");
+        }
+        let zero_unit = HashConfig { unit: 0, ..HashConfig::default() };
+        assert!(hash_prefix(&zero_unit, &all, &ExtraKeys::default()).is_err());
+        let ties = ExtraKeys {
+            multimodal: vec![input(0, 4, b"a"), input(0, 4, b"b"), input(0, 8, b"c")],
+            ..ExtraKeys::default()
+        };
+        assert_eq!(hash_prefix(&config, &all, &ties).map(|d| d.len()), Ok(2));
     }
 
     #[test]
@@ -779,10 +867,10 @@ mod tests {
             lora_id: Some(1),
             multimodal: vec![MultimodalInput { start: 0, end: 1, hash: vec![0] }],
         };
-        assert_eq!(extra.validate(), Ok(()));
+        assert_eq!(extra.validate(1000), Ok(()));
         assert!(!extra.is_empty());
         assert!(ExtraKeys::default().is_empty());
-        assert_eq!(ExtraKeys::default().validate(), Ok(()));
+        assert_eq!(ExtraKeys::default().validate(0), Ok(()));
     }
 
     #[test]
@@ -795,7 +883,7 @@ mod tests {
                 ],
                 ..ExtraKeys::default()
             };
-            let message = extra.validate().unwrap_err();
+            let message = extra.validate(1000).unwrap_err();
             assert!(message.contains("multimodal input 1"), "{message}");
             assert!(message.contains(&format!("[{start}, {end})")), "{message}");
             assert!(message.contains("start < end"), "{message}");
@@ -808,7 +896,7 @@ mod tests {
             multimodal: vec![MultimodalInput { start: 0, end: 4, hash: Vec::new() }],
             ..ExtraKeys::default()
         };
-        let message = extra.validate().unwrap_err();
+        let message = extra.validate(1000).unwrap_err();
         assert!(message.contains("multimodal input 0 has an empty hash"), "{message}");
     }
 
@@ -838,7 +926,8 @@ mod tests {
         ) {
             let algorithm = if sha { HashAlgorithm::Sha256 } else { HashAlgorithm::Xxh3_128 };
             let config = HashConfig { algorithm, seed: 5, unit, verify_tokens: false };
-            let one_shot = hash_prefix(&config, &all, &extra);
+            let mut one_shot = Vec::new();
+            Hasher::new(algorithm, 5).extend(&all, unit, &extra, &mut one_shot);
             let mut ends: Vec<usize> = cuts.into_iter().map(|c| c.min(all.len())).collect();
             ends.sort_unstable();
             ends.push(all.len());

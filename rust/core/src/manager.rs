@@ -19,7 +19,7 @@ use rustc_hash::FxHashMap;
 use crate::config::{CacheConfig, GroupKind, StateGroupConfig};
 use crate::error::{CacheError, Result};
 use crate::events::{CacheEvent, EventLog, EventRecord};
-use crate::hashing::{Digest, ExtraKeys, Hasher};
+use crate::hashing::{validate_sequence, Digest, ExtraKeys, Hasher};
 use crate::hit::Hit;
 use crate::index::HashIndex;
 use crate::pool::{BlockId, BlockKey, BlockKind, BlockPool, LruEnd, NULL_BLOCK};
@@ -217,23 +217,6 @@ impl CacheManager {
         }
     }
 
-    fn validate_tokens(tokens_len: usize, extra: &ExtraKeys) -> Result<()> {
-        if tokens_len > MAX_SEQUENCE_TOKENS {
-            return Err(CacheError::invalid(format!(
-                "sequence of {tokens_len} tokens is longer than the supported \
-                 {MAX_SEQUENCE_TOKENS}"
-            )));
-        }
-        extra.validate().map_err(CacheError::invalid)?;
-        if let Some(m) = extra.multimodal.iter().find(|m| m.end as usize > tokens_len) {
-            return Err(CacheError::invalid(format!(
-                "multimodal input [{}, {}) ends beyond the {tokens_len} prompt tokens",
-                m.start, m.end
-            )));
-        }
-        Ok(())
-    }
-
     /// Registers a sequence and hashes its full units. `extends` names a live or recently
     /// finished sequence whose hashes are reused for the common token prefix.
     pub fn add(
@@ -251,7 +234,7 @@ impl CacheManager {
                 "sequence {seq_id} has no tokens: a prompt needs at least one token"
             )));
         }
-        Self::validate_tokens(tokens.len(), &extra)?;
+        validate_sequence(tokens.len(), &extra)?;
         let unit = self.unit;
         // Headroom for decoded tokens, so the first appends do not copy a long prompt.
         let capacity = tokens.len() + tokens.len() / 16 + 256;

@@ -56,7 +56,9 @@ fn hash_prefix<'py>(
     let tokens =
         convert::int_sequence::<u32>(tokens, "tokens", u64::from(u32::MAX), MAX_SEQUENCE_TOKENS)?;
     let extra = convert::extra_keys(extra_keys)?;
-    let digests = py.detach(|| prefixcache_core::hash_prefix(&config, &tokens, &extra));
+    let digests = py
+        .detach(|| prefixcache_core::hash_prefix(&config, &tokens, &extra))
+        .map_err(|e| errors::to_pyerr(py, e))?;
     Ok(digests.iter().map(|d| PyBytes::new(py, d.as_bytes(config.algorithm))).collect())
 }
 

@@ -279,7 +279,7 @@ impl Harness {
     /// The digest of the prefix `tokens[..position]` (position a multiple of U).
     pub fn digest(&self, tokens: &[u32], position: u32) -> Digest {
         let unit = self.config.hash.unit;
-        hash_prefix(&self.config.hash, &tokens[..position as usize], &ExtraKeys::default())
+        hash_prefix(&self.config.hash, &tokens[..position as usize], &ExtraKeys::default()).unwrap()
             [(position / unit - 1) as usize]
     }
 

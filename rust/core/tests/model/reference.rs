@@ -242,6 +242,7 @@ impl Model {
     pub(crate) fn learn(&mut self, tokens: &[u32]) -> Result<(), String> {
         let unit = self.unit as usize;
         for (i, d) in hash_prefix(&self.s.hash_config(), tokens, &ExtraKeys::default())
+            .unwrap()
             .into_iter()
             .enumerate()
         {
