@@ -14,7 +14,8 @@
 
 use crate::error::{CacheError, Result};
 use crate::events::CacheEvent;
-use crate::hashing::Digest;
+use crate::hashing::{unit_extra_entries, Digest};
+use crate::index::UnitContent;
 use crate::manager::{CacheManager, GroupRuntime};
 use crate::plan::StepPlan;
 use crate::pool::{BlockId, BlockKey, BlockPool, Key, LruEnd, NULL_BLOCK};
@@ -230,15 +231,19 @@ impl CacheManager {
 
     fn index_insert(&mut self, key: Key, block: BlockId, seq: &Sequence, unit_index: u32) {
         let p = self.groups[key.group as usize].pool();
+        let mut extra = Vec::new();
         let unit = self.index.verifies_tokens().then(|| {
             let i = unit_index as usize;
             let unit = self.unit as usize;
+            unit_extra_entries(&mut extra, i, unit, &seq.extra);
             let parent = if i == 0 { self.hasher.seed_digest() } else { seq.hashes[i - 1] };
             (parent, &seq.tokens[i * unit..(i + 1) * unit])
         });
         let pool = &self.pools[p];
         let carries = |b| pool.carries(b, &key);
-        let duplicate = self.index.insert(key, block, unit.as_ref().map(|(d, t)| (d, *t)), carries);
+        let content =
+            unit.as_ref().map(|(parent, tokens)| UnitContent { parent, tokens, extra: &extra });
+        let duplicate = self.index.insert(key, block, content, carries);
         if duplicate {
             let holders: Vec<BlockId> = self.index.get(&key, carries).collect();
             for holder in holders {

@@ -9,6 +9,9 @@ use crate::error::{CacheError, Result};
 use crate::hashing::HashConfig;
 
 pub use crate::limits::MAX_BLOCKS_PER_POOL;
+use crate::limits::{
+    MAX_BLOCK_SIZE, MAX_GROUPS, MAX_HASH_UNIT, MAX_PENDING_EVENTS, MAX_POOLS, MAX_RECENTLY_EVICTED,
+};
 
 /// One block pool: ids `0..num_blocks`, id 0 being the null block.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -164,8 +167,38 @@ impl CacheConfig {
         if unit == 0 {
             return Err(CacheError::config("hash unit U must be at least 1 token"));
         }
+        if unit > MAX_HASH_UNIT {
+            return Err(CacheError::config(format!(
+                "hash unit U = {unit} is larger than the supported {MAX_HASH_UNIT} tokens"
+            )));
+        }
         if self.pools.is_empty() {
             return Err(CacheError::config("no pools: give at least one pool"));
+        }
+        if self.pools.len() > MAX_POOLS {
+            return Err(CacheError::config(format!(
+                "{} pools configured: at most {MAX_POOLS}",
+                self.pools.len()
+            )));
+        }
+        if self.groups.len() > MAX_GROUPS {
+            return Err(CacheError::config(format!(
+                "{} groups configured: at most {MAX_GROUPS}",
+                self.groups.len()
+            )));
+        }
+        if self.recently_evicted_capacity > MAX_RECENTLY_EVICTED {
+            return Err(CacheError::config(format!(
+                "recently_evicted_capacity = {} is more than the supported {MAX_RECENTLY_EVICTED}",
+                self.recently_evicted_capacity
+            )));
+        }
+        if self.max_pending_events > MAX_PENDING_EVENTS {
+            return Err(CacheError::config(format!(
+                "max_pending_events = {} is more than the supported {MAX_PENDING_EVENTS}; drain \
+                 events more often instead",
+                self.max_pending_events
+            )));
         }
         for (i, pool) in self.pools.iter().enumerate() {
             if pool.num_blocks < 2 {
@@ -198,6 +231,12 @@ impl CacheConfig {
                 GroupKind::FullAttention { block_size } => check_block(g, *block_size, unit)?,
                 GroupKind::SlidingWindow { block_size, window } => {
                     check_block(g, *block_size, unit)?;
+                    if *window > MAX_BLOCK_SIZE {
+                        return Err(CacheError::config(format!(
+                            "group {g}: sliding window {window} is larger than the supported \
+                             {MAX_BLOCK_SIZE} tokens"
+                        )));
+                    }
                     if window < block_size {
                         return Err(CacheError::config(format!(
                             "group {g}: sliding window {window} is smaller than its block size \
@@ -213,6 +252,12 @@ impl CacheConfig {
 }
 
 fn check_block(group: usize, block_size: u32, unit: u32) -> Result<()> {
+    if block_size > MAX_BLOCK_SIZE {
+        return Err(CacheError::config(format!(
+            "group {group}: block size {block_size} is larger than the supported \
+             {MAX_BLOCK_SIZE} tokens"
+        )));
+    }
     if block_size == 0 || block_size % unit != 0 {
         return Err(CacheError::config(format!(
             "group {group}: block size {block_size} is not a positive multiple of the hash unit \

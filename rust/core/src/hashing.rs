@@ -513,6 +513,25 @@ fn encode_extra_keys(buffer: &mut Vec<u8>, unit_index: usize, unit_len: usize, e
     buffer[count_at..count_at + 4].copy_from_slice(&count.to_le_bytes());
 }
 
+/// The encoded extra-key entries of unit `unit_index` (of `unit_len` tokens) into `out`, as
+/// they enter the unit's hash input after the entry count; empty when the unit has none. What
+/// `verify_tokens` stores and compares besides the parent digest and the tokens.
+pub(crate) fn unit_extra_entries(
+    out: &mut Vec<u8>,
+    unit_index: usize,
+    unit_len: usize,
+    extra: &ExtraKeys,
+) {
+    out.clear();
+    if extra.is_empty() {
+        return;
+    }
+    encode_extra_keys(out, unit_index, unit_len, extra);
+    if out[..4] == [0; 4] {
+        out.clear();
+    }
+}
+
 /// Writes one extra-key entry: tag, `u32` byte length, bytes.
 fn push_entry(buffer: &mut Vec<u8>, tag: u8, bytes: &[u8]) {
     buffer.push(tag);

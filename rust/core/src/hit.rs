@@ -11,6 +11,8 @@
 //! Windows and states are not downward closed: candidates are tested from the full-attention
 //! bound downward in steps of U. Nothing here changes cache state.
 
+use crate::hashing::unit_extra_entries;
+use crate::index::UnitContent;
 use crate::manager::{CacheManager, GroupRuntime};
 use crate::pool::{BlockId, BlockPool, Key, NULL_BLOCK};
 use crate::sequence::Sequence;
@@ -172,7 +174,8 @@ impl CacheManager {
         }
     }
 
-    /// The longest prefix with no unit whose stored tokens differ (only with `verify_tokens`).
+    /// The longest prefix with no unit whose stored content (parent, tokens, extra-key entries)
+    /// differs (only with `verify_tokens`).
     /// A unit nobody publishes any more does not stop it: windows and states resume without the
     /// blocks before them, which may be long evicted.
     fn verified_limit(&self, seq: &Sequence, max_tokens: u32) -> u32 {
@@ -183,9 +186,12 @@ impl CacheManager {
         let seed = self.hasher.seed_digest();
         let units = (max_tokens as usize) / unit;
         let mut parent = seed;
+        let mut extra = Vec::new();
         for i in 0..units {
             let digest = seq.hashes[i];
-            if !self.index.verify(&digest, &parent, &seq.tokens[i * unit..(i + 1) * unit]) {
+            unit_extra_entries(&mut extra, i, unit, &seq.extra);
+            let tokens = &seq.tokens[i * unit..(i + 1) * unit];
+            if !self.index.verify(&digest, UnitContent { parent: &parent, tokens, extra: &extra }) {
                 return (i * unit) as u32;
             }
             parent = digest;
@@ -206,40 +212,48 @@ impl CacheManager {
         let n = seq.num_tokens();
         let max_tokens = if n == 0 { 0 } else { ((n - 1) / unit) * unit };
         let limit = self.verified_limit(seq, max_tokens);
-        let mut groups = Vec::with_capacity(self.groups.len());
+        // Full attention first: its hits are downward closed, and their bound is the range in
+        // which every other group's own hit is searched (a state or window that survives
+        // above it cannot be resumed from, so it is neither a hit nor a junction).
+        let mut full = vec![0; self.groups.len()];
         let mut bound = limit;
+        for (g, runtime) in self.groups.iter().enumerate() {
+            if let GroupRuntime::FullAttention { block_size, .. } = *runtime {
+                full[g] =
+                    self.full_attention_bound(seq, g as u32, block_size, limit, &mut chains[g]);
+                bound = bound.min(full[g]);
+            }
+        }
+        let mut groups = Vec::with_capacity(self.groups.len());
         for (g, runtime) in self.groups.iter().enumerate() {
             let gid = g as u32;
             let (own, stop) = match *runtime {
-                GroupRuntime::FullAttention { block_size, .. } => {
-                    let own =
-                        self.full_attention_bound(seq, gid, block_size, limit, &mut chains[g]);
-                    bound = bound.min(own);
+                GroupRuntime::FullAttention { .. } => {
+                    let own = full[g];
                     let stop = (own < max_tokens).then(|| self.miss_reason(seq, gid, own + unit));
                     (own, stop)
                 }
                 GroupRuntime::SlidingWindow { block_size, window, .. } => {
-                    let mut l = limit;
-                    let mut stop = None;
-                    loop {
-                        match self.window_probe(seq, gid, block_size, window, l) {
-                            Probe::Ok => break,
-                            Probe::Missing { position, last } => {
-                                if stop.is_none() {
-                                    stop = Some(if last {
-                                        self.miss_reason(seq, gid, position)
-                                    } else {
-                                        MissReason::WindowGap
-                                    });
-                                }
-                                l -= unit;
-                            }
-                        }
+                    let mut l = bound;
+                    while l > 0
+                        && !matches!(self.window_probe(seq, gid, block_size, window, l), Probe::Ok)
+                    {
+                        l -= unit;
                     }
-                    (l, if l < max_tokens { stop.or(Some(MissReason::NotCached)) } else { None })
+                    // The reason explains the largest candidate, its last key first.
+                    let stop = (l < max_tokens).then(|| {
+                        match self.window_probe(seq, gid, block_size, window, limit) {
+                            Probe::Missing { position, last: true } => {
+                                self.miss_reason(seq, gid, position)
+                            }
+                            Probe::Missing { last: false, .. } => MissReason::WindowGap,
+                            Probe::Ok => MissReason::NotCached,
+                        }
+                    });
+                    (l, stop)
                 }
                 GroupRuntime::State { .. } => {
-                    let mut l = limit;
+                    let mut l = bound;
                     while l > 0 && !self.has_key(seq, gid, l) {
                         l -= unit;
                     }

@@ -4,8 +4,9 @@
 //! never merged, so a block id never changes under a running sequence). The index holds only
 //! published blocks: a key is inserted at commit and removed when its block is evicted or the
 //! cache is reset. It also remembers a bounded set of recently evicted keys, so a lookup can say
-//! `recently_evicted` instead of `not_cached`, and, with `verify_tokens`, the tokens and parent
-//! digest behind every published digest, so hits can be checked token by token.
+//! `recently_evicted` instead of `not_cached`, and, with `verify_tokens`, everything a published
+//! digest covers (its parent digest, the unit's tokens and the unit's extra-key entries), so
+//! hits can be checked unit by unit against what was actually computed.
 //!
 //! Recently evicted keys are remembered by their 64-bit fingerprints (`Key::fingerprint`):
 //! eight bytes a key instead of 36 keep that record small enough to stay in the caches while
@@ -24,11 +25,21 @@ use crate::pool::{BlockId, Key};
 /// Map value meaning "several blocks: see `HashIndex::many`". Block ids never reach it.
 const MANY: BlockId = BlockId::MAX;
 
-/// Tokens behind a published digest (only with `verify_tokens`).
+/// What one unit's digest covers: its parent digest, its tokens and its encoded extra-key
+/// entries (empty when the unit has none; see `hashing::unit_extra_entries`).
+#[derive(Clone, Copy, Debug)]
+pub struct UnitContent<'a> {
+    pub parent: &'a Digest,
+    pub tokens: &'a [u32],
+    pub extra: &'a [u8],
+}
+
+/// Everything behind a published digest (only with `verify_tokens`).
 #[derive(Clone, Debug)]
 struct StoredUnit {
     parent: Digest,
     tokens: Box<[u32]>,
+    extra: Box<[u8]>,
     holders: u32,
 }
 
@@ -105,14 +116,14 @@ impl HashIndex {
     }
 
     /// Publishes `block` under `key`; the block's record must carry the key already.
-    /// `carries(block)` says whether a block carries `key`. `unit` carries (parent digest,
-    /// unit tokens) when tokens are verified. Returns whether another block already had the
+    /// `carries(block)` says whether a block carries `key`. `unit` is what the digest covers,
+    /// given when units are verified. Returns whether another block already had the
     /// key (the key now has duplicates).
     pub fn insert(
         &mut self,
         key: Key,
         block: BlockId,
-        unit: Option<(&Digest, &[u32])>,
+        unit: Option<UnitContent<'_>>,
         carries: impl Fn(BlockId) -> bool,
     ) -> bool {
         self.generation += 1;
@@ -137,12 +148,13 @@ impl HashIndex {
                 }
             }
         };
-        if let (Some(units), Some((parent, tokens))) = (self.units.as_mut(), unit) {
+        if let (Some(units), Some(unit)) = (self.units.as_mut(), unit) {
             units
                 .entry(key.digest)
                 .or_insert_with(|| StoredUnit {
-                    parent: *parent,
-                    tokens: tokens.into(),
+                    parent: *unit.parent,
+                    tokens: unit.tokens.into(),
+                    extra: unit.extra.into(),
                     holders: 0,
                 })
                 .holders += 1;
@@ -224,17 +236,17 @@ impl HashIndex {
         self.recent.contains_key(&key.fingerprint()) && !self.contains(key, carries)
     }
 
-    /// With `verify_tokens`: false when the unit stored under `digest` has other tokens or
-    /// another parent (a hash collision). A digest with no stored unit has no published key in
+    /// With `verify_tokens`: false when the unit stored under `digest` has another parent,
+    /// other tokens or other extra-key entries (a hash collision). A digest with no stored unit has no published key in
     /// any group (its blocks were evicted, e.g. behind a sliding window): there is nothing to
     /// compare, and no hit can use a key of it. Without `verify_tokens`: always true.
     #[must_use]
-    pub fn verify(&self, digest: &Digest, parent: &Digest, tokens: &[u32]) -> bool {
+    pub fn verify(&self, digest: &Digest, unit: UnitContent<'_>) -> bool {
         match &self.units {
             None => true,
-            Some(units) => {
-                units.get(digest).is_none_or(|u| u.parent == *parent && *u.tokens == *tokens)
-            }
+            Some(units) => units.get(digest).is_none_or(|u| {
+                u.parent == *unit.parent && *u.tokens == *unit.tokens && *u.extra == *unit.extra
+            }),
         }
     }
 
@@ -315,13 +327,17 @@ mod tests {
         let mut carried = Carried::default();
         let key = Key { group: 0, digest: digest(1) };
         carried.add(7, key);
-        index.insert(key, 7, Some((&digest(0), &[1, 2])), carried.carries(key));
-        assert!(index.verify(&digest(1), &digest(0), &[1, 2]));
-        assert!(!index.verify(&digest(1), &digest(0), &[1, 3]));
-        assert!(!index.verify(&digest(1), &digest(9), &[1, 2]));
+        let (d0, d9) = (digest(0), digest(9));
+        let unit = |parent, tokens, extra| UnitContent { parent, tokens, extra };
+        index.insert(key, 7, Some(unit(&d0, &[1, 2], b"img")), carried.carries(key));
+        assert!(index.verify(&digest(1), unit(&d0, &[1, 2], b"img")));
+        assert!(!index.verify(&digest(1), unit(&d0, &[1, 3], b"img")));
+        assert!(!index.verify(&digest(1), unit(&d9, &[1, 2], b"img")));
+        // The extra keys are part of what the digest covers: a unit without the image differs.
+        assert!(!index.verify(&digest(1), unit(&d0, &[1, 2], b"")));
         // Once evicted, the unit cannot be compared; no key of it is left to hit either.
         evict(&mut index, &mut carried, key, 7);
-        assert!(index.verify(&digest(1), &digest(0), &[1, 3]));
+        assert!(index.verify(&digest(1), unit(&d0, &[1, 3], b"")));
         assert!(!index.contains(&key, carried.carries(key)));
     }
 

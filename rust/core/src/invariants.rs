@@ -162,13 +162,13 @@ impl CacheManager {
                 "{indexed} index entries but {carried} block keys"
             )));
         }
-        for runtime in &self.groups {
+        for (g, runtime) in self.groups.iter().enumerate() {
             if let GroupRuntime::State { config, pool } = runtime {
                 if let Some(cap) = config.checkpoint_cap {
-                    let n = self.pools[*pool].num_checkpoints();
+                    let n = self.pools[*pool].num_checkpoints_of(g as u32);
                     if n > cap {
                         return Err(CacheError::invariant(format!(
-                            "{n} checkpoint blocks exceed the cap {cap}"
+                            "group {g} holds {n} checkpoint blocks, more than its cap {cap}"
                         )));
                     }
                 }

@@ -34,17 +34,19 @@ pub const MAX_BATCH_SEQUENCES: usize = 1 << 20;
 pub const MAX_LOOKAHEAD_TOKENS: u32 = 1 << 16;
 
 /// Most keys remembered as recently evicted (`CacheConfig::recently_evicted_capacity`).
-pub const MAX_RECENTLY_EVICTED: usize = 1 << 26;
+pub const MAX_RECENTLY_EVICTED: usize = 1 << 24;
 
 /// Most events kept undrained (`CacheConfig::max_pending_events`).
-pub const MAX_PENDING_EVENTS: usize = 1 << 26;
+pub const MAX_PENDING_EVENTS: usize = 1 << 24;
 
-/// Memory of one block's bookkeeping in a pool: its 64-byte record, its (usually empty) spilled
-/// key list, its place on the free stack and its share of the hash index reserved up front.
-pub const BYTES_PER_BLOCK: usize = 64 + 24 + 4 + 16;
+/// Memory of one block's bookkeeping in a pool, reserved when the manager is built: its 64-byte
+/// record, its (usually empty) spilled key list, its place on the free stack and its checkpoint
+/// group tag. The hash index reserves 16 bytes a block more, for at most `2^21` blocks in all,
+/// and grows with the keys actually published beyond that.
+pub const BYTES_PER_BLOCK: usize = 64 + 24 + 4 + 1;
 
-/// Whether `bytes` more bytes can be reserved for a `Vec<T>` of `len` elements: a fallible
-/// reservation whose failure message names what was being allocated.
+/// An empty `Vec<T>` with room for `len` elements, reserved fallibly: the error names what was
+/// being allocated and the bytes it needed.
 pub(crate) fn try_vec<T>(len: usize, what: &str) -> Result<Vec<T>, String> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| {

@@ -30,6 +30,17 @@ use crate::sequence::{
 use crate::stats::{GroupStats, Stats};
 
 pub use crate::limits::MAX_SEQUENCE_TOKENS;
+use crate::limits::{human_bytes, try_vec, MAX_BATCH_SEQUENCES};
+
+/// Refuses a batch of more than `MAX_BATCH_SEQUENCES` ids before anything is copied.
+pub(crate) fn check_batch_len(len: usize, call: &str) -> Result<()> {
+    if len > MAX_BATCH_SEQUENCES {
+        return Err(CacheError::invalid(format!(
+            "{call} got {len} sequence ids: at most {MAX_BATCH_SEQUENCES} in one call"
+        )));
+    }
+    Ok(())
+}
 
 /// What `extends` resolves to: tokens, extra keys and unit hashes.
 type ExtendsSource<'a> = (Cow<'a, [u32]>, Cow<'a, ExtraKeys>, Cow<'a, [Digest]>);
@@ -147,10 +158,19 @@ impl CacheManager {
             })
             .collect::<Vec<_>>();
         let stats = Stats { groups: vec![GroupStats::default(); groups.len()], ..Stats::default() };
+        let pools = config
+            .pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                BlockPool::try_new(p.num_blocks)
+                    .map_err(|message| CacheError::config(format!("pool {i}: {message}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             unit: config.hash.unit,
             chunk_alignment: config.chunk_alignment(),
-            pools: config.pools.iter().map(|p| BlockPool::new(p.num_blocks)).collect(),
+            pools,
             index: HashIndex::new(
                 config.recently_evicted_capacity,
                 config.hash.verify_tokens,
@@ -281,20 +301,26 @@ impl CacheManager {
                 tail_hashes: hashes.split_off(n),
                 extra: previous.extra,
             };
-            self.finished.set_continued(previous.serial, record);
-            owned.reserve(capacity.saturating_sub(owned.len()));
+            self.finished.set_continued(previous.serial, previous.id, record);
+            owned
+                .try_reserve(capacity.saturating_sub(owned.len()))
+                .map_err(|_| CacheError::invalid("the prompt's tokens could not be allocated"))?;
             owned.extend_from_slice(&tokens[keep..]);
             (owned, hashes)
         } else {
-            let mut hashes = Vec::with_capacity(capacity / unit as usize);
+            let mut hashes = try_vec(capacity / unit as usize, "the digests of the prompt")
+                .map_err(CacheError::invalid)?;
             if let Some((_, _, other_hashes)) = extends.and_then(|o| self.extends_source(o)) {
                 hashes.extend_from_slice(&other_hashes[..n]);
             }
-            let mut owned = Vec::with_capacity(capacity);
+            let mut owned =
+                try_vec(capacity, "a copy of the prompt's tokens").map_err(CacheError::invalid)?;
             owned.extend_from_slice(tokens);
             (owned, hashes)
         };
-        hashes.reserve((capacity / unit as usize).saturating_sub(hashes.len()));
+        hashes
+            .try_reserve((capacity / unit as usize).saturating_sub(hashes.len()))
+            .map_err(|_| CacheError::invalid("the prompt's digests could not be allocated"))?;
         let reused = hashes.len();
         if reused == 0 {
             hashes.extend(first); // unit 0, hashed by `live_prefix_source`
@@ -471,21 +497,47 @@ impl CacheManager {
                 tokens.len()
             )));
         }
-        let slots = seq_ids.iter().map(|&id| self.slot(id)).collect::<Result<Vec<_>>>()?;
+        check_batch_len(seq_ids.len(), "append_batch")?;
+        let mut slots =
+            try_vec(seq_ids.len(), "the batch's sequence slots").map_err(CacheError::invalid)?;
+        for &id in seq_ids {
+            let slot = self.slot(id)?;
+            self.check_append(slot, 1)?;
+            slots.push(slot);
+        }
+        self.refuse_repeats(&slots, "append_batch")?;
         for (&slot, token) in slots.iter().zip(tokens) {
             self.append_slot(slot, std::slice::from_ref(token))?;
         }
         Ok(())
     }
 
+    /// Whether `count` more tokens fit sequence `slot` (`MAX_SEQUENCE_TOKENS`).
+    pub(crate) fn check_append(&self, slot: usize, count: usize) -> Result<()> {
+        let seq = self.seq(slot);
+        if seq.tokens.len().saturating_add(count) > MAX_SEQUENCE_TOKENS {
+            return Err(CacheError::invalid(format!(
+                "appending {count} token(s) to sequence {} would exceed {MAX_SEQUENCE_TOKENS} tokens",
+                seq.id
+            )));
+        }
+        Ok(())
+    }
+
     pub(crate) fn append_slot(&mut self, slot: usize, tokens: &[u32]) -> Result<()> {
         let unit = self.unit;
+        self.check_append(slot, tokens.len())?;
         let seq = self.seqs[slot].as_mut().ok_or_else(|| CacheError::invalid("stale slot"))?;
-        if seq.tokens.len() + tokens.len() > MAX_SEQUENCE_TOKENS {
+        let units = (seq.tokens.len() + tokens.len()) / unit as usize;
+        if seq.tokens.try_reserve(tokens.len()).is_err()
+            || seq.hashes.try_reserve(units.saturating_sub(seq.hashes.len())).is_err()
+        {
             return Err(CacheError::invalid(format!(
-                "appending {} tokens to sequence {} would exceed {MAX_SEQUENCE_TOKENS} tokens",
+                "appending {} tokens to sequence {} needs {} of memory, which could not be \
+                 allocated",
                 tokens.len(),
-                seq.id
+                seq.id,
+                human_bytes(tokens.len().saturating_mul(4 + 32 / unit as usize))
             )));
         }
         seq.tokens.extend_from_slice(tokens);
@@ -513,6 +565,7 @@ impl CacheManager {
             self.finished.insert(
                 seq_id,
                 FinishedSequence {
+                    id: seq_id,
                     serial: seq.serial,
                     chains,
                     tokens: seq.tokens,
@@ -679,6 +732,7 @@ impl CacheManager {
                 self.groups.len()
             )));
         }
+        check_batch_len(seq_ids.len(), "block_table")?;
         let mut rows = Vec::with_capacity(seq_ids.len());
         for &id in seq_ids {
             let seq = self.seq(self.slot(id)?);
@@ -687,7 +741,9 @@ impl CacheManager {
             }
         }
         let cols = rows.iter().map(|r| r.len()).max().unwrap_or(0);
-        let mut flat = vec![NULL_BLOCK as i32; rows.len() * cols];
+        let mut flat = try_vec(rows.len().saturating_mul(cols), "the block table")
+            .map_err(CacheError::invalid)?;
+        flat.resize(rows.len() * cols, NULL_BLOCK as i32);
         for (r, row) in rows.iter().enumerate() {
             for (c, &block) in row.iter().enumerate() {
                 flat[r * cols + c] = block as i32;
@@ -697,9 +753,9 @@ impl CacheManager {
     }
 
     /// Allocates one block of `pool`, unindexing whatever the eviction removed.
-    pub(crate) fn allocate(&mut self, pool: usize, kind: BlockKind) -> Option<BlockId> {
+    pub(crate) fn allocate(&mut self, pool: usize, kind: BlockKind, group: u32) -> Option<BlockId> {
         let mut evicted = std::mem::take(&mut self.evicted);
-        let block = self.pools[pool].allocate(kind, &mut evicted);
+        let block = self.pools[pool].allocate(kind, group, &mut evicted);
         if let Some(block) = block {
             self.unindex_evicted(block, &mut evicted);
         }
@@ -713,9 +769,10 @@ impl CacheManager {
         pool: usize,
         block: BlockId,
         kind: BlockKind,
+        group: u32,
     ) -> Option<BlockId> {
         let mut evicted = std::mem::take(&mut self.evicted);
-        let ok = self.pools[pool].allocate_cached(block, kind, &mut evicted);
+        let ok = self.pools[pool].allocate_cached(block, kind, group, &mut evicted);
         if ok {
             self.unindex_evicted(block, &mut evicted);
         }

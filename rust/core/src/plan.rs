@@ -391,7 +391,7 @@ impl CacheManager {
                 }
             }
             for (p, kind) in planned {
-                match self.allocate_checkpoint(pool, &config, kind) {
+                match self.allocate_checkpoint(pool, g as u32, &config, kind) {
                     Some(block) => {
                         let c = PlannedCheckpoint {
                             position: p,
@@ -423,6 +423,7 @@ impl CacheManager {
     fn allocate_checkpoint(
         &mut self,
         pool: usize,
+        group: u32,
         config: &StateGroupConfig,
         kind: BlockKind,
     ) -> Option<BlockId> {
@@ -432,14 +433,16 @@ impl CacheManager {
             return None;
         }
         if let Some(cap) = config.checkpoint_cap {
-            if p.num_checkpoints() >= cap {
-                let victim = p.lru_iter().find(|&b| match kind {
-                    BlockKind::DecodeTail => p.kind(b) == BlockKind::DecodeTail,
-                    _ => p.kind(b).is_checkpoint(),
+            // The cap counts this group's checkpoints only, and beyond it the group displaces
+            // only its own: groups sharing a pool never evict each other's to stay under a cap.
+            if p.num_checkpoints_of(group) >= cap {
+                let victim = p.lru_iter().find(|&b| {
+                    p.checkpoint_group(b) == Some(group)
+                        && (kind != BlockKind::DecodeTail || p.kind(b) == BlockKind::DecodeTail)
                 })?;
-                return self.allocate_cached(pool, victim, kind);
+                return self.allocate_cached(pool, victim, kind, group);
             }
         }
-        self.allocate(pool, kind)
+        self.allocate(pool, kind, group)
     }
 }

@@ -15,6 +15,7 @@
 //! it holds.
 
 use crate::hashing::Digest;
+use crate::limits::{human_bytes, try_vec, BYTES_PER_BLOCK};
 
 /// A block id inside one pool; 0 is the null block.
 pub type BlockId = u32;
@@ -154,24 +155,61 @@ pub struct BlockPool {
     lru_len: u32,
     free: Vec<BlockId>,
     num_checkpoints: u32,
+    /// The group of each checkpoint block (meaningful only while the block is labelled a
+    /// checkpoint): a state group's cap counts its own checkpoints, also when several groups
+    /// share the pool. One byte a block (`MAX_GROUPS` is 256), written only when a checkpoint
+    /// is taken.
+    checkpoint_group: Vec<u8>,
+    /// Checkpoint blocks per group (owned, pending or cached), indexed by group.
+    checkpoints_by_group: Vec<u32>,
 }
 
 impl BlockPool {
     /// A pool of `num_blocks` ids (the null block included); all usable ids start free.
+    ///
+    /// # Panics
+    /// When the memory cannot be allocated; [`BlockPool::try_new`] returns an error instead.
     #[must_use]
     pub fn new(num_blocks: u32) -> Self {
+        match Self::try_new(num_blocks) {
+            Ok(pool) => pool,
+            Err(message) => panic!("{message}"),
+        }
+    }
+
+    /// A pool of `num_blocks` ids, its memory reserved fallibly: `Err` names the bytes it would
+    /// need when they cannot be allocated (`BYTES_PER_BLOCK` a block).
+    pub fn try_new(num_blocks: u32) -> Result<Self, String> {
         let n = num_blocks as usize;
-        Self {
-            slots: vec![EMPTY_SLOT; n],
-            spill: vec![Vec::new(); n],
+        let what = format!("a pool of {num_blocks} blocks");
+        let too_big = |_| {
+            format!(
+                "{what} needs {} of block records ({BYTES_PER_BLOCK} bytes a block), which could \
+                 not be allocated; use fewer blocks",
+                human_bytes(n.saturating_mul(BYTES_PER_BLOCK))
+            )
+        };
+        let mut slots = try_vec(n, &what).map_err(too_big)?;
+        slots.resize(n, EMPTY_SLOT);
+        let mut spill = try_vec(n, &what).map_err(too_big)?;
+        spill.resize_with(n, Vec::new);
+        let mut free = try_vec(n.saturating_sub(1), &what).map_err(too_big)?;
+        // Popped from the end: block 1 is handed out first.
+        free.extend((1..num_blocks).rev());
+        let mut checkpoint_group = try_vec(n, &what).map_err(too_big)?;
+        checkpoint_group.resize(n, 0);
+        Ok(Self {
+            slots,
+            spill,
             clock: 0,
             lru_head: NIL,
             lru_tail: NIL,
             lru_len: 0,
-            // Popped from the end: block 1 is handed out first.
-            free: (1..num_blocks).rev().collect(),
+            free,
             num_checkpoints: 0,
-        }
+            checkpoint_group,
+            checkpoints_by_group: Vec::new(),
+        })
     }
 
     /// Number of ids, the null block included.
@@ -202,6 +240,23 @@ impl BlockPool {
     #[must_use]
     pub fn num_checkpoints(&self) -> u32 {
         self.num_checkpoints
+    }
+
+    /// Blocks currently holding checkpoints of `group` (owned, pending or cached): what the
+    /// group's `checkpoint_cap` bounds.
+    #[must_use]
+    pub fn num_checkpoints_of(&self, group: u32) -> u32 {
+        self.checkpoints_by_group.get(group as usize).copied().unwrap_or(0)
+    }
+
+    /// The group of a checkpoint block (`None` for any other block).
+    #[must_use]
+    pub fn checkpoint_group(&self, block: BlockId) -> Option<u32> {
+        let b = block as usize;
+        self.slots
+            .get(b)
+            .filter(|s| s.kind.is_checkpoint())
+            .map(|_| u32::from(self.checkpoint_group[b]))
     }
 
     #[must_use]
@@ -266,29 +321,36 @@ impl BlockPool {
         self.carries(block, key) && self.slots.get(block as usize).is_some_and(|s| !s.shared_key)
     }
 
-    fn set_kind(&mut self, block: BlockId, kind: BlockKind) {
-        let slot = &mut self.slots[block as usize];
-        if slot.kind.is_checkpoint() {
+    /// Labels a block; a checkpoint is counted against `group` (ignored for other kinds).
+    fn set_kind(&mut self, block: BlockId, kind: BlockKind, group: u32) {
+        let b = block as usize;
+        if self.slots[b].kind.is_checkpoint() {
             self.num_checkpoints -= 1;
+            self.checkpoints_by_group[usize::from(self.checkpoint_group[b])] -= 1;
         }
         if kind.is_checkpoint() {
+            // Group ids are below `MAX_GROUPS` (256), checked by the configuration.
+            let g = u8::try_from(group).unwrap_or(u8::MAX);
             self.num_checkpoints += 1;
+            self.checkpoint_group[b] = g;
+            let by_group = &mut self.checkpoints_by_group;
+            if by_group.len() <= usize::from(g) {
+                by_group.resize(usize::from(g) + 1, 0);
+            }
+            by_group[usize::from(g)] += 1;
         }
-        slot.kind = kind;
+        self.slots[b].kind = kind;
     }
 
-    /// Re-labels an owned block (a decode-tail snapshot stays a `DecodeTail`; a checkpoint
-    /// allocated as `Checkpoint` keeps its label). Used only by the manager on blocks it holds.
-    pub fn relabel(&mut self, block: BlockId, kind: BlockKind) {
-        if block != NULL_BLOCK && (block as usize) < self.slots.len() {
-            self.set_kind(block, kind);
-        }
-    }
-
-    /// Takes a block with reference count 1: a free one first, else the least recently used
-    /// cached one, whose keys are appended to `evicted` (the caller unindexes them).
-    /// Returns `None` when nothing is free or cached.
-    pub fn allocate(&mut self, kind: BlockKind, evicted: &mut Vec<BlockKey>) -> Option<BlockId> {
+    /// Takes a block with reference count 1, labelled `kind` (a checkpoint of `group`): a free
+    /// one first, else the least recently used cached one, whose keys are appended to
+    /// `evicted` (the caller unindexes them). Returns `None` when nothing is free or cached.
+    pub fn allocate(
+        &mut self,
+        kind: BlockKind,
+        group: u32,
+        evicted: &mut Vec<BlockKey>,
+    ) -> Option<BlockId> {
         let block = if let Some(block) = self.free.pop() {
             block
         } else if self.lru_head != NIL {
@@ -298,7 +360,7 @@ impl BlockPool {
         } else {
             return None;
         };
-        self.own(block, kind);
+        self.own(block, kind, group);
         Some(block)
     }
 
@@ -308,22 +370,23 @@ impl BlockPool {
         &mut self,
         block: BlockId,
         kind: BlockKind,
+        group: u32,
         evicted: &mut Vec<BlockKey>,
     ) -> bool {
         if !self.is_cached(block) {
             return false;
         }
         self.take_cached(block, evicted);
-        self.own(block, kind);
+        self.own(block, kind, group);
         true
     }
 
-    /// A just taken block: one holder, no shared key, labelled `kind`.
-    fn own(&mut self, block: BlockId, kind: BlockKind) {
+    /// A just taken block: one holder, no shared key, labelled `kind` (of `group`).
+    fn own(&mut self, block: BlockId, kind: BlockKind, group: u32) {
         let slot = &mut self.slots[block as usize];
         slot.ref_count = 1;
         slot.shared_key = false;
-        self.set_kind(block, kind);
+        self.set_kind(block, kind, group);
     }
 
     fn take_cached(&mut self, block: BlockId, evicted: &mut Vec<BlockKey>) {
@@ -367,7 +430,7 @@ impl BlockPool {
         if slot.keyed() {
             self.link(block, end);
         } else {
-            self.set_kind(block, BlockKind::Free);
+            self.set_kind(block, BlockKind::Free, 0);
             self.free.push(block);
         }
     }
@@ -428,7 +491,18 @@ impl BlockPool {
         for block in 0..n {
             evicted.extend_from_slice(self.keys(block));
         }
-        *self = Self::new(n);
+        self.slots.fill(EMPTY_SLOT);
+        for keys in &mut self.spill {
+            keys.clear();
+        }
+        self.free.clear();
+        self.free.extend((1..n).rev());
+        self.clock = 0;
+        self.lru_head = NIL;
+        self.lru_tail = NIL;
+        self.lru_len = 0;
+        self.num_checkpoints = 0;
+        self.checkpoints_by_group.clear();
     }
 
     fn link(&mut self, block: BlockId, end: LruEnd) {
@@ -512,6 +586,7 @@ impl BlockPool {
             return Err(format!("LRU length {} but {seen} linked", self.lru_len));
         }
         let mut checkpoints = 0;
+        let mut by_group = vec![0u32; self.checkpoints_by_group.len()];
         for (b, slot) in self.slots.iter().enumerate().skip(1) {
             let (rc, keyed, cached) = (slot.ref_count, slot.keyed(), slot.in_lru);
             let state_ok = if rc > 0 {
@@ -533,6 +608,10 @@ impl BlockPool {
             }
             if slot.kind.is_checkpoint() {
                 checkpoints += 1;
+                match by_group.get_mut(usize::from(self.checkpoint_group[b])) {
+                    Some(count) => *count += 1,
+                    None => return Err(format!("checkpoint block {b} of an uncounted group")),
+                }
             }
             let spill = &self.spill[b];
             let keys_ok = if slot.spilled {
@@ -548,6 +627,12 @@ impl BlockPool {
                     slot.spilled
                 ));
             }
+        }
+        if by_group != self.checkpoints_by_group {
+            return Err(format!(
+                "checkpoints per group {:?} but {by_group:?} blocks labelled",
+                self.checkpoints_by_group
+            ));
         }
         if checkpoints != self.num_checkpoints {
             return Err(format!(
@@ -574,9 +659,9 @@ mod tests {
         let mut pool = BlockPool::new(4);
         let mut ev = Vec::new();
         let got: Vec<_> =
-            (0..3).map(|_| pool.allocate(BlockKind::Paged, &mut ev).unwrap_or(0)).collect();
+            (0..3).map(|_| pool.allocate(BlockKind::Paged, 0, &mut ev).unwrap_or(0)).collect();
         assert_eq!(got, vec![1, 2, 3]);
-        assert_eq!(pool.allocate(BlockKind::Paged, &mut ev), None);
+        assert_eq!(pool.allocate(BlockKind::Paged, 0, &mut ev), None);
         pool.check().unwrap();
     }
 
@@ -584,15 +669,15 @@ mod tests {
     fn reuses_unpublished_blocks_before_cached_ones() {
         let mut pool = BlockPool::new(3);
         let mut ev = Vec::new();
-        let a = pool.allocate(BlockKind::Paged, &mut ev).unwrap();
-        let b = pool.allocate(BlockKind::Paged, &mut ev).unwrap();
+        let a = pool.allocate(BlockKind::Paged, 0, &mut ev).unwrap();
+        let b = pool.allocate(BlockKind::Paged, 0, &mut ev).unwrap();
         pool.add_key(a, key(1, 16));
         pool.decref(a, LruEnd::MostRecent);
         pool.decref(b, LruEnd::MostRecent);
         assert_eq!(pool.num_cached(), 1);
-        assert_eq!(pool.allocate(BlockKind::Paged, &mut ev), Some(b));
+        assert_eq!(pool.allocate(BlockKind::Paged, 0, &mut ev), Some(b));
         assert!(ev.is_empty());
-        assert_eq!(pool.allocate(BlockKind::Paged, &mut ev), Some(a));
+        assert_eq!(pool.allocate(BlockKind::Paged, 0, &mut ev), Some(a));
         assert_eq!(ev, vec![key(1, 16)]);
         pool.check().unwrap();
     }
@@ -602,7 +687,7 @@ mod tests {
         let mut pool = BlockPool::new(5);
         let mut ev = Vec::new();
         let ids: Vec<_> =
-            (0..4).map(|_| pool.allocate(BlockKind::Paged, &mut ev).unwrap()).collect();
+            (0..4).map(|_| pool.allocate(BlockKind::Paged, 0, &mut ev).unwrap()).collect();
         for (i, &b) in ids.iter().enumerate() {
             pool.add_key(b, key(i as u8, 4));
         }
@@ -625,7 +710,7 @@ mod tests {
     fn keeps_one_key_inline_and_several_in_order() {
         let mut pool = BlockPool::new(3);
         let mut ev = Vec::new();
-        let a = pool.allocate(BlockKind::Paged, &mut ev).unwrap();
+        let a = pool.allocate(BlockKind::Paged, 0, &mut ev).unwrap();
         assert!(pool.add_key(a, key(1, 4)));
         assert!(!pool.add_key(a, key(1, 4)), "a key a block carries is not added twice");
         assert_eq!(pool.keys(a), &[key(1, 4)]);
@@ -637,10 +722,10 @@ mod tests {
         assert!(!pool.sole_holder_of(a, &key(4, 16).key));
         pool.check().unwrap();
         pool.decref(a, LruEnd::MostRecent);
-        let b = pool.allocate(BlockKind::Paged, &mut ev).unwrap();
+        let b = pool.allocate(BlockKind::Paged, 0, &mut ev).unwrap();
         assert_ne!(a, b);
         // The next allocation evicts `a`: every key it carried comes back, in order.
-        assert_eq!(pool.allocate(BlockKind::Paged, &mut ev), Some(a));
+        assert_eq!(pool.allocate(BlockKind::Paged, 0, &mut ev), Some(a));
         assert_eq!(ev, vec![key(1, 4), key(2, 8), key(3, 12)]);
         assert!(pool.keys(a).is_empty() && !pool.is_published(a));
         // Reused, the block starts with a single inline key again.
@@ -660,15 +745,15 @@ mod tests {
     fn counts_checkpoint_blocks_through_their_life() {
         let mut pool = BlockPool::new(3);
         let mut ev = Vec::new();
-        let c = pool.allocate(BlockKind::Checkpoint, &mut ev).unwrap();
+        let c = pool.allocate(BlockKind::Checkpoint, 0, &mut ev).unwrap();
         assert_eq!(pool.num_checkpoints(), 1);
         pool.add_key(c, key(9, 8));
         pool.decref(c, LruEnd::MostRecent);
         assert_eq!(pool.num_checkpoints(), 1);
         pool.check().unwrap();
-        let p = pool.allocate(BlockKind::Paged, &mut ev).unwrap();
+        let p = pool.allocate(BlockKind::Paged, 0, &mut ev).unwrap();
         assert_ne!(p, c);
-        let again = pool.allocate(BlockKind::Paged, &mut ev).unwrap();
+        let again = pool.allocate(BlockKind::Paged, 0, &mut ev).unwrap();
         assert_eq!(again, c);
         assert_eq!(pool.num_checkpoints(), 0);
         pool.check().unwrap();

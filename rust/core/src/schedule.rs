@@ -9,7 +9,8 @@
 
 use crate::error::{CacheError, Result};
 use crate::hit::Hit;
-use crate::manager::{CacheManager, GroupRuntime, MAX_SEQUENCE_TOKENS};
+use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS};
+use crate::manager::{check_batch_len, CacheManager, GroupRuntime};
 use crate::plan::StepPlan;
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
 use crate::sequence::{GroupStep, PagedSeq, SeqGroup, StateSeq, StepRecord};
@@ -71,6 +72,7 @@ impl CacheManager {
                 max_tokens.len()
             )));
         }
+        check_batch_len(seq_ids.len(), "schedule_batch")?;
         let mut slots = Vec::with_capacity(seq_ids.len());
         for &id in seq_ids {
             let slot = self.slot(id)?;
@@ -111,16 +113,12 @@ impl CacheManager {
                 tokens.len()
             )));
         }
+        check_batch_len(seq_ids.len(), "decode_step")?;
         let mut slots = Vec::with_capacity(seq_ids.len());
         for &id in seq_ids {
             let slot = self.slot(id)?;
             self.refuse_pending_step(slot)?;
-            let seq = self.seq(slot);
-            if seq.tokens.len() >= MAX_SEQUENCE_TOKENS {
-                return Err(CacheError::invalid(format!(
-                    "appending a token to sequence {id} would exceed {MAX_SEQUENCE_TOKENS} tokens"
-                )));
-            }
+            self.check_append(slot, 1)?;
             slots.push(slot);
         }
         self.refuse_repeats(&slots, "decode_step")?;
@@ -135,7 +133,7 @@ impl CacheManager {
 
     /// `StepError` naming a sequence that appears twice in one `call`: each slot is stamped
     /// with the call's number, in one pass, without sorting or copying the batch.
-    fn refuse_repeats(&mut self, slots: &[usize], call: &str) -> Result<()> {
+    pub(crate) fn refuse_repeats(&mut self, slots: &[usize], call: &str) -> Result<()> {
         self.batch_stamp += 1;
         let stamp = self.batch_stamp;
         if self.batch_marks.len() < self.seqs.len() {
@@ -145,7 +143,10 @@ impl CacheManager {
             let mark = &mut self.batch_marks[slot];
             if *mark == stamp {
                 let id = self.seq(slot).id;
-                return Err(CacheError::step(format!("sequence {id} appears twice in one {call}")));
+                return Err(CacheError::step(format!(
+                    "sequence {id} appears twice in one {call}: give each sequence once (several \
+                     tokens of one sequence go in one append call)"
+                )));
             }
             *mark = stamp;
         }
@@ -173,6 +174,18 @@ impl CacheManager {
                 num_computed: seq.num_computed,
                 num_tokens: seq.num_tokens(),
             });
+        }
+        if lookahead > MAX_LOOKAHEAD_TOKENS {
+            return Err(CacheError::invalid(format!(
+                "lookahead = {lookahead} speculative tokens is more than the supported \
+                 {MAX_LOOKAHEAD_TOKENS}"
+            )));
+        }
+        if seq.tokens.len() + lookahead as usize > MAX_SEQUENCE_TOKENS {
+            return Err(CacheError::invalid(format!(
+                "lookahead = {lookahead} would take sequence {} beyond {MAX_SEQUENCE_TOKENS} tokens",
+                seq.id
+            )));
         }
         if lookahead > 0 && self.config.has_state_groups() {
             return Err(CacheError::invalid(
@@ -446,12 +459,14 @@ impl CacheManager {
                     let table_len_before = if admission.is_some() { 0 } else { paged.table.len() };
                     let mut cow = None;
                     if let Some((src, tokens)) = admission.as_ref().and_then(|a| a.cow) {
-                        let dst = self.allocate(pool, BlockKind::Paged).unwrap_or(NULL_BLOCK);
+                        let dst =
+                            self.allocate(pool, BlockKind::Paged, g as u32).unwrap_or(NULL_BLOCK);
                         paged.table.push(dst);
                         cow = Some((src, dst, tokens));
                     }
                     while paged.table.len() < cols {
-                        let b = self.allocate(pool, BlockKind::Paged).unwrap_or(NULL_BLOCK);
+                        let b =
+                            self.allocate(pool, BlockKind::Paged, g as u32).unwrap_or(NULL_BLOCK);
                         paged.table.push(b);
                     }
                     self.seq_mut(slot).groups[g] = SeqGroup::Paged(paged);
@@ -460,8 +475,10 @@ impl CacheManager {
             } else {
                 {
                     if let Some(a) = &admission {
-                        let r0 = self.allocate(pool, BlockKind::Running).unwrap_or(NULL_BLOCK);
-                        let r1 = self.allocate(pool, BlockKind::Running).unwrap_or(NULL_BLOCK);
+                        let r0 =
+                            self.allocate(pool, BlockKind::Running, g as u32).unwrap_or(NULL_BLOCK);
+                        let r1 =
+                            self.allocate(pool, BlockKind::Running, g as u32).unwrap_or(NULL_BLOCK);
                         self.seq_mut(slot).groups[g] = SeqGroup::State(StateSeq {
                             running: [r0, r1],
                             current: None,

@@ -147,6 +147,8 @@ impl Sequence {
 /// Tokens and hashes of a finished sequence, for `extends`.
 #[derive(Clone, Debug)]
 pub(crate) struct FinishedSequence {
+    /// The id it finished under.
+    pub id: u64,
     /// The sequence's serial (ids may be reused; serials never are).
     pub serial: u64,
     /// Per group, the full-attention block table it held (a hint for the next turn's lookup;
@@ -169,14 +171,18 @@ impl FinishedSequence {
 /// Finished sequences, oldest dropped first once over the byte budget. Entries are keyed by
 /// serial: an id may be added again while continuation records still need the sequence that
 /// last finished under it.
+///
+/// The budget bounds everything held here: an id's entry in `ids` leaves with the last thing
+/// kept under its serial (the finished sequence, or the record of where its buffers went), and
+/// `order` holds one element per thing kept plus at most one stale element per record.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct FinishedCache {
     /// serial -> finished sequence.
     entries: FxHashMap<u64, FinishedSequence>,
     /// id -> serial of the last sequence that finished under it (until the id is added again).
     ids: FxHashMap<u64, u64>,
-    /// Serials of finished sequences and records, oldest first; what is gone is skipped.
-    order: VecDeque<u64>,
+    /// `(serial, id)` of finished sequences and records, oldest first; what is gone is skipped.
+    order: VecDeque<(u64, u64)>,
     bytes: usize,
     capacity: usize,
     /// serial -> where a finished sequence's buffers went when its continuation took them.
@@ -217,7 +223,7 @@ impl FinishedCache {
         }
         self.ids.insert(id, entry.serial);
         self.bytes += size;
-        self.order.push_back(entry.serial);
+        self.order.push_back((entry.serial, id));
         self.entries.insert(entry.serial, entry);
         self.shrink();
     }
@@ -225,13 +231,18 @@ impl FinishedCache {
     /// Drops the oldest finished sequences and continuation records until within the budget.
     fn shrink(&mut self) {
         while self.bytes > self.capacity {
-            let Some(old) = self.order.pop_front() else {
+            let Some((old, id)) = self.order.pop_front() else {
                 break;
             };
             if let Some(e) = self.entries.remove(&old) {
                 self.bytes -= e.bytes();
             } else if let Some(r) = self.continued.remove(&old) {
                 self.bytes -= r.bytes();
+            }
+            // Nothing is kept under this serial any more: `extends` of its id finds nothing.
+            let gone = !self.entries.contains_key(&old) && !self.continued.contains_key(&old);
+            if gone && self.ids.get(&id) == Some(&old) {
+                self.ids.remove(&id);
             }
         }
     }
@@ -259,13 +270,19 @@ impl FinishedCache {
 
     /// Records where the buffers of finished sequence `serial` went. The record's tail counts
     /// against the same byte budget as finished sequences.
-    pub fn set_continued(&mut self, serial: u64, continued: Continued) {
+    pub fn set_continued(&mut self, serial: u64, id: u64, continued: Continued) {
         self.bytes += continued.bytes();
         if let Some(old) = self.continued.insert(serial, continued) {
             self.bytes -= old.bytes();
         }
-        self.order.push_back(serial);
+        self.order.push_back((serial, id));
         self.shrink();
+    }
+
+    /// Ids mapped to a finished serial (for the bound test).
+    #[cfg(test)]
+    fn num_ids(&self) -> usize {
+        self.ids.len()
     }
 
     pub fn continued(&self, serial: u64) -> Option<&Continued> {
@@ -294,9 +311,14 @@ pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 /// What two sequences share: `(common tokens, shared units)`. The units are the leading units
-/// whose hashes can be reused: the common token prefix, cut before the first unit whose extra
-/// keys could differ, at most `other_units`. With a different salt or adapter nothing is shared
-/// (and the common prefix is not computed: `(0, 0)`).
+/// whose hashes can be reused: the common token prefix, cut before the first unit that any
+/// differing multimodal input touches, at most `other_units`. With a different salt or adapter
+/// nothing is shared (and the common prefix is not computed: `(0, 0)`).
+///
+/// The inputs that differ are those from the first list index where the two lists disagree on:
+/// every input there or after it, in either list, may enter a unit's digest in another place,
+/// so the cut is at the earliest start among all of them. For lists in order of start (which
+/// `add` requires) that is the earlier start of the two entries at that index.
 pub(crate) fn shared_units(
     unit: u32,
     tokens: &[u32],
@@ -309,27 +331,22 @@ pub(crate) fn shared_units(
         return (0, 0);
     }
     let common = common_prefix(tokens, other_tokens);
-    let mut limit = common;
     let (a, b) = (&extra.multimodal, &other_extra.multimodal);
-    for i in 0..a.len().max(b.len()) {
-        match (a.get(i), b.get(i)) {
-            (Some(x), Some(y)) if x == y => {}
-            (x, y) => {
-                let start = x.map_or(u32::MAX, |m| m.start).min(y.map_or(u32::MAX, |m| m.start));
-                limit = limit.min(start as usize);
-                break;
-            }
-        }
-    }
+    let same = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let differing_start =
+        a[same..].iter().chain(&b[same..]).map(|m| m.start as usize).min().unwrap_or(usize::MAX);
+    let limit = common.min(differing_start);
     (common, (limit / unit as usize).min(other_units))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hashing::MultimodalInput;
 
     fn finished(serial: u64, tokens: usize) -> FinishedSequence {
         FinishedSequence {
+            id: serial,
             serial,
             chains: Vec::new(),
             tokens: vec![7; tokens],
@@ -350,6 +367,61 @@ mod tests {
         }
     }
 
+    fn image(start: u32, end: u32, hash: &[u8]) -> MultimodalInput {
+        MultimodalInput { start, end, hash: hash.to_vec() }
+    }
+
+    fn with(multimodal: Vec<MultimodalInput>) -> ExtraKeys {
+        ExtraKeys { multimodal, ..ExtraKeys::default() }
+    }
+
+    #[test]
+    fn digest_reuse_stops_at_the_earliest_differing_input_whatever_its_list_index() {
+        let tokens: Vec<u32> = (0..20).collect();
+        let none = ExtraKeys::default();
+        // The image at [4, 8) differs, listed first or after a later input: reuse stops at
+        // unit 2 (U = 2) either way.
+        for other in [
+            with(vec![image(4, 8, b"X"), image(9, 10, b"img1")]),
+            with(vec![image(9, 10, b"img1"), image(4, 8, b"X")]),
+        ] {
+            assert_eq!(shared_units(2, &tokens, &none, &tokens, &other, 10), (20, 2));
+            assert_eq!(shared_units(2, &tokens, &other, &tokens, &none, 10), (20, 2));
+        }
+        // Equal leading inputs are shared; the first that differs (another hash) cuts.
+        let a = with(vec![image(2, 4, b"p"), image(10, 12, b"q")]);
+        let b = with(vec![image(2, 4, b"p"), image(10, 12, b"r")]);
+        assert_eq!(shared_units(2, &tokens, &a, &tokens, &b, 10), (20, 5));
+        // An input only one side has cuts at its start; none differing shares everything.
+        let c = with(vec![image(2, 4, b"p"), image(10, 12, b"q"), image(15, 16, b"s")]);
+        assert_eq!(shared_units(2, &tokens, &a, &tokens, &c, 10), (20, 7));
+        assert_eq!(shared_units(2, &tokens, &a, &tokens, &a, 10), (20, 10));
+        // Different salts share nothing.
+        let salted = ExtraKeys { cache_salt: Some(b"t".to_vec()), ..ExtraKeys::default() };
+        assert_eq!(shared_units(2, &tokens, &salted, &tokens, &none, 10), (0, 0));
+    }
+
+    #[test]
+    fn the_byte_budget_bounds_the_ids_of_finished_sequences_too() {
+        let entry_bytes = finished(0, 100).bytes();
+        let mut cache = FinishedCache::new(4 * entry_bytes);
+        for serial in 0..100_000 {
+            cache.insert(serial, finished(serial, 100));
+            assert!(cache.num_ids() <= 4 && cache.order.len() <= 4, "at {serial}");
+        }
+        assert_eq!(cache.serial_of(99_999), Some(99_999));
+        assert_eq!(cache.serial_of(0), None);
+        // A record keeps its id mapped until the record itself leaves.
+        let taken = cache.take_serial(99_999).expect("kept");
+        cache.set_continued(taken.serial, taken.id, record(7, 10));
+        assert_eq!(cache.serial_of(99_999), Some(99_999));
+        for serial in 100_000..100_010 {
+            cache.insert(serial, finished(serial, 100));
+        }
+        assert_eq!(cache.serial_of(99_999), None);
+        assert!(cache.num_ids() <= 4 && cache.order.len() <= 5);
+    }
+
     #[test]
     fn continuation_records_share_the_byte_budget_oldest_first() {
         let entry_bytes = finished(0, 100).bytes();
@@ -360,7 +432,7 @@ mod tests {
         assert_eq!(cache.len(), 3);
         // Serial 0 is continued: its buffers leave, a record of its 60-token tail stays.
         assert!(cache.take_serial(0).is_some());
-        cache.set_continued(0, record(9, 60));
+        cache.set_continued(0, 0, record(9, 60));
         assert!(cache.bytes <= cache.capacity);
         assert!(cache.continued(0).is_some());
         // A fourth sequence pushes the oldest things out, the record first (it is serial 0's).
@@ -369,7 +441,7 @@ mod tests {
         assert!(cache.continued(0).is_none());
         assert!(cache.get_serial(3).is_some());
         // A record larger than what is left evicts finished sequences too, never overshooting.
-        cache.set_continued(1, record(9, 150));
+        cache.set_continued(1, 1, record(9, 150));
         assert!(cache.bytes <= cache.capacity, "{} > {}", cache.bytes, cache.capacity);
         let accounted: usize = cache.entries.values().map(FinishedSequence::bytes).sum::<usize>()
             + cache.continued.values().map(Continued::bytes).sum::<usize>();
