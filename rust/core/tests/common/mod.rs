@@ -183,6 +183,16 @@ impl Harness {
         self.call(|m| m.schedule(id, max_tokens, 0, false)).expect("schedule")
     }
 
+    /// `schedule` with `lookahead` speculative tokens; `None` when out of blocks.
+    pub fn try_schedule_lookahead(
+        &mut self,
+        id: u64,
+        max_tokens: u32,
+        lookahead: u32,
+    ) -> Option<Scheduled> {
+        self.call(|m| m.schedule(id, max_tokens, lookahead, false)).expect("schedule")
+    }
+
     /// `schedule` that must not run out of blocks.
     pub fn schedule(&mut self, id: u64, max_tokens: u32) -> Scheduled {
         self.try_schedule(id, max_tokens).expect("the pool supplies the blocks")
