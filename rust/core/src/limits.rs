@@ -30,6 +30,10 @@ pub const MAX_BLOCK_SIZE: u32 = 1 << 24;
 /// `block_table`).
 pub const MAX_BATCH_SEQUENCES: usize = 1 << 20;
 
+/// Most tokens one step may schedule in all (`query_start_loc` is `int32` in the plan): a
+/// `schedule` is clamped to what is left of it, as it is to what its sequence has left.
+pub const MAX_STEP_TOKENS: u32 = i32::MAX as u32;
+
 /// Most speculative (lookahead) tokens one `schedule` may reserve blocks for.
 pub const MAX_LOOKAHEAD_TOKENS: u32 = 1 << 16;
 

@@ -120,6 +120,8 @@ pub struct CacheManager {
     pub(crate) finished: FinishedCache,
     /// Slots scheduled since the last plan, in schedule order.
     pub(crate) scheduled: Vec<usize>,
+    /// Tokens those slots scheduled, at most `MAX_STEP_TOKENS`.
+    pub(crate) scheduled_tokens: u32,
     pub(crate) in_flight: Option<InFlight>,
     pub(crate) next_step: u64,
     /// Serial of the next sequence added.
@@ -188,6 +190,7 @@ impl CacheManager {
             live_prefixes: FxHashMap::default(),
             finished: FinishedCache::new(config.finished_cache_bytes),
             scheduled: Vec::new(),
+            scheduled_tokens: 0,
             in_flight: None,
             next_step: 1,
             next_serial: 0,
@@ -589,7 +592,11 @@ impl CacheManager {
     }
 
     fn drop_scheduled(&mut self, slot: usize) {
-        if self.seq(slot).step.is_some() {
+        if let Some(step) = &self.seq(slot).step {
+            // Only a step not yet built is on `scheduled` (a built one is in flight).
+            if self.scheduled.contains(&slot) {
+                self.scheduled_tokens -= step.end - step.start;
+            }
             self.scheduled.retain(|&s| s != slot);
             self.undo_step(slot);
         }
@@ -646,6 +653,7 @@ impl CacheManager {
         for slot in std::mem::take(&mut self.scheduled) {
             self.undo_step(slot);
         }
+        self.scheduled_tokens = 0;
         let mut removed = Vec::new();
         for pool in &mut self.pools {
             pool.clear(&mut removed);
@@ -708,11 +716,7 @@ impl CacheManager {
     /// Tokens scheduled for the next plan so far (what `build_plan` will work through).
     #[must_use]
     pub fn scheduled_tokens(&self) -> usize {
-        self.scheduled
-            .iter()
-            .filter_map(|&slot| self.seqs[slot].as_ref()?.step.as_ref())
-            .map(|step| (step.end - step.start) as usize)
-            .sum()
+        self.scheduled_tokens as usize
     }
 
     /// Whether a plan is in flight.

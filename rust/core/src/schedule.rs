@@ -9,7 +9,7 @@
 
 use crate::error::{CacheError, Result};
 use crate::hit::Hit;
-use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS};
+use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS, MAX_STEP_TOKENS};
 use crate::manager::{check_batch_len, CacheManager, GroupRuntime};
 use crate::plan::StepPlan;
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
@@ -234,6 +234,7 @@ impl CacheManager {
         seq.junction = hit.junction;
         seq.step = Some(StepRecord { start, end, first: true, groups, requested: Vec::new() });
         self.scheduled.push(slot);
+        self.scheduled_tokens += end - start;
         self.started += 1;
         self.stats.admissions += 1;
         self.stats.admitted_hit_tokens += u64::from(start);
@@ -284,6 +285,7 @@ impl CacheManager {
         self.seq_mut(slot).step =
             Some(StepRecord { start, end, first: false, groups, requested: Vec::new() });
         self.scheduled.push(slot);
+        self.scheduled_tokens += end - start;
         self.stats.scheduled_tokens += u64::from(end - start);
         Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: None })
     }
@@ -303,10 +305,12 @@ impl CacheManager {
         })
     }
 
-    /// Where a chunk of up to `max_tokens` from `start` ends: a non-final chunk is trimmed to a
-    /// multiple of the chunk alignment unless `exact`.
+    /// Where a chunk of up to `max_tokens` from `start` ends: within what the step has left of
+    /// `MAX_STEP_TOKENS`, and a non-final chunk is trimmed to a multiple of the chunk alignment
+    /// unless `exact`.
     fn chunk_end(&self, start: u32, max_tokens: u32, total: u32, exact: bool) -> u32 {
-        let end = start.saturating_add(max_tokens).min(total);
+        let room = MAX_STEP_TOKENS - self.scheduled_tokens;
+        let end = start.saturating_add(max_tokens.min(room)).min(total);
         if end < total && !exact {
             end / self.chunk_alignment * self.chunk_alignment
         } else {
