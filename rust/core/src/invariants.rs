@@ -178,6 +178,18 @@ impl CacheManager {
     }
 
     fn check_steps(&self) -> Result<()> {
+        let pending: u64 = self
+            .scheduled
+            .iter()
+            .filter_map(|&slot| self.seqs.get(slot)?.as_ref()?.step.as_ref())
+            .map(|step| u64::from(step.end - step.start))
+            .sum();
+        if pending != u64::from(self.scheduled_tokens) {
+            return Err(CacheError::invariant(format!(
+                "the step's token count is {} but its sequences schedule {pending}",
+                self.scheduled_tokens
+            )));
+        }
         let in_flight: &[usize] = self.in_flight.as_ref().map_or(&[], |f| f.slots.as_slice());
         for (slot, seq) in self.seqs.iter().enumerate() {
             let Some(seq) = seq else { continue };
