@@ -52,7 +52,9 @@ use sha2::{compress256, Digest as _, Sha256};
 use xxhash_rust::xxh3::xxh3_128;
 
 use crate::error::CacheError;
-use crate::limits::{try_vec, MAX_HASH_UNIT, MAX_SEQUENCE_TOKENS};
+use crate::limits::{
+    try_vec, MAX_EXTRA_KEY_BYTES, MAX_HASH_UNIT, MAX_MULTIMODAL_INPUTS, MAX_SEQUENCE_TOKENS,
+};
 
 /// Version of the byte encoding; the first byte of every unit's hash input.
 pub const ENCODING_VERSION: u8 = 1;
@@ -210,13 +212,19 @@ impl ExtraKeys {
     /// is the start of the first differing list entry.
     pub fn validate(&self, tokens_len: usize) -> Result<(), String> {
         if let Some(salt) = &self.cache_salt {
-            if u32::try_from(salt.len()).is_err() {
+            if salt.len() > MAX_EXTRA_KEY_BYTES {
                 return Err(format!(
-                    "cache_salt is {} bytes, more than the limit of {} bytes; pass a digest of it instead",
-                    salt.len(),
-                    u32::MAX
+                    "cache_salt is {} bytes, more than the limit of {MAX_EXTRA_KEY_BYTES} bytes; \
+                     pass a digest of it instead",
+                    salt.len()
                 ));
             }
+        }
+        if self.multimodal.len() > MAX_MULTIMODAL_INPUTS {
+            return Err(format!(
+                "{} multimodal inputs, more than the limit of {MAX_MULTIMODAL_INPUTS} a sequence",
+                self.multimodal.len()
+            ));
         }
         let mut previous: Option<&MultimodalInput> = None;
         for (index, input) in self.multimodal.iter().enumerate() {
@@ -239,12 +247,11 @@ impl ExtraKeys {
                     "multimodal input {index} has an empty hash; pass the content hash of the input"
                 ));
             }
-            if u32::try_from(input.hash.len()).is_err() {
+            if input.hash.len() > MAX_EXTRA_KEY_BYTES {
                 return Err(format!(
-                    "multimodal input {index} has a {}-byte hash, more than the limit of {} bytes; \
-                     pass a digest of it instead",
-                    input.hash.len(),
-                    u32::MAX
+                    "multimodal input {index} has a {}-byte hash, more than the limit of \
+                     {MAX_EXTRA_KEY_BYTES} bytes; pass a digest of it instead",
+                    input.hash.len()
                 ));
             }
             if let Some(prev) = previous {
@@ -776,6 +783,16 @@ mod tests {
             let error = hash_prefix(&config, &all, &extra).unwrap_err();
             assert!(error.to_string().contains(expected), "{error}");
         }
+        let long_salt = ExtraKeys {
+            cache_salt: Some(vec![1; MAX_EXTRA_KEY_BYTES + 1]),
+            ..ExtraKeys::default()
+        };
+        assert!(hash_prefix(&config, &all, &long_salt).unwrap_err().to_string().contains("digest"));
+        let many = ExtraKeys {
+            multimodal: vec![input(0, 1, b"x"); MAX_MULTIMODAL_INPUTS + 1],
+            ..ExtraKeys::default()
+        };
+        assert!(hash_prefix(&config, &all, &many).unwrap_err().to_string().contains("limit"));
         let zero_unit = HashConfig { unit: 0, ..HashConfig::default() };
         assert!(hash_prefix(&zero_unit, &all, &ExtraKeys::default()).is_err());
         let ties = ExtraKeys {

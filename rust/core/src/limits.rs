@@ -26,6 +26,13 @@ pub const MAX_HASH_UNIT: u32 = 1 << 20;
 /// Largest paged block size B, in tokens (and sliding window W).
 pub const MAX_BLOCK_SIZE: u32 = 1 << 24;
 
+/// Most multimodal inputs one sequence may carry (each unit's digest scans them).
+pub const MAX_MULTIMODAL_INPUTS: usize = 4096;
+
+/// Longest cache salt or multimodal hash, in bytes (each enters the hash input of every unit it
+/// touches: pass a digest of anything longer).
+pub const MAX_EXTRA_KEY_BYTES: usize = 4096;
+
 /// Most ids one batch call takes (`schedule_batch`, `append_batch`, `decode_step`,
 /// `block_table`).
 pub const MAX_BATCH_SEQUENCES: usize = 1 << 20;
