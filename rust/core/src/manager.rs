@@ -486,6 +486,7 @@ impl CacheManager {
     pub fn append(&mut self, seq_id: u64, tokens: &[u32]) -> Result<()> {
         self.refuse_in_flight("append")?;
         let slot = self.slot(seq_id)?;
+        self.check_append(slot, tokens.len())?;
         self.append_slot(slot, tokens)
     }
 
@@ -527,21 +528,25 @@ impl CacheManager {
         Ok(())
     }
 
+    /// Appends to a live sequence whose length the caller checked (`check_append`).
     pub(crate) fn append_slot(&mut self, slot: usize, tokens: &[u32]) -> Result<()> {
         let unit = self.unit;
-        self.check_append(slot, tokens.len())?;
         let seq = self.seqs[slot].as_mut().ok_or_else(|| CacheError::invalid("stale slot"))?;
-        let units = (seq.tokens.len() + tokens.len()) / unit as usize;
-        if seq.tokens.try_reserve(tokens.len()).is_err()
-            || seq.hashes.try_reserve(units.saturating_sub(seq.hashes.len())).is_err()
-        {
-            return Err(CacheError::invalid(format!(
-                "appending {} tokens to sequence {} needs {} of memory, which could not be \
-                 allocated",
-                tokens.len(),
-                seq.id,
-                human_bytes(tokens.len().saturating_mul(4 + 32 / unit as usize))
-            )));
+        // Beyond the headroom `add` reserved (a decode step's token never is), the new tokens
+        // and their digests are reserved fallibly: the caller chose how many there are.
+        if seq.tokens.capacity() - seq.tokens.len() < tokens.len() {
+            let units = (seq.tokens.len() + tokens.len()) / unit as usize;
+            if seq.tokens.try_reserve(tokens.len()).is_err()
+                || seq.hashes.try_reserve(units.saturating_sub(seq.hashes.len())).is_err()
+            {
+                return Err(CacheError::invalid(format!(
+                    "appending {} tokens to sequence {} needs {} of memory, which could not \
+                     be allocated",
+                    tokens.len(),
+                    seq.id,
+                    human_bytes(tokens.len().saturating_mul(4 + 32 / unit as usize))
+                )));
+            }
         }
         seq.tokens.extend_from_slice(tokens);
         seq.last_hit = None;
