@@ -13,7 +13,7 @@ use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS, MAX_STEP_TOKENS};
 use crate::manager::{check_batch_len, CacheManager, GroupRuntime};
 use crate::plan::StepPlan;
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
-use crate::sequence::{GroupStep, PagedSeq, SeqGroup, StateSeq, StepRecord};
+use crate::sequence::{GroupStep, PagedSeq, SeqGroup, Sequence, StateSeq, StepRecord};
 
 /// What `schedule` gave a sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -165,6 +165,7 @@ impl CacheManager {
         Ok(())
     }
 
+    #[inline]
     fn check_schedulable(&self, slot: usize, lookahead: u32) -> Result<()> {
         self.refuse_pending_step(slot)?;
         let seq = self.seq(slot);
@@ -175,6 +176,15 @@ impl CacheManager {
                 num_tokens: seq.num_tokens(),
             });
         }
+        if lookahead > 0 {
+            return self.check_lookahead(seq, lookahead);
+        }
+        Ok(())
+    }
+
+    /// The lookahead rules: bounded, within the sequence limit, paged groups only.
+    #[cold]
+    fn check_lookahead(&self, seq: &Sequence, lookahead: u32) -> Result<()> {
         if lookahead > MAX_LOOKAHEAD_TOKENS {
             return Err(CacheError::invalid(format!(
                 "lookahead = {lookahead} speculative tokens is more than the supported \
@@ -187,7 +197,7 @@ impl CacheManager {
                 seq.id
             )));
         }
-        if lookahead > 0 && self.config.has_state_groups() {
+        if self.config.has_state_groups() {
             return Err(CacheError::invalid(
                 "lookahead (speculative) tokens are not supported with state groups: a \
                  recurrent state cannot be rolled back past rejected drafts; use lookahead = 0",
