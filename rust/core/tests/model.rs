@@ -17,6 +17,18 @@
 //! checked against `pool_usage`, the engine's incremental block tables against `block_table`,
 //! and `check_invariants` runs after every call.
 //!
+//! Keys are prefix identities (`model/ident.rs`): the tokens, the cache salt, the `LoRA` id and
+//! the hashes of the multimodal inputs on every unit. With extra keys in the traffic
+//! (`model/extra.rs`) prompts are copied from other sequences with their images dropped, moved,
+//! replaced or added, their salt or adapter changed, and extended by sequences that differ in
+//! them; `add` must reuse digests only up to the earliest unit a differing extra key touches,
+//! and refuse lists out of order or malformed, changing nothing. Several state groups may share
+//! a pool with each other and with the paged group: each group's cap counts its own checkpoint
+//! blocks only and evicts only its own, and a checkpoint that would leave its pool no more free
+//! or evictable blocks than the reserve of the started sequences is skipped (`budget`); both are
+//! predicted checkpoint by checkpoint, not just tolerated. Hostile calls (`model/hostile.rs`)
+//! pass values at and beyond the API's bounds.
+//!
 //! The `never_evicting` property uses pools that cannot run out: no eviction, refused schedule
 //! or `budget` skip may happen there at all, so every prediction stands on the model alone.
 //!
@@ -30,6 +42,12 @@ macro_rules! ensure {
     };
 }
 
+#[path = "model/extra.rs"]
+mod extra;
+#[path = "model/hostile.rs"]
+mod hostile;
+#[path = "model/ident.rs"]
+mod ident;
 #[path = "model/ops.rs"]
 mod ops;
 #[path = "model/plan.rs"]
@@ -45,11 +63,13 @@ mod setup;
 
 use std::collections::BTreeMap;
 
+use prefixcache_core::{Retention, StateGroupConfig};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 
-use crate::ops::{ops, Op};
+use crate::extra::ExtraOp;
+use crate::ops::{ops, ops_with_extra_keys, AddOp, Op};
 use crate::reference::Model;
 use crate::setup::Setup;
 
@@ -118,6 +138,50 @@ const PATHS: [&str; 38] = [
     "window released blocks",
 ];
 
+/// What the traffic with extra keys, several state groups and hostile values must reach too.
+const EXTRA_PATHS: [&str; 21] = [
+    "add reused hashes of a prompt with images",
+    "add reuse stopped by an extra key",
+    "add refused unsorted multimodal inputs",
+    "add refused a malformed multimodal input",
+    "hit stopped by an image",
+    "hit stopped by a salt or adapter",
+    "cap evicted own checkpoint with a shared pool",
+    "cap skipped a checkpoint",
+    "reserve skipped a checkpoint",
+    "checkpoint evicted another group's block",
+    "checkpoint skipped in an exhausted pool",
+    "lookahead beyond the limit",
+    "lookahead beyond the limit refused",
+    "lookahead at the limit",
+    "checkpoint request past the end",
+    "checkpoint request off the grid",
+    "huge sequence id",
+    "hostile call refused",
+    "junction",
+    "skip budget",
+    "checkpoint cap evicted",
+];
+
+/// Runs `cases` generated cases of `setups` and `ops`, adding up the paths they took.
+fn reach(
+    runner: &mut TestRunner,
+    setups: &BoxedStrategy<Setup>,
+    ops: &BoxedStrategy<Vec<Op>>,
+    cases: usize,
+    seen: &mut BTreeMap<&'static str, u64>,
+) {
+    for case in 0..cases {
+        let setup = setups.new_tree(runner).map(|t| t.current());
+        let ops = ops.new_tree(runner).map(|t| t.current());
+        let (Ok(setup), Ok(ops)) = (setup, ops) else { panic!("cannot generate case {case}") };
+        match run(&setup, &ops) {
+            Ok(paths) => paths.into_iter().for_each(|(p, n)| *seen.entry(p).or_default() += n),
+            Err(e) => panic!("case {case} failed: {e}\n{setup:?}\n{ops:?}"),
+        }
+    }
+}
+
 #[test]
 fn model_traffic_reaches_every_path() {
     let mut runner = TestRunner::deterministic();
@@ -125,22 +189,118 @@ fn model_traffic_reaches_every_path() {
         setup::full_attention(false),
         setup::hybrid(false),
         setup::sliding_window(false),
-    ];
+    ]
+    .boxed();
     let mut seen: BTreeMap<&str, u64> = BTreeMap::new();
-    for case in 0..192 {
-        let setup = setups.new_tree(&mut runner).map(|t| t.current());
-        let ops = ops().new_tree(&mut runner).map(|t| t.current());
-        let (Ok(setup), Ok(ops)) = (setup, ops) else { panic!("cannot generate case {case}") };
-        match run(&setup, &ops) {
-            Ok(paths) => paths.into_iter().for_each(|(p, n)| *seen.entry(p).or_default() += n),
-            Err(e) => panic!("case {case} failed: {e}\n{setup:?}\n{ops:?}"),
-        }
-    }
+    reach(&mut runner, &setups, &ops().boxed(), 192, &mut seen);
     let missing: Vec<&str> = PATHS.into_iter().filter(|p| !seen.contains_key(p)).collect();
     assert!(missing.is_empty(), "never reached: {missing:?}\nreached: {seen:?}");
     if std::env::var_os("MODEL_TRACE").is_some() {
         eprintln!("{seen:#?}");
     }
+}
+
+#[test]
+fn traffic_with_extra_keys_and_several_state_groups_reaches_every_path() {
+    let mut runner = TestRunner::deterministic();
+    let setups = prop_oneof![
+        1 => setup::full_attention(false),
+        1 => setup::hybrid(false),
+        3 => setup::several_state_groups(false),
+    ]
+    .boxed();
+    let mut seen: BTreeMap<&str, u64> = BTreeMap::new();
+    reach(&mut runner, &setups, &ops_with_extra_keys().boxed(), 128, &mut seen);
+    let missing: Vec<&str> = EXTRA_PATHS.into_iter().filter(|p| !seen.contains_key(p)).collect();
+    assert!(missing.is_empty(), "never reached: {missing:?}\nreached: {seen:?}");
+    if std::env::var_os("MODEL_TRACE").is_some() {
+        eprintln!("{seen:#?}");
+    }
+}
+
+/// Runs `ops` on `setup` through the model, checking everything after each; returns the model.
+fn scenario(setup: Setup, ops: &[Op]) -> Model {
+    let mut model = Model::new(setup).unwrap();
+    for (i, op) in ops.iter().enumerate() {
+        model.apply(op).unwrap_or_else(|e| panic!("op {i} {op:?}: {e}"));
+        model.check_all().unwrap_or_else(|e| panic!("after op {i} {op:?}: {e}"));
+    }
+    model
+}
+
+/// A setup of unit `unit` with `groups` over pools of `pools` blocks, nothing random.
+fn fixed(unit: u32, groups: Vec<(setup::Kind, usize)>, pools: Vec<u32>) -> Setup {
+    Setup {
+        unit,
+        algorithm: prefixcache_core::HashAlgorithm::Xxh3_128,
+        seed: 0,
+        verify_tokens: false,
+        groups,
+        pools,
+        recent_capacity: 1 << 10,
+        never_evicts: false,
+        reuse_live_prefixes: true,
+    }
+}
+
+fn state_group(cap: Option<u32>, retention: Retention) -> setup::Kind {
+    setup::Kind::State(StateGroupConfig {
+        alignment: 1,
+        max_checkpoints_per_step: None,
+        retention,
+        checkpoint_cap: cap,
+        reserve_per_sequence: 0,
+    })
+}
+
+const STEP: Op = Op::Step { budget: u32::MAX, exact: false, request: None, abort: false };
+
+/// A prompt copied from the sequence `source` names (see `Model::add`) with its extra keys
+/// changed by `tweak`, or a fresh one with `images`.
+fn prompt(source: u8, len: u8, extends: Option<u8>, extra: ExtraOp) -> Op {
+    Op::Add(AddOp { source, len, suffix: 0, extends, reuse: None, twin: false, extra })
+}
+
+/// The case the model once missed: A has an image at [4, 8) (and one at [12, 16)); B, the same
+/// text with only the later image, extends A, finished before it ran; a resend of A must then
+/// hit B's blocks only up to the image's unit, whatever the reuse of A's digests did.
+#[test]
+fn extends_across_an_image_reuses_only_the_units_before_it() {
+    let setup = Setup {
+        unit: 4,
+        algorithm: prefixcache_core::HashAlgorithm::Xxh3_128,
+        seed: 0,
+        verify_tokens: false,
+        groups: vec![(setup::Kind::Full { block: 4 }, 0)],
+        pools: vec![64],
+        recent_capacity: 0,
+        never_evicts: true,
+        reuse_live_prefixes: true,
+    };
+    let images = ExtraOp { images: vec![(4, 4, 0), (12, 4, 1)], ..ExtraOp::none() };
+    let drop_first = ExtraOp { inherit: true, tweak: 1, ..ExtraOp::none() };
+    let same = ExtraOp { inherit: true, ..ExtraOp::none() };
+    let ops = vec![
+        // A: tokens 0..16 of base stream 0, images at [4, 8) and [12, 16); finished unrun.
+        prompt(0, 16, None, images),
+        Op::Finish { pick: 0 },
+        // B: A's text with only the image at [12, 16), extending A.
+        prompt(1, 16, Some(0), drop_first),
+        STEP,
+        // C: A again (B is live: the finished A is the second known sequence).
+        prompt(1, 16, None, same),
+        Op::Lookup { pick: 0 },
+    ];
+    let mut model = scenario(setup, &ops);
+    let (&c, seq) = model.seqs.iter().next_back().unwrap();
+    assert_eq!(seq.extra.multimodal.len(), 2, "C is a resend of A");
+    let hit = model.m.lookup(c).unwrap();
+    (model.stats.lookups, model.stats.lookup_hit_tokens) =
+        (model.stats.lookups + 1, model.stats.lookup_hit_tokens + u64::from(hit.tokens));
+    assert_eq!(hit.tokens, 4, "C hits B only before the image");
+    assert!(model.seen.contains_key("add reuse stopped by an extra key"));
+    assert!(model.seen.contains_key("hit stopped by an image"));
+    model.wind_down().unwrap();
 }
 
 proptest! {
@@ -177,9 +337,76 @@ proptest! {
             setup::full_attention(true),
             setup::hybrid(true),
             setup::sliding_window(true),
+            setup::several_state_groups(true),
         ],
-        ops in ops(),
+        ops in ops_with_extra_keys(),
     ) {
         run(&setup, &ops).map_err(TestCaseError::fail)?;
     }
+
+    #[test]
+    fn prop_extra_keys_follow_the_model(
+        setup in prop_oneof![
+            setup::full_attention(false),
+            setup::hybrid(false),
+            setup::sliding_window(false),
+        ],
+        ops in ops_with_extra_keys(),
+    ) {
+        run(&setup, &ops).map_err(TestCaseError::fail)?;
+    }
+
+    #[test]
+    fn prop_several_state_groups_follow_the_model(
+        setup in setup::several_state_groups(false),
+        ops in ops_with_extra_keys(),
+    ) {
+        run(&setup, &ops).map_err(TestCaseError::fail)?;
+    }
+}
+
+/// A checkpoint that survived above the full-attention bound (the attention blocks of its
+/// prefix were evicted from their own pool) is neither the state group's hit nor a junction.
+#[test]
+fn a_state_above_the_attention_bound_is_no_hit_and_no_junction() {
+    let retention = Retention { tail: true, interval: None, junction: true, decode_tail: false };
+    let groups = vec![(setup::Kind::Full { block: 2 }, 0), (state_group(None, retention), 1)];
+    let base = |source: u8| prompt(source, 20, None, ExtraOp::none());
+    // A, then B evicting A's attention blocks tail first, then A again.
+    let ops =
+        [base(0), STEP, Op::Finish { pick: 0 }, base(4), STEP, Op::Finish { pick: 0 }, base(0)];
+    let mut model = scenario(fixed(2, groups, vec![12, 64]), &ops);
+    let (&id, _) = model.seqs.iter().next_back().unwrap();
+    let hit = model.m.lookup(id).unwrap();
+    (model.stats.lookups, model.stats.lookup_hit_tokens) =
+        (model.stats.lookups + 1, model.stats.lookup_hit_tokens + u64::from(hit.tokens));
+    assert_eq!((hit.groups[0].tokens, hit.groups[1].tokens, hit.junction), (2, 0, None));
+    assert!(model.seen.contains_key("group hit bounded by full attention"));
+    model.wind_down().unwrap();
+}
+
+/// At its cap a decode-tail snapshot displaces a published decode tail of its own group, here
+/// in a pool it shares with a second state group and the attention blocks.
+#[test]
+fn a_decode_tail_at_the_cap_replaces_a_published_decode_tail() {
+    let decode = Retention { tail: false, interval: None, junction: false, decode_tail: true };
+    let other = Retention { tail: true, interval: None, junction: false, decode_tail: false };
+    let groups = vec![
+        (setup::Kind::Full { block: 2 }, 0),
+        (state_group(Some(1), decode), 0),
+        (state_group(Some(2), other), 0),
+    ];
+    let decode_twice = Op::Decode { len: 1, budget: u32::MAX, rounds: 2 };
+    let ops = [
+        prompt(0, 4, None, ExtraOp::none()),
+        STEP,
+        decode_twice.clone(),
+        Op::Finish { pick: 0 },
+        prompt(4, 4, None, ExtraOp::none()),
+        STEP,
+        decode_twice,
+    ];
+    let mut model = scenario(fixed(2, groups, vec![64]), &ops);
+    assert!(model.seen.contains_key("decode tail replaced a decode tail at the cap"));
+    model.wind_down().unwrap();
 }

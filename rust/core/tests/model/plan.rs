@@ -150,7 +150,7 @@ impl Model {
                 "copy {c:?}, expected group {g} dst {dst} tokens {n}"
             );
             ensure!(
-                self.carries(g, src, &seq.tokens[..hit as usize]),
+                self.carries(g, src, seq.key(hit)),
                 "copy source {src} does not carry the key at the hit {hit}"
             );
             self.seq_mut(id)?.step.as_mut().ok_or("no step")?.cow[g] = Some((src, dst, n));
@@ -209,7 +209,7 @@ impl Model {
         let limit = config.max_checkpoints_per_step.map_or(usize::MAX, |c| c as usize);
         let mut planned: Vec<(u32, bool)> = Vec::new();
         for (p, decode_tail) in wanted {
-            let reason = if self.live[g].contains_key(&seq.tokens[..p as usize]) {
+            let reason = if self.live[g].contains_key(&seq.key(p)) {
                 Some(SkipReason::AlreadyCached)
             } else if p != end && (p - start) % config.alignment != 0 {
                 Some(SkipReason::Unaligned)
@@ -226,8 +226,44 @@ impl Model {
         (planned, skips)
     }
 
-    /// Running and initial slots, checkpoints (compared with the prediction row by row, with
-    /// the evictions their allocations caused applied in between) and skip counters.
+    /// Blocks no checkpoint allocation of this plan may evict, per pool: the blocks in use
+    /// before it, the copy-on-write sources, and every checkpoint a first step resumes from
+    /// (all pinned when the rows were scheduled, before any checkpoint is allocated).
+    fn pinned_for_plan(&self, plan: &StepPlan, held: &[HashSet<u32>]) -> Vec<HashSet<u32>> {
+        let mut pinned = held.to_vec();
+        for (row, id) in plan.seq_ids.iter().enumerate() {
+            let Some(step) = self.seqs.get(id).and_then(|s| s.step.as_ref()) else { continue };
+            for g in 0..self.groups() {
+                if let Some((src, _, _)) = step.cow[g] {
+                    pinned[self.s.pool(g)].insert(src);
+                }
+            }
+            if step.first {
+                for sp in &plan.state {
+                    if sp.initial_slot[row] > 0 {
+                        pinned[self.s.pool(sp.group as usize)].insert(sp.initial_slot[row] as u32);
+                    }
+                }
+            }
+        }
+        pinned
+    }
+
+    /// Whether `block` is a published checkpoint of state group `g` (a published decode tail,
+    /// with `decode_tail`).
+    fn own_checkpoint(&self, g: usize, block: u32, decode_tail: bool) -> bool {
+        let pool = self.s.pool(g);
+        self.carried[pool].get(&block).is_some_and(|keys| keys.iter().any(|(kg, _)| *kg == g))
+            && (!decode_tail || self.decode_tails[pool].contains(&block))
+    }
+
+    /// Running and initial slots, checkpoints and skip counters. Every checkpoint is predicted
+    /// position by position, in priority order, with the allocations before it applied: it
+    /// gets a block unless taking one would leave its pool no more free or evictable blocks
+    /// than `reserve_per_sequence` per started sequence, or its group is at its own cap with
+    /// none of its own unpinned checkpoints (decode tails, for a decode-tail snapshot) to
+    /// evict (`budget` either way). At the cap the group's least recently used one is evicted;
+    /// below it a free block is used first, else the pool's least recently used block.
     #[allow(clippy::too_many_lines)]
     pub(crate) fn check_state_plan(
         &mut self,
@@ -245,26 +281,33 @@ impl Model {
             plan.state.iter().map(|p| p.group).collect::<Vec<_>>()
         );
         let rows = plan.seq_ids.len();
+        for sp in &plan.state {
+            let cmax = sp.max_checkpoints;
+            ensure!(
+                sp.running_slot.len() == rows
+                    && sp.initial_slot.len() == rows
+                    && sp.checkpoint_offsets.len() == rows * cmax
+                    && sp.checkpoint_slots.len() == rows * cmax
+                    && sp.snapshots.len() % 2 == 0,
+                "state plan of group {} has the wrong shape",
+                sp.group
+            );
+        }
+        let pinned = self.pinned_for_plan(plan, held);
         let mut free: Vec<u64> = usage.iter().map(|u| u64::from(u.free)).collect();
-        let mut checkpoints: Vec<u64> = usage.iter().map(|u| u64::from(u.checkpoints)).collect();
+        let mut cached: Vec<u64> = usage.iter().map(|u| u64::from(u.cached)).collect();
+        let mut counts: Vec<u64> = (0..self.groups()).map(|g| self.checkpoint_blocks(g)).collect();
+        let started = self.seqs.values().filter(|s| s.started).count() as u64;
         let mut expected_skips = vec![[0u64; 5]; self.groups()];
-        let mut allocated = vec![0u64; self.s.pools.len()];
         let mut taken: HashSet<(usize, u32)> = HashSet::new();
         let mut trace = String::new();
         for (row, &id) in plan.seq_ids.iter().enumerate() {
             for sp in &plan.state {
                 let g = sp.group as usize;
                 let pool = self.s.pool(g);
+                let shared = self.s.groups.iter().filter(|(_, p)| *p == pool).count() > 1;
                 let config = self.s.state(g).ok_or("state")?.clone();
                 let cmax = sp.max_checkpoints;
-                ensure!(
-                    sp.running_slot.len() == rows
-                        && sp.initial_slot.len() == rows
-                        && sp.checkpoint_offsets.len() == rows * cmax
-                        && sp.checkpoint_slots.len() == rows * cmax
-                        && sp.snapshots.len() % 2 == 0,
-                    "state plan of group {g} has the wrong shape"
-                );
                 let seq = self.seq(id)?;
                 let step = seq.step.as_ref().ok_or("no step")?;
                 let (running, initial) = (sp.running_slot[row], sp.initial_slot[row]);
@@ -280,9 +323,8 @@ impl Model {
                             "row {row} starts from zero but reads slot {initial}"
                         );
                     } else {
-                        let resumed = &seq.tokens[..step.start as usize];
                         ensure!(
-                            initial > 0 && self.carries(g, initial as u32, resumed),
+                            initial > 0 && self.carries(g, initial as u32, seq.key(step.start)),
                             "row {row} resumes at {} from slot {initial}, which holds no state \
                              there",
                             step.start
@@ -332,70 +374,94 @@ impl Model {
                 for (s, n) in expected_skips[g].iter_mut().zip(skips) {
                     *s += n;
                 }
-                let mut kept = Vec::new();
-                for &(p, block) in &written {
-                    let &(_, decode_tail) = planned.iter().find(|c| c.0 == p).ok_or_else(|| {
-                        format!("row {row} wrote a checkpoint at {p}, not among {planned:?}")
-                    })?;
-                    kept.push((p, block, decode_tail));
-                }
-                // Allocated in priority order (the order the evictions come in).
-                kept.sort_by_key(|k| planned.iter().position(|c| c.0 == k.0));
-                expected_skips[g][SkipReason::Budget.index()] +=
-                    (planned.len() - kept.len()) as u64;
-                if self.s.never_evicts {
+                for &(p, _) in &written {
                     ensure!(
-                        kept.len() == planned.len(),
-                        "row {row}: wrote {written:?}, planned {planned:?}"
+                        planned.iter().any(|c| c.0 == p),
+                        "row {row} wrote a checkpoint at {p}, not among {planned:?}{trace}"
                     );
                 }
-                // The evictions these allocations caused, in order.
-                for &(p, _, decode_tail) in &kept {
-                    allocated[pool] += 1;
-                    // At the cap the least recently used checkpoint is evicted; below it a free
-                    // block is used first, else the pool's least recently used block.
-                    let at_cap =
-                        config.checkpoint_cap.is_some_and(|c| checkpoints[pool] >= u64::from(c));
+                let reserve = u64::from(config.reserve_per_sequence) * started;
+                let mut kept = Vec::new();
+                for &(p, decode_tail) in &planned {
+                    let avail = free[pool] + cached[pool];
+                    let at_cap = config.checkpoint_cap.is_some_and(|c| counts[g] >= u64::from(c));
+                    let victims = at_cap
+                        && self.carried[pool].keys().any(|&b| {
+                            !pinned[pool].contains(&b) && self.own_checkpoint(g, b, decode_tail)
+                        });
+                    let fits = avail > reserve;
+                    let take = fits && (!at_cap || victims);
+                    let block = written.iter().find(|w| w.0 == p).map(|w| w.1);
+                    ensure!(
+                        take == block.is_some(),
+                        "row {row} group {g}: checkpoint at {p} (decode tail {decode_tail}) {} \
+                         with {} free, {} cached, reserve {reserve}, {} checkpoints of cap {:?}, \
+                         {} of its own to evict{trace}",
+                        if take {
+                            "skipped (budget), expected taken"
+                        } else {
+                            "taken, expected skipped (budget)"
+                        },
+                        free[pool],
+                        cached[pool],
+                        counts[g],
+                        config.checkpoint_cap,
+                        if victims { "some" } else { "none" }
+                    );
+                    let Some(block) = block else {
+                        expected_skips[g][SkipReason::Budget.index()] += 1;
+                        ensure!(
+                            !self.s.never_evicts,
+                            "row {row}: budget skip at {p} in pools that never run out"
+                        );
+                        self.saw(if !fits && avail > 0 {
+                            "reserve skipped a checkpoint"
+                        } else if fits {
+                            "cap skipped a checkpoint"
+                        } else {
+                            "checkpoint skipped in an exhausted pool"
+                        });
+                        continue;
+                    };
+                    kept.push((p, block, decode_tail));
+                    counts[g] += 1;
                     if !at_cap && free[pool] > 0 {
                         free[pool] -= 1;
-                        checkpoints[pool] += 1;
                         continue;
                     }
+                    // An eviction: at the cap among the group's own checkpoints, else the
+                    // pool's least recently used block.
+                    cached[pool] -= 1;
                     let event = events.next().ok_or("a checkpoint allocation evicted nothing")?;
                     let CacheEvent::BlockRemoved { group, block: victim, .. } = &event else {
                         return Err(format!("build_plan emitted {event:?}"));
                     };
-                    let victim_is_checkpoint = self.s.state(*group as usize).is_some();
-                    let is_checkpoint = |b: u32| {
-                        self.carried[pool].get(&b).is_some_and(|keys| {
-                            keys.iter().any(|(kg, _)| self.s.state(*kg).is_some())
-                        })
-                    };
-                    let ordered = match (at_cap, decode_tail) {
-                        (true, true) => self.check_victim(pool, *victim, &held[pool], |b| {
-                            self.decode_tails[pool].contains(&b)
-                        })?,
-                        (true, false) => {
-                            self.check_victim(pool, *victim, &held[pool], is_checkpoint)?
-                        }
-                        (false, _) => self.check_victim(pool, *victim, &held[pool], |_| true)?,
+                    let (vg, victim) = (*group as usize, *victim);
+                    let ordered = if at_cap {
+                        ensure!(
+                            vg == g && self.own_checkpoint(g, victim, decode_tail),
+                            "group {g} at its cap evicted block {victim} of group {vg}, not one \
+                             of its own {}",
+                            if decode_tail { "decode tails" } else { "checkpoints" }
+                        );
+                        self.check_victim(pool, victim, &pinned[pool], |b| {
+                            self.own_checkpoint(g, b, decode_tail)
+                        })?
+                    } else {
+                        self.check_victim(pool, victim, &pinned[pool], |_| true)?
                     };
                     if ordered {
                         self.saw("eviction ordered by recency");
                     }
-                    ensure!(!at_cap || victim_is_checkpoint, "the cap evicted a paged block");
-                    ensure!(
-                        !(at_cap && decode_tail) || self.decode_tails[pool].contains(victim),
-                        "the decode-tail snapshot at {p} evicted checkpoint {victim}, which is not \
-                         a decode tail"
-                    );
-                    if !victim_is_checkpoint {
-                        checkpoints[pool] += 1;
+                    if self.s.state(vg).is_some() {
+                        counts[vg] -= 1;
                     }
-                    self.remove_block(&event, held)?;
+                    self.remove_block(&event, &pinned)?;
                     self.saw(match (at_cap, decode_tail) {
                         (true, true) => "decode tail replaced a decode tail at the cap",
+                        (true, false) if shared => "cap evicted own checkpoint with a shared pool",
                         (true, false) => "checkpoint cap evicted",
+                        (false, _) if vg != g => "checkpoint evicted another group's block",
                         (false, _) => "checkpoint evicted",
                     });
                 }
@@ -408,17 +474,17 @@ impl Model {
                 }
                 for &(p, block, _) in &kept {
                     ensure!(
-                        !held[pool].contains(&block)
+                        !pinned[pool].contains(&block)
                             && !self.carried[pool].contains_key(&block)
                             && taken.insert((pool, block))
                             && block as i32 != running
                             && block as i32 != initial,
-                        "checkpoint block {block} at {p} is not fresh: held {}, carries {:?}, \
+                        "checkpoint block {block} at {p} is not fresh: pinned {}, carries {:?}, \
                          running {running}, initial {initial}",
-                        held[pool].contains(&block),
+                        pinned[pool].contains(&block),
                         self.carried[pool]
                             .get(&block)
-                            .map(|k| k.iter().map(|(g, p)| (*g, p.len())).collect::<Vec<_>>())
+                            .map(|k| k.iter().map(|(g, p)| (*g, p.len)).collect::<Vec<_>>())
                     );
                 }
                 let step = self.seq_mut(id)?.step.as_mut().ok_or("no step")?;
@@ -453,20 +519,14 @@ impl Model {
                  mid_step), expected {:?}{trace}",
                 expected_skips[g]
             );
-            let config = self.s.state(g).ok_or("state")?;
-            let pool = self.s.pool(g);
-            let now = &self.m.pool_usage()[pool];
-            let started = self.seqs.values().filter(|s| s.started).count() as u64;
-            if allocated[pool] > 0 {
-                ensure!(
-                    u64::from(now.free + now.cached)
-                        >= u64::from(config.reserve_per_sequence) * started,
-                    "checkpoints left {} free + {} cached blocks, below the reserve for {started} \
-                     sequences",
-                    now.free,
-                    now.cached
-                );
-            }
+        }
+        for (p, now) in self.m.pool_usage().iter().enumerate() {
+            ensure!(
+                u64::from(now.free) == free[p] && u64::from(now.cached) == cached[p],
+                "pool {p} after build_plan: {now:?}, expected {} free and {} cached",
+                free[p],
+                cached[p]
+            );
         }
         Ok(())
     }

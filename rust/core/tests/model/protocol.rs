@@ -4,9 +4,11 @@
 
 use std::collections::HashSet;
 
+use prefixcache_core::limits::MAX_LOOKAHEAD_TOKENS;
 use prefixcache_core::{CacheError, CacheEvent, ExtraKeys, PoolUsage, Scheduled};
 
-use crate::ops::Op;
+use crate::extra;
+use crate::ops::{AddOp, Op};
 use crate::reference::{boundaries, sorted, Model, SeqModel, StepModel, Stored, UNKNOWN_ID};
 use crate::setup::Kind;
 
@@ -31,9 +33,7 @@ struct Batch {
 impl Model {
     pub(crate) fn apply(&mut self, op: &Op) -> Result<(), String> {
         match *op {
-            Op::Add { source, len, suffix, extends, reuse, twin } => {
-                self.add(source, len, suffix, extends, reuse, twin)
-            }
+            Op::Add(ref add) => self.add(add),
             Op::Lookup { pick } => self.lookup(self.pick(pick, SeqModel::any)),
             Op::Schedule { pick, budget, exact, lookahead } => self.schedule(
                 &[self.pick(pick, SeqModel::runnable)],
@@ -69,6 +69,7 @@ impl Model {
                 }
                 Ok(())
             }
+            Op::Hostile { what, pick } => self.hostile(what, pick),
         }
     }
 
@@ -130,36 +131,37 @@ impl Model {
         }
     }
 
-    pub(crate) fn add(
-        &mut self,
-        source: u8,
-        len: u8,
-        suffix: u8,
-        extends: Option<u8>,
-        reuse: Option<u8>,
-        twin: bool,
-    ) -> Result<(), String> {
-        let known: Vec<(u64, Vec<u32>)> = self
-            .seqs
-            .iter()
-            .map(|(&id, s)| (id, s.tokens.clone()))
-            .chain(self.finished.iter().map(|(&id, t)| (id, t.clone())))
-            .collect();
-        let mut tokens: Vec<u32> = if source % 4 == 0 || known.is_empty() {
-            let base = u32::from(source / 4 % 3) * 10_000;
-            (base..base + u32::from(len)).collect()
-        } else {
-            let (_, t) = &known[usize::from(source) % known.len()];
-            t[..t.len().min(usize::from(len))].to_vec()
-        };
-        tokens.extend(self.fresh_tokens(usize::from(suffix)));
-        let id = match reuse {
-            Some(r) if !known.is_empty() => known[usize::from(r) % known.len()].0,
+    pub(crate) fn add(&mut self, add: &AddOp) -> Result<(), String> {
+        let known: Vec<u64> = self.seqs.keys().chain(self.finished.keys()).copied().collect();
+        let id = match add.reuse {
+            Some(r) if !known.is_empty() => known[usize::from(r) % known.len()],
             _ => {
                 self.next_id += 1;
                 self.next_id
             }
         };
+        self.add_with_id(add, id)
+    }
+
+    /// `add` of a prompt under the id `id`, then its twin if asked.
+    pub(crate) fn add_with_id(&mut self, add: &AddOp, id: u64) -> Result<(), String> {
+        let AddOp { source, len, suffix, extends, twin, ref extra, .. } = *add;
+        let known: Vec<(u64, Vec<u32>, ExtraKeys)> = self
+            .seqs
+            .iter()
+            .map(|(&id, s)| (id, s.tokens.clone(), s.extra.clone()))
+            .chain(self.finished.iter().map(|(&id, (t, e))| (id, t.clone(), e.clone())))
+            .collect();
+        let (mut tokens, base): (Vec<u32>, Option<&ExtraKeys>) =
+            if source % 4 == 0 || known.is_empty() {
+                let base = u32::from(source / 4 % 3) * 10_000;
+                ((base..base + u32::from(len)).collect(), None)
+            } else {
+                let (_, t, e) = &known[usize::from(source) % known.len()];
+                (t[..t.len().min(usize::from(len))].to_vec(), Some(e))
+            };
+        tokens.extend(self.fresh_tokens(usize::from(suffix)));
+        let keys = extra::resolve(extra, tokens.len() as u32, base);
         let extends = extends.map(|e| {
             if known.is_empty() || e % 8 == 7 {
                 UNKNOWN_ID
@@ -167,41 +169,67 @@ impl Model {
                 known[usize::from(e) % known.len()].0
             }
         });
-        self.add_sequence(id, tokens.clone(), extends)?;
+        if !self.add_sequence(id, tokens.clone(), keys.clone(), extends)? {
+            return Ok(());
+        }
         if twin {
             // The same prompt again, as a concurrent request extending the first one.
             self.next_id += 1;
-            self.add_sequence(self.next_id, tokens, Some(id))?;
+            self.add_sequence(self.next_id, tokens, keys, Some(id))?;
         }
         Ok(())
     }
 
-    /// `add`, checking what it reused from `extends`.
-    fn add_sequence(
+    /// `add`, checking what it reused from `extends` (or a live prefix). Returns whether the
+    /// sequence was added.
+    pub(crate) fn add_sequence(
         &mut self,
         id: u64,
         tokens: Vec<u32>,
+        keys: ExtraKeys,
         extends: Option<u64>,
-    ) -> Result<(), String> {
-        let result = self.m.add(id, &tokens, ExtraKeys::default(), extends);
-        if self.seqs.contains_key(&id) {
+    ) -> Result<bool, String> {
+        let usage = self.m.pool_usage();
+        let result = self.m.add(id, &tokens, keys.clone(), extends);
+        let refusal = extra::refusal(&keys, tokens.len() as u32);
+        if self.seqs.contains_key(&id) || refusal.is_some() {
+            // Both refusals apply when both are wrong; which one is reported is not specified.
+            let duplicate =
+                matches!(result, Err(CacheError::DuplicateSequence { seq_id }) if seq_id == id);
+            let invalid = matches!(result, Err(CacheError::InvalidRequest { .. }));
             ensure!(
-                matches!(result, Err(CacheError::DuplicateSequence { seq_id }) if seq_id == id),
-                "add of live id {id}: {result:?}"
+                (duplicate && self.seqs.contains_key(&id)) || (invalid && refusal.is_some()),
+                "add of {id} (live: {}, extra keys {refusal:?}: {keys:?}): {result:?}",
+                self.seqs.contains_key(&id)
             );
-            return self.expect_no_events("a refused add");
+            if invalid {
+                self.saw(match refusal {
+                    Some("unsorted") => "add refused unsorted multimodal inputs",
+                    _ => "add refused a malformed multimodal input",
+                });
+            }
+            ensure!(self.m.pool_usage() == usage, "a refused add changed the pools");
+            self.expect_no_events("a refused add")?;
+            return Ok(false);
         }
         let added = result.map_err(|e| format!("add {id}: {e}"))?;
         let unit = self.unit as usize;
-        let other = extends.and_then(|e| {
-            self.seqs.get(&e).map(|s| s.tokens.clone()).or_else(|| self.finished.get(&e).cloned())
+        let new_keys = self.learn(&tokens, &keys)?;
+        let other: Option<(Vec<u32>, ExtraKeys)> = extends.and_then(|e| {
+            self.seqs
+                .get(&e)
+                .map(|s| (s.tokens.clone(), s.extra.clone()))
+                .or_else(|| self.finished.get(&e).cloned())
         });
-        // Without `extends`: the live sequence added last with the same first unit.
-        let first = tokens.get(..unit).filter(|_| self.s.reuse_live_prefixes && extends.is_none());
-        let live = first.and_then(|f| self.live_first.get(f)).map(|o| self.seqs[o].tokens.clone());
-        let reused_units = other.as_ref().or(live.as_ref()).map_or(0, |o| {
-            let common = tokens.iter().zip(o).take_while(|(a, b)| a == b).count();
-            (common / unit).min(o.len() / unit)
+        // Without `extends`: the live sequence added last with the same first unit (its key:
+        // tokens, salt, adapter and the inputs on it).
+        let first = new_keys.first().filter(|_| self.s.reuse_live_prefixes && extends.is_none());
+        let live = first
+            .and_then(|f| self.live_first.get(f))
+            .map(|o| (self.seqs[o].tokens.clone(), self.seqs[o].extra.clone()));
+        let source = other.as_ref().or(live.as_ref());
+        let reused_units = source.map_or(0, |(t, e)| {
+            extra::reusable_units(self.unit, (&tokens, &keys), (t, e)).min(t.len() / unit)
         });
         ensure!(
             added.extends_found == other.is_some()
@@ -209,20 +237,35 @@ impl Model {
                 && added.hashed_units as usize == tokens.len() / unit - reused_units,
             "add {id} extending {extends:?}: {added:?}, expected {reused_units} reused units"
         );
+        if let Some((t, e)) = source {
+            // What may be reused at all: the other sequence's keys are this one's there.
+            let other_keys = self.idents.keys(self.unit, t, e);
+            ensure!(
+                other_keys.iter().zip(&new_keys).take(reused_units).all(|(a, b)| a == b),
+                "add {id} may reuse {reused_units} units whose keys differ"
+            );
+            let common = tokens.iter().zip(t).take_while(|(a, b)| a == b).count() / unit;
+            if reused_units < common.min(t.len() / unit) {
+                self.saw("add reuse stopped by an extra key");
+            }
+        }
         if reused_units > 0 {
             self.saw(if other.is_some() {
                 "add reused hashes"
             } else {
                 "add reused a live prefix"
             });
+            if !keys.multimodal.is_empty() {
+                self.saw("add reused hashes of a prompt with images");
+            }
         }
-        if let Some(f) = tokens.get(..unit).filter(|_| self.s.reuse_live_prefixes) {
-            self.live_first.insert(f.to_vec(), id);
+        if let Some(&f) = new_keys.first().filter(|_| self.s.reuse_live_prefixes) {
+            self.live_first.insert(f, id);
         }
-        self.learn(&tokens)?;
         self.finished.remove(&id);
-        self.seqs.insert(id, SeqModel::new(tokens, self.groups()));
-        self.expect_no_events("add")
+        self.seqs.insert(id, SeqModel::new(tokens, keys, new_keys, self.groups()));
+        self.expect_no_events("add")?;
+        Ok(true)
     }
 
     pub(crate) fn schedule_error(
@@ -299,8 +342,15 @@ impl Model {
         exact: bool,
         batch: bool,
     ) -> Result<(), String> {
-        let expected_error = self.schedule_error(ids, lookahead, batch);
+        let mut expected_error = self.schedule_error(ids, lookahead, batch);
+        // Beyond the bound the lookahead is refused; against the other refusals the order of
+        // the checks is not specified.
+        let beyond = !batch && lookahead > MAX_LOOKAHEAD_TOKENS;
+        if beyond && expected_error.is_none() {
+            expected_error = Some("InvalidRequest");
+        }
         let usage = self.m.pool_usage();
+        let stats = self.m.stats();
         let held = self.held()?;
         let rows_before = ids.iter().map(|&id| self.rows(id)).collect::<Result<Vec<_>, _>>()?;
         let result = if batch {
@@ -310,7 +360,17 @@ impl Model {
         };
         let results = match (expected_error, result) {
             (Some(kind), Err(e)) => {
-                ensure!(e.kind() == kind, "schedule {ids:?}: expected a {kind} error, got {e}");
+                ensure!(
+                    e.kind() == kind || (beyond && e.kind() == "InvalidRequest"),
+                    "schedule {ids:?}: expected a {kind} error, got {e}"
+                );
+                if beyond {
+                    self.saw("lookahead beyond the limit refused");
+                }
+                ensure!(
+                    self.m.pool_usage() == usage && self.m.stats() == stats,
+                    "a refused schedule changed the pools or the statistics"
+                );
                 return self.expect_no_events("a refused schedule");
             }
             (None, Ok(results)) => results,
@@ -353,7 +413,7 @@ impl Model {
         let pools = self.s.pools.len();
         let seq = self.seq(id)?;
         let first = !seq.started;
-        let hit = first.then(|| self.expected_hit(&seq.tokens));
+        let hit = first.then(|| self.expected_hit(seq));
         let start = hit.as_ref().map_or(seq.num_computed, |h| h.tokens);
         let total = seq.num_tokens();
         let mut end = start.saturating_add(budget).min(total);
@@ -374,7 +434,10 @@ impl Model {
         }
         let Some(scheduled) = result else {
             self.stats.refused_schedules += 1;
-            ensure!(!self.s.never_evicts, "schedule of {id} refused with pools that never run out");
+            ensure!(
+                !self.s.never_evicts || lookahead >= MAX_LOOKAHEAD_TOKENS,
+                "schedule of {id} refused with pools that never run out"
+            );
             ensure!(end > start, "schedule of {id} refused a chunk of 0 tokens");
             ensure!(
                 (0..pools)
@@ -409,11 +472,11 @@ impl Model {
         let evicted = Self::take_blocks(&need, &pins, batch)?;
         // The hit was pinned before anything was allocated: the rows' hit columns, and maybe a
         // copy source or resume checkpoint among the holders of the key at the hit.
-        let tokens = self.seq(id)?.tokens.clone();
         let rows_now = self.rows(id)?;
         if first {
-            self.check_hit_choices(&tokens, start, &rows_now, batch)?;
-            for (pool, blocks) in self.possible_pins(&tokens, start).into_iter().enumerate() {
+            self.check_hit_choices(id, start, &rows_now, batch)?;
+            let pins = self.possible_pins(self.seq(id)?, start);
+            for (pool, blocks) in pins.into_iter().enumerate() {
                 batch.maybe[pool].extend(blocks);
             }
         }
@@ -471,7 +534,7 @@ impl Model {
     /// The hit columns of a first schedule use the copies the recency rule names.
     fn check_hit_choices(
         &mut self,
-        tokens: &[u32],
+        id: u64,
         hit: u32,
         rows: &[Vec<i32>],
         batch: &Batch,
@@ -484,10 +547,10 @@ impl Model {
             };
             let pool = self.s.pool(g);
             for c in first_col..hit / block {
-                let key = tokens[..((c + 1) * block) as usize].to_vec();
+                let key = self.seq(id)?.key((c + 1) * block);
                 let chosen = row[c as usize] as u32;
                 if let Some(rule) =
-                    self.check_hit_choice(g, &key, chosen, &batch.held[pool], &batch.maybe[pool])?
+                    self.check_hit_choice(g, key, chosen, &batch.held[pool], &batch.maybe[pool])?
                 {
                     self.saw(rule);
                 }
@@ -598,7 +661,7 @@ impl Model {
                     if c < first_col {
                         ensure!(b == 0, "column {c} outside the window holds block {b}");
                     } else {
-                        let key = &seq.tokens[..(c + 1) * block as usize];
+                        let key = seq.key((c as u32 + 1) * block);
                         ensure!(
                             self.carries(g, b as u32, key),
                             "hit column {c} of {id} holds block {b}, not published there"
@@ -629,7 +692,7 @@ impl Model {
         let (start, target, junction) = if seq.started {
             (seq.num_computed, seq.prefill_target, seq.junction)
         } else {
-            let hit = self.expected_hit(&seq.tokens);
+            let hit = self.expected_hit(seq);
             (hit.tokens, seq.num_tokens(), hit.junction)
         };
         let budget = token_budget.min(seq.num_tokens().saturating_sub(start));
@@ -688,6 +751,17 @@ impl Model {
             Some((_, e)) => u32::from(position) % (e + unit + 1),
             None => u32::from(position),
         };
+        self.request_checkpoint_at(id, p)
+    }
+
+    /// `request_checkpoint(id, p)` against the model.
+    pub(crate) fn request_checkpoint_at(&mut self, id: u64, p: u32) -> Result<(), String> {
+        let unit = self.unit;
+        let alignment = self.s.chunk_alignment();
+        let chunk = self.seqs.get(&id).and_then(|s| s.step.as_ref()).map(|s| (s.start, s.end));
+        let valid: Vec<u32> = chunk.map_or_else(Vec::new, |(s, e)| {
+            boundaries(unit, s, e).filter(|&p| p == e || (p - s) % alignment == 0).collect()
+        });
         let result = self.m.request_checkpoint(id, p);
         let expected = if self.in_flight.is_some() {
             Some("Step")
@@ -784,7 +858,7 @@ impl Model {
             let seq = self.seq(id)?;
             let step = seq.step.as_ref().ok_or("no step")?;
             for g in 0..self.groups() {
-                let prefix = |q: u32| seq.tokens[..q as usize].to_vec();
+                let prefix = |q: u32| seq.key(q);
                 if let Some(block) = self.s.block_size(g) {
                     for q in boundaries(unit, step.start, step.end) {
                         let b = step.table[g][((q - 1) / block) as usize] as u32;
@@ -809,8 +883,8 @@ impl Model {
         ensure!(
             sorted(stored.clone()) == sorted(expected.clone()),
             "commit stored {:?}\n  expected {:?}",
-            sorted(stored).iter().map(|s| (s.0, s.1, s.2.len())).collect::<Vec<_>>(),
-            sorted(expected).iter().map(|s| (s.0, s.1, s.2.len())).collect::<Vec<_>>()
+            sorted(stored).iter().map(|s| (s.0, s.1, s.2.len)).collect::<Vec<_>>(),
+            sorted(expected).iter().map(|s| (s.0, s.1, s.2.len)).collect::<Vec<_>>()
         );
         for (g, block, prefix, _) in stored {
             self.publish(g, block, prefix);
@@ -914,8 +988,9 @@ impl Model {
                     let added = if batch { &tokens[i..=i] } else { tokens };
                     let seq = self.seq_mut(id)?;
                     seq.tokens.extend_from_slice(added);
-                    let all = seq.tokens.clone();
-                    self.learn(&all)?;
+                    let (all, extra) = (seq.tokens.clone(), seq.extra.clone());
+                    let keys = self.learn(&all, &extra)?;
+                    self.seq_mut(id)?.keys = keys;
                 }
             }
             (Some(kind), Err(e)) => ensure!(e.kind() == kind, "append: expected {kind}, got {e}"),
@@ -955,7 +1030,7 @@ impl Model {
             return Ok(());
         }
         let seq = self.seqs.remove(&id).ok_or("gone")?;
-        if let Some(f) = seq.tokens.get(..self.unit as usize) {
+        if let Some(f) = seq.keys.first() {
             if self.live_first.get(f) == Some(&id) {
                 self.live_first.remove(f);
             }
@@ -963,7 +1038,7 @@ impl Model {
         let expected: Vec<Stored> = decode_tails
             .iter()
             .enumerate()
-            .filter_map(|(g, t)| t.map(|(b, p)| (g, b, seq.tokens[..p as usize].to_vec(), true)))
+            .filter_map(|(g, t)| t.map(|(b, p)| (g, b, seq.key(p), true)))
             .collect();
         let stored = self.stored(&events)?;
         ensure!(
@@ -978,7 +1053,7 @@ impl Model {
             self.decode_tails[self.s.pool(g)].insert(block);
             self.publish(g, block, prefix);
         }
-        self.finished.insert(id, seq.tokens);
+        self.finished.insert(id, (seq.tokens, seq.extra));
         Ok(())
     }
 

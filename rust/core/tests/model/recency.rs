@@ -14,7 +14,7 @@
 
 use std::collections::HashSet;
 
-use crate::reference::{Model, Prefix};
+use crate::reference::{Model, Prefix, SeqModel};
 use crate::setup::Kind;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,7 +30,7 @@ impl Model {
     /// Blocks a scheduled, unbuilt first step of `tokens` resuming at `hit` may have pinned
     /// without showing it: every holder of the key at the hit, for copy-on-write sources and
     /// resume checkpoints.
-    pub(crate) fn possible_pins(&self, tokens: &[u32], hit: u32) -> Vec<HashSet<u32>> {
+    pub(crate) fn possible_pins(&self, seq: &SeqModel, hit: u32) -> Vec<HashSet<u32>> {
         let mut maybe = vec![HashSet::new(); self.s.pools.len()];
         for g in 0..self.groups() {
             let partial = match self.s.groups[g].0 {
@@ -38,7 +38,7 @@ impl Model {
                 Kind::State(_) => hit > 0,
             };
             if partial {
-                let holders = self.live[g].get(&tokens[..hit as usize]).into_iter().flatten();
+                let holders = self.live[g].get(&seq.key(hit)).into_iter().flatten();
                 maybe[self.s.pool(g)].extend(holders);
             }
         }
@@ -53,9 +53,7 @@ impl Model {
         for id in &self.scheduled {
             let seq = self.seq(*id)?;
             if let Some(step) = seq.step.as_ref().filter(|s| s.first) {
-                for (pool, blocks) in
-                    self.possible_pins(&seq.tokens, step.start).into_iter().enumerate()
-                {
+                for (pool, blocks) in self.possible_pins(seq, step.start).into_iter().enumerate() {
                     maybe[pool].extend(blocks);
                 }
             }
@@ -126,13 +124,13 @@ impl Model {
     pub(crate) fn check_hit_choice(
         &self,
         g: usize,
-        key: &Prefix,
+        key: Prefix,
         chosen: u32,
         in_use: &HashSet<u32>,
         maybe: &HashSet<u32>,
     ) -> Result<Option<&'static str>, String> {
         let pool = self.s.pool(g);
-        let holders: Vec<u32> = self.live[g].get(key).cloned().unwrap_or_default();
+        let holders: Vec<u32> = self.live[g].get(&key).cloned().unwrap_or_default();
         let known = |b: &u32| self.recency[pool].get(b).copied();
         let may_be_in_use = |b: &u32| maybe.contains(b) || known(b) == Some(Recency::Maybe);
         if holders.iter().any(|b| in_use.contains(b)) {
@@ -140,7 +138,7 @@ impl Model {
                 in_use.contains(&chosen) || may_be_in_use(&chosen),
                 "group {g}: the hit at {} used cached block {chosen} although copies {:?} were \
                  in use",
-                key.len(),
+                key.len,
                 holders.iter().filter(|b| in_use.contains(b)).collect::<Vec<_>>()
             );
             return Ok((holders.len() > 1).then_some("hit used the copy in use"));
@@ -159,7 +157,7 @@ impl Model {
             recency(&chosen) == newest,
             "group {g}: the hit at {} used block {chosen} (cached since call {}) although a copy \
              cached since call {newest} exists",
-            key.len(),
+            key.len,
             recency(&chosen)
         );
         Ok((holders.len() > 1).then_some("hit used the most recent copy"))

@@ -1,11 +1,13 @@
 //! The reference model: what the manager must have published, kept deliberately naively.
 //!
-//! Per group, the published keys are token prefixes (at unit granularity) mapped to the blocks
-//! carrying them; per pool, the keys each block carries. Keys enter only through commits and
+//! Per group, the published keys are prefix identities (`ident.rs`: the tokens, the salt, the
+//! adapter and the multimodal inputs of every unit) mapped to the blocks carrying them; per
+//! pool, the keys each block carries. Keys enter only through commits and
 //! `finish` (whose `BlockStored` events must equal the model's own prediction) and leave only
 //! through `BlockRemoved` events (which must name an unpinned block with exactly its recorded
 //! keys) or `reset`. From these sets `expected_hit` applies the hit rule of DESIGN section 3
-//! candidate by candidate, with no shortcut. Sequences are mirrored with their committed
+//! candidate by candidate, with no shortcut: full attention bounds the range in which every other
+//! group's own hit is searched, and the junction comes from those own hits. Sequences are mirrored with their committed
 //! position, their scheduled or in-flight step and what the plan gave it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -15,11 +17,10 @@ use prefixcache_core::{
     Hit, MissReason, Stats, StepPlan,
 };
 
+use crate::ident::Idents;
+pub(crate) use crate::ident::Prefix;
 use crate::recency::Recency;
 use crate::setup::{Kind, Setup};
-
-/// A published key: the token prefix it fingerprints.
-pub(crate) type Prefix = Vec<u32>;
 
 /// A key stored by a commit: (group, block, prefix, checkpoint).
 pub(crate) type Stored = (usize, u32, Prefix, bool);
@@ -52,6 +53,9 @@ pub(crate) struct StepModel {
 #[derive(Clone, Debug)]
 pub(crate) struct SeqModel {
     pub(crate) tokens: Vec<u32>,
+    pub(crate) extra: ExtraKeys,
+    /// The identity of every full unit's prefix (`keys[i]`: the first `(i + 1) U` tokens).
+    pub(crate) keys: Vec<Prefix>,
     pub(crate) started: bool,
     pub(crate) num_computed: u32,
     pub(crate) prefill_target: u32,
@@ -67,9 +71,16 @@ pub(crate) struct SeqModel {
 }
 
 impl SeqModel {
-    pub(crate) fn new(tokens: Vec<u32>, groups: usize) -> Self {
+    pub(crate) fn new(
+        tokens: Vec<u32>,
+        extra: ExtraKeys,
+        keys: Vec<Prefix>,
+        groups: usize,
+    ) -> Self {
         Self {
             tokens,
+            extra,
+            keys,
             started: false,
             num_computed: 0,
             prefill_target: 0,
@@ -84,6 +95,14 @@ impl SeqModel {
 
     pub(crate) fn num_tokens(&self) -> u32 {
         self.tokens.len() as u32
+    }
+
+    /// The key of the prefix of `p` tokens (`p` a positive multiple of U).
+    pub(crate) fn key(&self, p: u32) -> Prefix {
+        let unit = self.keys[0].len;
+        let key = self.keys[(p / unit - 1) as usize];
+        debug_assert_eq!(key.len, p);
+        key
     }
 
     /// Not scheduled, with tokens left to compute.
@@ -139,11 +158,15 @@ pub(crate) struct Model {
     pub(crate) committed: Vec<HashSet<Prefix>>,
     /// Per group: keys whose last block was evicted.
     pub(crate) recent: Vec<HashSet<Prefix>>,
+    pub(crate) idents: Idents,
+    /// What every digest seen so far stands for, and back: a bijection.
     pub(crate) digests: HashMap<Digest, Prefix>,
+    pub(crate) digest_of: HashMap<Prefix, Digest>,
     pub(crate) seqs: BTreeMap<u64, SeqModel>,
-    pub(crate) finished: BTreeMap<u64, Vec<u32>>,
-    /// With `reuse_live_prefixes`: first unit's tokens -> the live sequence added last with it.
-    pub(crate) live_first: HashMap<Vec<u32>, u64>,
+    /// Finished sequences available to `extends`: tokens and extra keys.
+    pub(crate) finished: BTreeMap<u64, (Vec<u32>, ExtraKeys)>,
+    /// With `reuse_live_prefixes`: first unit's key -> the live sequence added last with it.
+    pub(crate) live_first: HashMap<Prefix, u64>,
     pub(crate) scheduled: Vec<u64>,
     pub(crate) in_flight: Option<StepPlan>,
     /// Every other plan is built into this one, refilled each time (`build_plan_into`).
@@ -177,7 +200,9 @@ impl Model {
             carried: vec![HashMap::new(); pools],
             committed: vec![HashSet::new(); groups],
             recent: vec![HashSet::new(); groups],
+            idents: Idents::default(),
             digests: HashMap::new(),
+            digest_of: HashMap::new(),
             seqs: BTreeMap::new(),
             finished: BTreeMap::new(),
             live_first: HashMap::new(),
@@ -238,19 +263,34 @@ impl Model {
         (start..self.next_token).collect()
     }
 
-    /// Remembers which prefix every digest of `tokens` stands for.
-    pub(crate) fn learn(&mut self, tokens: &[u32]) -> Result<(), String> {
-        let unit = self.unit as usize;
-        for (i, d) in hash_prefix(&self.s.hash_config(), tokens, &ExtraKeys::default())
-            .unwrap()
-            .into_iter()
-            .enumerate()
-        {
-            let prefix = &tokens[..(i + 1) * unit];
-            let known = self.digests.entry(d).or_insert_with(|| prefix.to_vec());
-            ensure!(known.as_slice() == prefix, "digest collision between prefixes");
+    /// The keys of a sequence, remembering which prefix every digest of it stands for: two
+    /// prefixes share a digest exactly when they have the same identity.
+    pub(crate) fn learn(
+        &mut self,
+        tokens: &[u32],
+        extra: &ExtraKeys,
+    ) -> Result<Vec<Prefix>, String> {
+        let keys = self.idents.keys(self.unit, tokens, extra);
+        let digests = hash_prefix(&self.s.hash_config(), tokens, extra)
+            .map_err(|e| format!("hash_prefix refused a sequence add accepted: {e}"))?;
+        ensure!(digests.len() == keys.len(), "hash_prefix gave {} digests", digests.len());
+        for (&d, &prefix) in digests.iter().zip(&keys) {
+            let known = *self.digests.entry(d).or_insert(prefix);
+            ensure!(
+                known == prefix,
+                "one digest for two prefixes of {} and {} tokens that differ in tokens or extra keys",
+                known.len,
+                prefix.len
+            );
+            let digest = *self.digest_of.entry(prefix).or_insert(d);
+            ensure!(
+                digest == d,
+                "two digests for one prefix of {} tokens (the digest covers more than tokens, salt, \
+                 adapter and the inputs' hashes per unit)",
+                prefix.len
+            );
         }
-        Ok(())
+        Ok(keys)
     }
 
     pub(crate) fn prefix_of(&self, d: &Digest) -> Result<Prefix, String> {
@@ -261,10 +301,10 @@ impl Model {
         })
     }
 
-    pub(crate) fn carries(&self, g: usize, block: u32, prefix: &[u32]) -> bool {
+    pub(crate) fn carries(&self, g: usize, block: u32, prefix: Prefix) -> bool {
         self.carried[self.s.pool(g)]
             .get(&block)
-            .is_some_and(|keys| keys.iter().any(|(kg, p)| *kg == g && p.as_slice() == prefix))
+            .is_some_and(|keys| keys.iter().any(|(kg, p)| *kg == g && *p == prefix))
     }
 
     pub(crate) fn row(&self, g: usize, id: u64) -> Result<Vec<i32>, String> {
@@ -314,26 +354,44 @@ impl Model {
         }
     }
 
-    pub(crate) fn expected_hit(&self, tokens: &[u32]) -> Hit {
+    /// The hit rule of DESIGN section 3 for `seq`, candidate by candidate. Full attention is
+    /// downward closed and bounds the range: every other group's own hit is the largest
+    /// candidate at or below that bound it can resume from (a state or window that survives
+    /// above it is neither a hit nor a junction). Without full attention the bound is the
+    /// largest candidate, `((N-1)//U)*U`.
+    pub(crate) fn expected_hit(&self, seq: &SeqModel) -> Hit {
+        self.hit_and_unbounded(seq).0
+    }
+
+    /// The hit, and per group its own hit were it not bounded by full attention.
+    pub(crate) fn hit_and_unbounded(&self, seq: &SeqModel) -> (Hit, Vec<u32>) {
         let unit = self.unit;
-        let max_tokens = (tokens.len() as u32 - 1) / unit * unit;
+        let max_tokens = (seq.num_tokens() - 1) / unit * unit;
         let units = (max_tokens / unit) as usize;
         let live: Vec<Vec<bool>> = (0..self.groups())
             .map(|g| {
-                (0..=units)
-                    .map(|i| i > 0 && self.live[g].contains_key(&tokens[..i * unit as usize]))
-                    .collect()
+                (0..=units).map(|i| i > 0 && self.live[g].contains_key(&seq.keys[i - 1])).collect()
             })
             .collect();
         let allows =
             |g: usize, l: u32| self.required(g, l).iter().all(|&p| live[g][(p / unit) as usize]);
-        let candidates = || (0..=max_tokens / unit).rev().map(|i| i * unit);
+        let candidates = |top: u32| (0..=top / unit).rev().map(move |i| i * unit);
+        let unbounded: Vec<u32> = (0..self.groups())
+            .map(|g| candidates(max_tokens).find(|&l| allows(g, l)).unwrap_or(0))
+            .collect();
+        let bound = (0..self.groups())
+            .filter(|&g| matches!(self.s.groups[g].0, Kind::Full { .. }))
+            .map(|g| unbounded[g])
+            .min()
+            .unwrap_or(max_tokens);
         let groups: Vec<GroupHit> = (0..self.groups())
             .map(|g| {
-                let own = candidates().find(|&l| allows(g, l)).unwrap_or(0);
-                let evicted = |p: u32| {
-                    !live[g][(p / unit) as usize] && self.recent[g].contains(&tokens[..p as usize])
+                let own = match self.s.groups[g].0 {
+                    Kind::Full { .. } => unbounded[g],
+                    _ => candidates(bound).find(|&l| allows(g, l)).unwrap_or(0),
                 };
+                let evicted =
+                    |p: u32| !live[g][(p / unit) as usize] && self.recent[g].contains(&seq.key(p));
                 let stop = (own < max_tokens).then(|| match self.s.groups[g].0 {
                     // Downward closed: the key at the next candidate is what is missing.
                     Kind::Full { .. } if evicted(own + unit) => MissReason::RecentlyEvicted,
@@ -342,6 +400,8 @@ impl Model {
                     // hit; a window explains its largest candidate (its last key first).
                     Kind::Window { .. } if evicted(max_tokens) => MissReason::RecentlyEvicted,
                     Kind::Window { .. } if !live[g][units] => MissReason::NotCached,
+                    // Every key of the largest candidate is there: full attention bounds it.
+                    Kind::Window { .. } if allows(g, max_tokens) => MissReason::NotCached,
                     Kind::Window { .. } => MissReason::WindowGap,
                     Kind::State(_) if boundaries(unit, own, max_tokens).any(evicted) => {
                         MissReason::RecentlyEvicted
@@ -352,15 +412,15 @@ impl Model {
             })
             .collect();
         let tokens_hit =
-            candidates().find(|&l| (0..self.groups()).all(|g| allows(g, l))).unwrap_or(0);
+            candidates(bound).find(|&l| (0..self.groups()).all(|g| allows(g, l))).unwrap_or(0);
         let top = groups.iter().map(|g| g.tokens).max().unwrap_or(0);
         let junction = (top >= tokens_hit + 2 * unit).then_some(top);
-        Hit { tokens: tokens_hit, max_tokens, groups, junction }
+        (Hit { tokens: tokens_hit, max_tokens, groups, junction }, unbounded)
     }
 
     /// A hit may only rest on keys that committed steps published.
-    pub(crate) fn check_hit_was_committed(&self, hit: &Hit, tokens: &[u32]) -> Result<(), String> {
-        let max_tokens = (tokens.len() as u32 - 1) / self.unit * self.unit;
+    pub(crate) fn check_hit_was_committed(&self, hit: &Hit, seq: &SeqModel) -> Result<(), String> {
+        let max_tokens = (seq.num_tokens() - 1) / self.unit * self.unit;
         ensure!(hit.tokens <= max_tokens && hit.tokens % self.unit == 0, "hit {hit:?} off range");
         ensure!(hit.groups.len() == self.groups(), "hit has {} groups", hit.groups.len());
         for g in 0..self.groups() {
@@ -369,7 +429,7 @@ impl Model {
             for l in [own, hit.tokens] {
                 for p in self.required(g, l) {
                     ensure!(
-                        self.committed[g].contains(&tokens[..p as usize]),
+                        self.committed[g].contains(&seq.key(p)),
                         "hit {hit:?} uses key {p} of group {g}, which no committed step published"
                     );
                 }
@@ -424,10 +484,11 @@ impl Model {
                 keys.len()
             );
             let prefixes = keys.iter().map(|d| self.prefix_of(d)).collect::<Result<Vec<_>, _>>()?;
-            let last = &prefixes[prefixes.len() - 1];
-            for (i, p) in prefixes.iter().enumerate() {
+            let last = prefixes[prefixes.len() - 1];
+            for (i, &p) in prefixes.iter().enumerate() {
                 ensure!(
-                    p.len() as u32 == token_start + (i as u32 + 1) * unit && last.starts_with(p),
+                    p.len == token_start + (i as u32 + 1) * unit
+                        && self.idents.is_prefix(p, last, unit),
                     "BlockStored keys are not the consecutive prefixes of [{token_start}, \
                      {token_end})"
                 );
@@ -438,10 +499,10 @@ impl Model {
                     let parent = self.prefix_of(d)?;
                     ensure!(
                         *token_start > 0
-                            && last.starts_with(&parent)
-                            && parent.len() as u32 == *token_start,
+                            && self.idents.is_prefix(parent, last, unit)
+                            && parent.len == *token_start,
                         "parent of keys from {token_start} is a prefix of {} tokens",
-                        parent.len()
+                        parent.len
                     );
                 }
             }
@@ -454,8 +515,8 @@ impl Model {
         if self.s.state(g).is_some() {
             self.stats.groups[g].checkpoints_published += 1;
         }
-        self.live[g].entry(prefix.clone()).or_default().push(block);
-        self.committed[g].insert(prefix.clone());
+        self.live[g].entry(prefix).or_default().push(block);
+        self.committed[g].insert(prefix);
         self.carried[self.s.pool(g)].entry(block).or_default().push((g, prefix));
     }
 
@@ -531,21 +592,15 @@ impl Model {
             );
             return Ok(());
         };
-        let tokens = seq.tokens.clone();
         let hit = result.map_err(|e| format!("lookup {id}: {e}"))?;
+        self.check_hit_was_committed(&hit, seq)?;
+        let (expected, unbounded) = self.hit_and_unbounded(seq);
+        ensure!(hit == expected, "lookup of {id}:\n  got      {hit:?}\n  expected {expected:?}");
+        let paths = self.hit_paths(seq, &hit, &unbounded);
         self.stats.lookups += 1;
         self.stats.lookup_hit_tokens += u64::from(hit.tokens);
-        self.check_hit_was_committed(&hit, &tokens)?;
-        let expected = self.expected_hit(&tokens);
-        ensure!(hit == expected, "lookup of {id}:\n  got      {hit:?}\n  expected {expected:?}");
-        if hit.tokens > 0 {
-            self.saw("hit");
-            let unit = self.unit as usize;
-            let unpublished = (1..=hit.tokens as usize / unit)
-                .any(|i| self.live.iter().all(|keys| !keys.contains_key(&tokens[..i * unit])));
-            if self.s.verify_tokens && unpublished {
-                self.saw("verified hit above a unit nobody publishes");
-            }
+        for path in paths {
+            self.saw(path);
         }
         if hit.junction.is_some() {
             self.saw("junction");
@@ -562,9 +617,87 @@ impl Model {
         Ok(())
     }
 
+    /// Which interesting paths a lookup's hit shows.
+    fn hit_paths(&self, seq: &SeqModel, hit: &Hit, unbounded: &[u32]) -> Vec<&'static str> {
+        let unit = self.unit;
+        let mut paths = Vec::new();
+        if hit.tokens > 0 {
+            paths.push("hit");
+            let unpublished = (1..=hit.tokens / unit)
+                .any(|i| self.live.iter().all(|keys| !keys.contains_key(&seq.key(i * unit))));
+            if self.s.verify_tokens && unpublished {
+                paths.push("verified hit above a unit nobody publishes");
+            }
+        }
+        if (0..self.groups()).any(|g| hit.groups[g].tokens < unbounded[g]) {
+            paths.push("group hit bounded by full attention");
+        }
+        // The next unit is published, for the same tokens, by a sequence with other extra keys.
+        let next = hit.tokens + unit;
+        if next <= hit.max_tokens && !self.live[0].contains_key(&seq.key(next)) {
+            let key = seq.key(next);
+            let others = self.live[0].keys().filter(|k| k.len == next);
+            for other in others {
+                if self.idents.differs_by_images(*other, key) {
+                    paths.push("hit stopped by an image");
+                    break;
+                }
+                if self.idents.differs_by_root(*other, key) {
+                    paths.push("hit stopped by a salt or adapter");
+                    break;
+                }
+            }
+        }
+        paths
+    }
+
+    /// Checkpoint blocks group `g` holds: published ones (cached or pinned), private decode
+    /// tails, and those the plan in flight wrote.
+    pub(crate) fn checkpoint_blocks(&self, g: usize) -> u64 {
+        let pool = self.s.pool(g);
+        let published =
+            self.carried[pool].values().filter(|keys| keys.iter().any(|(kg, _)| *kg == g)).count();
+        let private = self.seqs.values().filter(|s| s.decode_tail[g].is_some()).count();
+        let in_flight: usize = self.in_flight.as_ref().map_or(0, |plan| {
+            plan.seq_ids
+                .iter()
+                .filter_map(|id| self.seqs.get(id)?.step.as_ref())
+                .map(|step| step.written[g].len())
+                .sum()
+        });
+        (published + private + in_flight) as u64
+    }
+
+    /// Every pool's checkpoint count is its state groups' own; no group exceeds its cap.
+    fn check_checkpoint_accounting(&self) -> Result<(), String> {
+        let usage = self.m.pool_usage();
+        let mut per_pool = vec![0u64; usage.len()];
+        for g in 0..self.groups() {
+            let Some(config) = self.s.state(g) else { continue };
+            let n = self.checkpoint_blocks(g);
+            per_pool[self.s.pool(g)] += n;
+            if let Some(cap) = config.checkpoint_cap {
+                ensure!(
+                    n <= u64::from(cap),
+                    "state group {g} holds {n} checkpoint blocks, beyond its cap of {cap}"
+                );
+            }
+        }
+        for (p, u) in usage.iter().enumerate() {
+            ensure!(
+                u64::from(u.checkpoints) == per_pool[p],
+                "pool {p} counts {} checkpoint blocks, its state groups hold {}",
+                u.checkpoints,
+                per_pool[p]
+            );
+        }
+        Ok(())
+    }
+
     pub(crate) fn check_all(&mut self) -> Result<(), String> {
         self.m.check_invariants().map_err(|e| e.to_string())?;
         self.refresh_recency()?;
+        self.check_checkpoint_accounting()?;
         let usage = self.m.pool_usage();
         let ids: Vec<u64> = self.seqs.keys().copied().collect();
         for id in ids {

@@ -265,3 +265,41 @@ pub(crate) fn sliding_window(never_evicts: bool) -> impl Strategy<Value = Setup>
             setup(unit, groups, pools, hashing, never_evicts)
         })
 }
+
+/// Two state groups (their own alignments, C, retention, caps and reserves) and, mostly, a
+/// full-attention group or a sliding window: both state groups in one pool, with or without
+/// the paged group, or one of them beside it. Pools are small enough for the caps, the reserve
+/// and evictions across groups to matter; a third of the setups have no full attention, so
+/// the hit bound is the largest candidate.
+pub(crate) fn several_state_groups(never_evicts: bool) -> impl Strategy<Value = Setup> {
+    unit_and_block()
+        .prop_flat_map(move |(unit, block)| {
+            (
+                Just(unit),
+                Just(block),
+                prop_oneof![2 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)],
+                state_config(unit, never_evicts),
+                state_config(unit, never_evicts),
+                prop_oneof![
+                    // Both state groups share the paged group's pool.
+                    2 => Just((0usize, 0usize)),
+                    // Both share a pool of their own.
+                    2 => Just((1, 1)),
+                    // One beside the paged group, one alone.
+                    1 => Just((0, 1)),
+                ],
+                pools(never_evicts, block),
+                hashing(),
+            )
+        })
+        .prop_map(move |(unit, block, paged, first, second, (p1, p2), pools, hashing)| {
+            let mut groups = match paged {
+                0 => vec![(Kind::Full { block }, 0)],
+                1 => vec![(Kind::Window { block, window: 2 * block }, 0)],
+                _ => Vec::new(),
+            };
+            groups.push((Kind::State(first), p1));
+            groups.push((Kind::State(second), p2));
+            setup(unit, groups, pools, hashing, never_evicts)
+        })
+}
