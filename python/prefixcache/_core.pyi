@@ -20,7 +20,19 @@ _Ints: TypeAlias = Sequence[int] | _IntArray | _SupportsArray
 
 __all__ = [
     "ENCODING_VERSION",
+    "MAX_BATCH_SEQUENCES",
+    "MAX_BLOCKS_PER_POOL",
+    "MAX_BLOCK_SIZE",
+    "MAX_EXTRA_KEY_BYTES",
+    "MAX_GROUPS",
+    "MAX_HASH_UNIT",
+    "MAX_LOOKAHEAD_TOKENS",
+    "MAX_MULTIMODAL_INPUTS",
+    "MAX_PENDING_EVENTS",
+    "MAX_POOLS",
+    "MAX_RECENTLY_EVICTED",
     "MAX_SEQUENCE_TOKENS",
+    "MAX_STEP_TOKENS",
     "Added",
     "AlignmentError",
     "AllBlocksCleared",
@@ -56,7 +68,21 @@ __all__ = [
 ]
 __version__: str
 ENCODING_VERSION: int
+# The bounds on every count the API takes (the core's `limits`); beyond one, the call raises
+# `ConfigError` / `InvalidRequestError` naming it.
+MAX_BATCH_SEQUENCES: int  # ids (and budgets, tokens) of one batch call
+MAX_BLOCKS_PER_POOL: int
+MAX_BLOCK_SIZE: int  # a paged block size or sliding window, in tokens
+MAX_EXTRA_KEY_BYTES: int  # a cache salt or multimodal hash, in bytes
+MAX_GROUPS: int
+MAX_HASH_UNIT: int
+MAX_LOOKAHEAD_TOKENS: int
+MAX_MULTIMODAL_INPUTS: int  # of one sequence
+MAX_PENDING_EVENTS: int
+MAX_POOLS: int
+MAX_RECENTLY_EVICTED: int
 MAX_SEQUENCE_TOKENS: int
+MAX_STEP_TOKENS: int  # scheduled in one step, all sequences together
 
 class PrefixCacheError(Exception):
     """Base class of every error raised by prefixcache; `kind` names the core variant."""
@@ -361,7 +387,11 @@ class StateGroupBuffers:
 class PlanBuffers:
     """A step plan written in place by `CacheManager.build_plan_into` / `decode_step`: arrays
     that persist across steps (grown when a step needs more); each step's values are their
-    leading rows. The next build overwrites them: finish reading the previous step first."""
+    leading rows. The next build overwrites them: finish reading the previous step first
+    (reading them during a build in another thread raises `StepError`). One manager at a time:
+    another manager refuses buffers whose step is still in flight. The arrays belong to the
+    buffers: do not resize, reshape or retype them in place (the next build raises
+    `InvalidRequestError`)."""
 
     def __new__(cls, rows: int = 256) -> PlanBuffers: ...
     @property
@@ -522,7 +552,8 @@ class CacheManager:
         """Number of finished sequences kept for `add(..., extends=...)`."""
     @property
     def plan_in_flight(self) -> int | None:
-        """The step id of the plan in flight, or `None`."""
+        """The step id of the plan in flight, or `None`; `commit_step` / `abort_step` end it
+        by this id."""
     def add(
         self,
         seq_id: int,
@@ -532,8 +563,8 @@ class CacheManager:
     ) -> Added:
         """Registers a sequence and hashes its full units (without the GIL).
 
-        With `extends`, a contiguous `uint32` array is compared in place with the extended
-        sequence's tokens (no copy), holding the GIL meanwhile; pass the next turn that way.
+        With `extends`, the hashes of the prefix shared with that sequence are reused and only
+        the new tail is hashed (also without the GIL).
         """
     def lookup(self, seq_id: int) -> Hit:
         """The hit the sequence would get now (changes no cache state)."""
@@ -557,17 +588,24 @@ class CacheManager:
     def build_plan(self) -> StepPlan:
         """Builds the plan of every sequence scheduled since the last plan."""
     def build_plan_into(self, buffers: PlanBuffers) -> int:
-        """`build_plan` written into persistent `buffers`; returns the step id."""
+        """`build_plan` written into persistent `buffers`; returns the step id. Buffers holding
+        another manager's step still in flight there are refused (`StepError`)."""
     def decode_step(
         self, buffers: PlanBuffers, seq_ids: _Ints, tokens: _Ints
     ) -> npt.NDArray[np.int32]:
         """Commits the step `buffers` hold, appends one token to each sequence, schedules one
         token of each and writes the plan into `buffers`: tokens scheduled, -1 when out of
-        blocks."""
+        blocks. Buffers holding another manager's step still in flight are refused."""
     def commit(self, plan: StepPlan | PlanBuffers) -> None:
         """Publishes what the plan's step wrote and advances every sequence in it."""
     def abort(self, plan: StepPlan | PlanBuffers) -> None:
         """Undoes the plan's step: every sequence is back where it was."""
+    def commit_step(self, step_id: int) -> None:
+        """`commit` by step id (`plan_in_flight`), for a step whose plan object is no longer at
+        hand; only once the forward of that very plan has run."""
+    def abort_step(self, step_id: int) -> None:
+        """`abort` by step id (`plan_in_flight`): the way out for a step whose `StepPlan` or
+        `PlanBuffers` was lost or overwritten; `StalePlanError` unless it is in flight."""
     def append(self, seq_id: int, tokens: _Ints) -> None:
         """Appends tokens to a sequence."""
     def append_batch(self, seq_ids: _Ints, tokens: _Ints) -> None:

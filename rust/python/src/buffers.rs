@@ -2,103 +2,71 @@
 //!
 //! `build_plan` returns a fresh `StepPlan` whose arrays are new `NumPy` objects, and making
 //! an array costs more than a decode step's whole core work. `build_plan_into` writes the
-//! same plan into the arrays of a `PlanBuffers` the engine keeps: no Python object is made in
-//! a step unless a buffer has to grow (then that array is replaced by one twice as large). The
-//! arrays are sized for the largest step seen so far; each step's values are their leading
-//! rows, counted by `num_rows`, `num_copies`, `num_appended`, ... Values past the counts are
-//! left from earlier steps. `generation` changes when an array is replaced, so an engine can
-//! keep the arrays (or torch tensors over them) and refresh them only then.
+//! same plan into the arrays (`buffer::Buffer`) of a `PlanBuffers` the engine keeps: no Python
+//! object is made in a step unless a buffer has to grow (then that array is replaced by one
+//! twice as large). The arrays are sized for the largest step seen so far; each step's values
+//! are their leading rows, counted by `num_rows`, `num_copies`, `num_appended`, ... Values past
+//! the counts are left from earlier steps. `generation` changes when an array is replaced, so
+//! an engine can keep the arrays (or torch tensors over them) and refresh them only then.
+//!
+//! The buffers remember the manager whose step they hold (`Owner`), so that another manager
+//! does not overwrite a step still in flight (`CacheManager` checks it before a build). A build
+//! holds the buffers from before it takes the manager's lock until the plan is written; a read
+//! or a build from another thread meanwhile is a `StepError` saying so (`borrow`,
+//! `borrow_mut`), never a bare `RuntimeError` of a `PyO3` borrow.
 
-use numpy::prelude::*;
-use numpy::{Element, PyArray1, PyArray2};
-use prefixcache_core::{PagedGroupPlan, StateGroupPlan, StepPlan};
-use pyo3::exceptions::PyValueError;
+use std::sync::{Mutex, Weak};
+
+use prefixcache_core::limits::MAX_BATCH_SEQUENCES;
+use prefixcache_core::{CacheError, CacheManager, PagedGroupPlan, StateGroupPlan, StepPlan};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
+use pyo3::{PyClass, PyRef, PyRefMut};
 
+use crate::buffer::Buffer;
 use crate::convert::{int_in, Domain};
+use crate::errors::to_pyerr;
 
-/// A `[rows, columns]` array (columns 0: one-dimensional) that grows when a step needs more.
-struct Buffer<T: Element> {
-    array: Py<PyAny>,
-    rows: usize,
-    columns: usize,
-    _element: std::marker::PhantomData<T>,
+/// The `StepError` of buffers that another thread holds for a build.
+fn in_use(py: Python<'_>) -> PyErr {
+    to_pyerr(
+        py,
+        CacheError::Step {
+            message: "these PlanBuffers are being written by a build (build_plan_into or \
+                      decode_step) in another thread: use them once that call has returned, \
+                      and give each thread that builds plans its own PlanBuffers"
+                .to_string(),
+        },
+    )
 }
 
-impl<T: Element + Copy + Default> Buffer<T> {
-    fn new(py: Python<'_>, rows: usize, columns: usize) -> Self {
-        let array = if columns == 0 {
-            PyArray1::<T>::zeros(py, rows, false).into_any().unbind()
-        } else {
-            PyArray2::<T>::zeros(py, [rows, columns], false).into_any().unbind()
-        };
-        Self { array, rows, columns, _element: std::marker::PhantomData }
-    }
+/// Buffers (or one of their parts) to read; `StepError` while a build writes them.
+pub(crate) fn borrow<'py, T: PyClass>(slf: &Bound<'py, T>) -> PyResult<PyRef<'py, T>> {
+    slf.try_borrow().map_err(|_| in_use(slf.py()))
+}
 
-    /// Writes `data`, `rows` rows of `columns` values (`columns == 0`: a vector of `rows`),
-    /// into the leading rows, growing the array first if it is too small. Returns whether the
-    /// array was replaced by a larger one.
-    fn write(&mut self, py: Python<'_>, data: &[T], rows: usize, columns: usize) -> PyResult<bool> {
-        if rows == 0 {
-            return Ok(false); // nothing to write, and any array holds no rows
-        }
-        // A one-dimensional buffer is always written with `columns == 0`; a two-dimensional
-        // one with at most as many columns as it has, or it grows.
-        let grow = rows > self.rows || columns > self.columns;
-        if grow {
-            let grown_rows = if rows > self.rows { rows.max(2 * self.rows) } else { self.rows };
-            *self = Self::new(py, grown_rows, columns.max(self.columns));
-        }
-        let stride = self.columns.max(1);
-        let width = columns.max(1);
-        let needed = rows * stride;
-        // SAFETY: the array is the type `new` made (no setter replaces it from Python). It is
-        // reachable from Python only through this object's getters; the GIL is held, so no
-        // Python code reads or resizes it during the write, and this crate never holds another
-        // borrow of it. (Native code that works on it without the GIL, such as a torch CPU op
-        // on a tensor made from it in another thread, must not run during a build: the class
-        // documents that the next build overwrites the arrays.) A user who resized an array in
-        // place gets a shorter slice, caught below.
-        let slice = unsafe {
-            let bound = self.array.bind(py);
-            if self.columns == 0 {
-                bound.cast_unchecked::<PyArray1<T>>().as_slice_mut()?
-            } else {
-                bound.cast_unchecked::<PyArray2<T>>().as_slice_mut()?
-            }
-        };
-        if slice.len() < needed {
-            return Err(PyValueError::new_err(
-                "a PlanBuffers array was resized from Python; create a new PlanBuffers",
-            ));
-        }
-        if stride == width {
-            slice[..data.len()].copy_from_slice(data);
-        } else {
-            for (row, values) in data.chunks_exact(width).enumerate() {
-                slice[row * stride..row * stride + width].copy_from_slice(values);
-            }
-        }
-        Ok(grow)
-    }
+/// Buffers to write; `StepError` while another build writes them (or a read holds them).
+pub(crate) fn borrow_mut<'py, T: PyClass<Frozen = pyo3::pyclass::boolean_struct::False>>(
+    slf: &Bound<'py, T>,
+) -> PyResult<PyRefMut<'py, T>> {
+    slf.try_borrow_mut().map_err(|_| in_use(slf.py()))
+}
 
-    fn get(&self, py: Python<'_>) -> Py<PyAny> {
-        self.array.clone_ref(py)
-    }
+/// The manager whose step a `PlanBuffers` holds.
+pub(crate) struct Owner {
+    /// `PyCacheManager`'s id.
+    pub id: u64,
+    /// The manager itself, to ask whether the step is still in flight (it may be gone).
+    pub manager: Weak<Mutex<CacheManager>>,
+    /// `id()` of the Python object, for messages.
+    pub address: usize,
 }
 
 /// One paged group's part of the plan in `PlanBuffers`.
 #[pyclass(name = "PagedGroupBuffers", module = "prefixcache")]
 pub struct PyPagedGroupBuffers {
-    /// Index of the group in the configuration.
-    #[pyo3(get)]
     group: u32,
-    /// Rows of `appended` this step.
-    #[pyo3(get)]
     num_appended: usize,
-    /// Rows of `replaced` this step.
-    #[pyo3(get)]
     num_replaced: usize,
     appended: Buffer<i32>,
     replaced: Buffer<i32>,
@@ -106,15 +74,15 @@ pub struct PyPagedGroupBuffers {
 }
 
 impl PyPagedGroupBuffers {
-    fn new(py: Python<'_>, group: u32, rows: usize, tokens: usize) -> Self {
-        Self {
+    fn new(py: Python<'_>, group: u32, rows: usize, tokens: usize) -> PyResult<Self> {
+        Ok(Self {
             group,
             num_appended: 0,
             num_replaced: 0,
-            appended: Buffer::new(py, rows, 3),
-            replaced: Buffer::new(py, rows, 3),
-            slot_mapping: Buffer::new(py, tokens, 0),
-        }
+            appended: Buffer::new(py, "PagedGroupBuffers.appended", rows, 3)?,
+            replaced: Buffer::new(py, "PagedGroupBuffers.replaced", rows, 3)?,
+            slot_mapping: Buffer::new(py, "PagedGroupBuffers.slot_mapping", tokens, 0)?,
+        })
     }
 
     /// Writes the group's part; whether an array grew.
@@ -130,43 +98,56 @@ impl PyPagedGroupBuffers {
 
 #[pymethods]
 impl PyPagedGroupBuffers {
+    /// Index of the group in the configuration.
+    #[getter]
+    fn group(slf: &Bound<'_, Self>) -> PyResult<u32> {
+        Ok(borrow(slf)?.group)
+    }
+
+    /// Rows of `appended` this step.
+    #[getter]
+    fn num_appended(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.num_appended)
+    }
+
+    /// Rows of `replaced` this step.
+    #[getter]
+    fn num_replaced(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.num_replaced)
+    }
+
     /// `int32 [>= num_appended, 3]` rows `(row, column, block)` appended to the tables.
     #[getter]
-    fn appended(&self, py: Python<'_>) -> Py<PyAny> {
-        self.appended.get(py)
+    fn appended(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.appended.get(slf.py()))
     }
 
     /// `int32 [>= num_replaced, 3]` rows `(row, column, block)` replaced (block 0: released).
     #[getter]
-    fn replaced(&self, py: Python<'_>) -> Py<PyAny> {
-        self.replaced.get(py)
+    fn replaced(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.replaced.get(slf.py()))
     }
 
     /// `int64 [>= num_tokens]` the KV slot of each scheduled token.
     #[getter]
-    fn slot_mapping(&self, py: Python<'_>) -> Py<PyAny> {
-        self.slot_mapping.get(py)
+    fn slot_mapping(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.slot_mapping.get(slf.py()))
     }
 
-    fn __repr__(&self) -> String {
-        format!(
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        let this = borrow(slf)?;
+        Ok(format!(
             "PagedGroupBuffers(group={}, num_appended={}, num_replaced={})",
-            self.group, self.num_appended, self.num_replaced
-        )
+            this.group, this.num_appended, this.num_replaced
+        ))
     }
 }
 
 /// One state group's part of the plan in `PlanBuffers`.
 #[pyclass(name = "StateGroupBuffers", module = "prefixcache")]
 pub struct PyStateGroupBuffers {
-    /// Index of the group in the configuration.
-    #[pyo3(get)]
     group: u32,
-    /// Cmax this step: the columns of `checkpoint_offsets` / `checkpoint_slots` in use.
-    #[pyo3(get)]
     max_checkpoints: usize,
-    /// Rows of `snapshots` this step.
-    #[pyo3(get)]
     num_snapshots: usize,
     running_slot: Buffer<i32>,
     initial_slot: Buffer<i32>,
@@ -176,17 +157,17 @@ pub struct PyStateGroupBuffers {
 }
 
 impl PyStateGroupBuffers {
-    fn new(py: Python<'_>, group: u32, rows: usize) -> Self {
-        Self {
+    fn new(py: Python<'_>, group: u32, rows: usize) -> PyResult<Self> {
+        Ok(Self {
             group,
             max_checkpoints: 0,
             num_snapshots: 0,
-            running_slot: Buffer::new(py, rows, 0),
-            initial_slot: Buffer::new(py, rows, 0),
-            checkpoint_offsets: Buffer::new(py, rows, 1),
-            checkpoint_slots: Buffer::new(py, rows, 1),
-            snapshots: Buffer::new(py, rows, 2),
-        }
+            running_slot: Buffer::new(py, "StateGroupBuffers.running_slot", rows, 0)?,
+            initial_slot: Buffer::new(py, "StateGroupBuffers.initial_slot", rows, 0)?,
+            checkpoint_offsets: Buffer::new(py, "StateGroupBuffers.checkpoint_offsets", rows, 1)?,
+            checkpoint_slots: Buffer::new(py, "StateGroupBuffers.checkpoint_slots", rows, 1)?,
+            snapshots: Buffer::new(py, "StateGroupBuffers.snapshots", rows, 2)?,
+        })
     }
 
     /// Writes the group's part; whether an array grew.
@@ -208,43 +189,62 @@ impl PyStateGroupBuffers {
 
 #[pymethods]
 impl PyStateGroupBuffers {
+    /// Index of the group in the configuration.
+    #[getter]
+    fn group(slf: &Bound<'_, Self>) -> PyResult<u32> {
+        Ok(borrow(slf)?.group)
+    }
+
+    /// Cmax this step: the columns of `checkpoint_offsets` / `checkpoint_slots` in use.
+    #[getter]
+    fn max_checkpoints(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.max_checkpoints)
+    }
+
+    /// Rows of `snapshots` this step.
+    #[getter]
+    fn num_snapshots(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.num_snapshots)
+    }
+
     /// `int32 [>= R]` the running-state slot each row writes.
     #[getter]
-    fn running_slot(&self, py: Python<'_>) -> Py<PyAny> {
-        self.running_slot.get(py)
+    fn running_slot(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.running_slot.get(slf.py()))
     }
 
     /// `int32 [>= R]` the slot each row reads (-1 = zero state).
     #[getter]
-    fn initial_slot(&self, py: Python<'_>) -> Py<PyAny> {
-        self.initial_slot.get(py)
+    fn initial_slot(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.initial_slot.get(slf.py()))
     }
 
     /// `int32 [>= R, >= max_checkpoints]` interior checkpoint offsets (0 = none); only the
     /// first `max_checkpoints` columns of the first R rows belong to this step.
     #[getter]
-    fn checkpoint_offsets(&self, py: Python<'_>) -> Py<PyAny> {
-        self.checkpoint_offsets.get(py)
+    fn checkpoint_offsets(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.checkpoint_offsets.get(slf.py()))
     }
 
     /// `int32 [>= R, >= max_checkpoints]` checkpoint slots (-1 = none), as `checkpoint_offsets`.
     #[getter]
-    fn checkpoint_slots(&self, py: Python<'_>) -> Py<PyAny> {
-        self.checkpoint_slots.get(py)
+    fn checkpoint_slots(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.checkpoint_slots.get(slf.py()))
     }
 
     /// `int32 [>= num_snapshots, 2]` rows `(running slot, checkpoint slot)` copied after the
     /// forward.
     #[getter]
-    fn snapshots(&self, py: Python<'_>) -> Py<PyAny> {
-        self.snapshots.get(py)
+    fn snapshots(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.snapshots.get(slf.py()))
     }
 
-    fn __repr__(&self) -> String {
-        format!(
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        let this = borrow(slf)?;
+        Ok(format!(
             "StateGroupBuffers(group={}, max_checkpoints={}, num_snapshots={})",
-            self.group, self.max_checkpoints, self.num_snapshots
-        )
+            this.group, this.max_checkpoints, this.num_snapshots
+        ))
     }
 }
 
@@ -252,28 +252,20 @@ impl PyStateGroupBuffers {
 ///
 /// `CacheManager.build_plan_into(buffers)` and `decode_step(buffers, ..)` fill them;
 /// `commit(buffers)` / `abort(buffers)` end the step they hold. One `PlanBuffers` serves one
-/// manager at a time. The next build overwrites the arrays: finish reading the previous step
-/// (and any work other threads do on tensors made from the arrays) before it.
+/// manager at a time: another manager refuses buffers whose step is still in flight. The next
+/// build overwrites the arrays: finish reading the previous step (and any work other threads do
+/// on tensors made from the arrays) before it; reading them during a build in another thread
+/// raises `StepError`. The arrays belong to the buffers: resizing, reshaping or retyping one in
+/// place makes the next build raise `InvalidRequestError`.
 #[pyclass(name = "PlanBuffers", module = "prefixcache")]
 pub struct PyPlanBuffers {
-    /// The manager whose step the buffers hold (0: none yet).
-    pub(crate) manager_id: u64,
+    /// The manager whose step the buffers hold (`None`: none yet).
+    owner: Option<Owner>,
     /// The step the buffers hold, or `None` before the first `build_plan_into`.
-    #[pyo3(get)]
     step_id: Option<u64>,
-    /// R, the scheduled sequences of this step.
-    #[pyo3(get)]
     num_rows: usize,
-    /// T, the scheduled tokens of this step.
-    #[pyo3(get)]
     num_tokens: usize,
-    /// K, the copy-on-write copies of this step.
-    #[pyo3(get)]
     num_copies: usize,
-    /// Changes whenever an array (or a group's part) is replaced: an engine that keeps the
-    /// arrays, or tensors made from them, refreshes them when it differs from the last value
-    /// it saw.
-    #[pyo3(get)]
     generation: u64,
     capacity_rows: usize,
     seq_ids: Buffer<i64>,
@@ -302,6 +294,11 @@ impl PyPlanBuffers {
         self.step_id
     }
 
+    /// The manager whose step the buffers hold.
+    pub(crate) fn owner(&self) -> Option<&Owner> {
+        self.owner.as_ref()
+    }
+
     pub(crate) fn scheduled_tokens(&self) -> usize {
         self.num_tokens
     }
@@ -315,33 +312,29 @@ impl PyPlanBuffers {
         self.scratch = plan;
     }
 
-    /// Writes `plan`, built by manager `manager_id`, into the buffers.
-    pub(crate) fn write(
-        &mut self,
-        py: Python<'_>,
-        manager_id: u64,
-        plan: &StepPlan,
-    ) -> PyResult<()> {
+    /// Writes `plan`, built by the manager `owner`, into the buffers.
+    pub(crate) fn write(&mut self, py: Python<'_>, owner: Owner, plan: &StepPlan) -> PyResult<()> {
         let groups = plan.paged.iter().map(|p| p.group).chain(plan.state.iter().map(|s| s.group));
         let shape_changed = self.paged.len() != plan.paged.len()
             || self.state.len() != plan.state.len()
             || !groups.clone().eq(self.groups.iter().copied());
         if shape_changed {
-            self.groups = groups.collect();
             // A first step, or buffers moved to a manager with other groups.
             let rows = self.capacity_rows;
-            self.paged = plan
+            let paged = plan
                 .paged
                 .iter()
-                .map(|p| Py::new(py, PyPagedGroupBuffers::new(py, p.group, rows, 8 * rows)))
-                .collect::<PyResult<_>>()?;
-            self.state = plan
+                .map(|p| Py::new(py, PyPagedGroupBuffers::new(py, p.group, rows, 8 * rows)?))
+                .collect::<PyResult<Vec<_>>>()?;
+            let state = plan
                 .state
                 .iter()
-                .map(|s| Py::new(py, PyStateGroupBuffers::new(py, s.group, rows)))
-                .collect::<PyResult<_>>()?;
-            self.paged_tuple = PyTuple::new(py, &self.paged)?.unbind();
-            self.state_tuple = PyTuple::new(py, &self.state)?.unbind();
+                .map(|s| Py::new(py, PyStateGroupBuffers::new(py, s.group, rows)?))
+                .collect::<PyResult<Vec<_>>>()?;
+            self.paged_tuple = PyTuple::new(py, &paged)?.unbind();
+            self.state_tuple = PyTuple::new(py, &state)?.unbind();
+            (self.paged, self.state) = (paged, state);
+            self.groups = groups.collect();
         }
         let rows = plan.num_rows();
         self.ids.clear();
@@ -354,10 +347,10 @@ impl PyPlanBuffers {
         self.num_copies = plan.copies.len() / 4;
         grew |= self.copies.write(py, &plan.copies, self.num_copies, 4)?;
         for (buffers, part) in self.paged.iter().zip(&plan.paged) {
-            grew |= buffers.borrow_mut(py).write(py, part)?;
+            grew |= borrow_mut(buffers.bind(py))?.write(py, part)?;
         }
         for (buffers, part) in self.state.iter().zip(&plan.state) {
-            grew |= buffers.borrow_mut(py).write(py, part)?;
+            grew |= borrow_mut(buffers.bind(py))?.write(py, part)?;
         }
         if grew {
             self.generation += 1;
@@ -375,7 +368,9 @@ impl PyPlanBuffers {
             counts.extend([part.max_checkpoints, part.snapshots.len() / 2]);
         }
         self.counts = PyTuple::new(py, counts.iter())?.unbind();
-        self.manager_id = manager_id;
+        if self.owner.as_ref().is_none_or(|o| o.id != owner.id) {
+            self.owner = Some(owner);
+        }
         self.step_id = Some(plan.step_id);
         Ok(())
     }
@@ -387,23 +382,24 @@ impl PyPlanBuffers {
     #[new]
     #[pyo3(signature = (rows = None), text_signature = "(rows=256)")]
     fn new(py: Python<'_>, rows: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let max = MAX_BATCH_SEQUENCES as u64;
         let rows = match rows.filter(|r| !r.is_none()) {
-            Some(rows) => int_in(rows, "rows", 1, 1 << 20, Domain::Request)? as usize,
+            Some(rows) => int_in(rows, "rows", 1, max, Domain::Request)? as usize,
             None => 256,
         };
         Ok(Self {
-            manager_id: 0,
+            owner: None,
             step_id: None,
             num_rows: 0,
             num_tokens: 0,
             num_copies: 0,
             generation: 0,
             capacity_rows: rows,
-            seq_ids: Buffer::new(py, rows, 0),
-            query_start_loc: Buffer::new(py, rows + 1, 0),
-            num_computed: Buffer::new(py, rows, 0),
-            num_scheduled: Buffer::new(py, rows, 0),
-            copies: Buffer::new(py, rows, 4),
+            seq_ids: Buffer::new(py, "PlanBuffers.seq_ids", rows, 0)?,
+            query_start_loc: Buffer::new(py, "PlanBuffers.query_start_loc", rows + 1, 0)?,
+            num_computed: Buffer::new(py, "PlanBuffers.num_computed", rows, 0)?,
+            num_scheduled: Buffer::new(py, "PlanBuffers.num_scheduled", rows, 0)?,
+            copies: Buffer::new(py, "PlanBuffers.copies", rows, 4)?,
             paged: Vec::new(),
             state: Vec::new(),
             paged_tuple: PyTuple::empty(py).unbind(),
@@ -416,63 +412,96 @@ impl PyPlanBuffers {
         })
     }
 
+    /// The step the buffers hold, or `None` before the first `build_plan_into`.
+    #[getter(step_id)]
+    fn held_step(slf: &Bound<'_, Self>) -> PyResult<Option<u64>> {
+        Ok(borrow(slf)?.step_id)
+    }
+
+    /// R, the scheduled sequences of this step.
+    #[getter]
+    fn num_rows(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.num_rows)
+    }
+
+    /// T, the scheduled tokens of this step.
+    #[getter]
+    fn num_tokens(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.num_tokens)
+    }
+
+    /// K, the copy-on-write copies of this step.
+    #[getter]
+    fn num_copies(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(borrow(slf)?.num_copies)
+    }
+
+    /// Changes whenever an array (or a group's part) is replaced: an engine that keeps the
+    /// arrays, or tensors made from them, refreshes them when it differs from the last value
+    /// it saw.
+    #[getter]
+    fn generation(slf: &Bound<'_, Self>) -> PyResult<u64> {
+        Ok(borrow(slf)?.generation)
+    }
+
     /// `int64 [>= R]` the scheduled sequences, in schedule order.
     #[getter]
-    fn seq_ids(&self, py: Python<'_>) -> Py<PyAny> {
-        self.seq_ids.get(py)
+    fn seq_ids(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.seq_ids.get(slf.py()))
     }
 
     /// `int32 [>= R + 1]` where each row's tokens start in the packed batch.
     #[getter]
-    fn query_start_loc(&self, py: Python<'_>) -> Py<PyAny> {
-        self.query_start_loc.get(py)
+    fn query_start_loc(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.query_start_loc.get(slf.py()))
     }
 
     /// `int32 [>= R]` tokens of each row computed before this step.
     #[getter]
-    fn num_computed(&self, py: Python<'_>) -> Py<PyAny> {
-        self.num_computed.get(py)
+    fn num_computed(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.num_computed.get(slf.py()))
     }
 
     /// `int32 [>= R]` tokens of each row scheduled in this step.
     #[getter]
-    fn num_scheduled(&self, py: Python<'_>) -> Py<PyAny> {
-        self.num_scheduled.get(py)
+    fn num_scheduled(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.num_scheduled.get(slf.py()))
     }
 
     /// `int64 [>= num_copies, 4]` rows `(group, src_block, dst_block, num_tokens)`.
     #[getter]
-    fn copies(&self, py: Python<'_>) -> Py<PyAny> {
-        self.copies.get(py)
+    fn copies(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Ok(borrow(slf)?.copies.get(slf.py()))
     }
 
     /// Per paged group, in group order (the same tuple every step while the groups stay).
     #[getter]
-    fn paged(&self, py: Python<'_>) -> Py<PyTuple> {
-        self.paged_tuple.clone_ref(py)
+    fn paged(slf: &Bound<'_, Self>) -> PyResult<Py<PyTuple>> {
+        Ok(borrow(slf)?.paged_tuple.clone_ref(slf.py()))
     }
 
     /// Per state group, in group order.
     #[getter]
-    fn state(&self, py: Python<'_>) -> Py<PyTuple> {
-        self.state_tuple.clone_ref(py)
+    fn state(slf: &Bound<'_, Self>) -> PyResult<Py<PyTuple>> {
+        Ok(borrow(slf)?.state_tuple.clone_ref(slf.py()))
     }
 
     /// Every count of this step in one tuple, for a loop that reads them all each step:
     /// `(num_rows, num_tokens, num_copies)`, then `(num_appended, num_replaced)` per paged
     /// group and `(max_checkpoints, num_snapshots)` per state group, in group order.
     #[getter]
-    fn counts(&self, py: Python<'_>) -> Py<PyTuple> {
-        self.counts.clone_ref(py)
+    fn counts(slf: &Bound<'_, Self>) -> PyResult<Py<PyTuple>> {
+        Ok(borrow(slf)?.counts.clone_ref(slf.py()))
     }
 
-    fn __repr__(&self) -> String {
-        format!(
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        let this = borrow(slf)?;
+        Ok(format!(
             "PlanBuffers(step_id={}, rows={}, tokens={}, copies={})",
-            self.step_id.map_or_else(|| "None".to_string(), |s| s.to_string()),
-            self.num_rows,
-            self.num_tokens,
-            self.num_copies
-        )
+            this.step_id.map_or_else(|| "None".to_string(), |s| s.to_string()),
+            this.num_rows,
+            this.num_tokens,
+            this.num_copies
+        ))
     }
 }

@@ -2,20 +2,28 @@
 //!
 //! Owns the one rule of the shell: a value of the wrong *type* is a `TypeError`, a value out
 //! of its documented *range* is the core's `InvalidRequest` (or `Config` inside a
-//! configuration), both of which are `ValueError`s in Python. Token inputs are lists (any
-//! iterable of ints), `NumPy` integer arrays (read without a Python-level loop) or objects that
-//! `NumPy` can view without copying (torch CPU tensors). Nothing here knows a cache rule: the
-//! core validates what the values mean.
+//! configuration), both of which are `ValueError`s in Python. Token and id inputs are lists
+//! (any iterable of ints), `NumPy` integer arrays of either byte order (read without a
+//! Python-level loop) or objects that `NumPy` can view without copying (torch CPU tensors);
+//! their length is bounded (`MaxLen`) before anything is read, and their copy is reserved
+//! fallibly. Byte data (`bytes`, `bytearray`, `memoryview`) is what byte fields (a cache salt,
+//! a multimodal hash) take and what integer sequences refuse; masked arrays are refused, since
+//! their mask would be ignored. Nothing here knows a cache rule: the core validates what the
+//! values mean.
 
 use numpy::prelude::*;
 use numpy::{Element, PyArray1, PyUntypedArray};
+use prefixcache_core::limits::{
+    human_bytes, MAX_BATCH_SEQUENCES, MAX_EXTRA_KEY_BYTES, MAX_MULTIMODAL_INPUTS,
+    MAX_SEQUENCE_TOKENS,
+};
 use prefixcache_core::{
     CacheConfig, CacheError, ExtraKeys, GroupConfig, GroupKind, HashAlgorithm, HashConfig,
-    MultimodalInput, PoolConfig, Retention, StateGroupConfig, MAX_SEQUENCE_TOKENS,
+    MultimodalInput, PoolConfig, Retention, StateGroupConfig,
 };
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyMemoryView, PyString};
 
 use crate::errors::to_pyerr;
 
@@ -101,24 +109,24 @@ fn optional<T>(
 trait IntElement: Element + Copy {
     /// The value as `u64`; `None` when negative.
     fn to_u64(self) -> Option<u64>;
+    /// The value with its bytes in the other order (for arrays not in native byte order).
+    fn swapped(self) -> Self;
 }
 
 macro_rules! int_elements {
-    (signed: $($s:ty),*; unsigned: $($u:ty),*) => {
-        $(impl IntElement for $s {
+    ($($t:ty),*) => {
+        $(impl IntElement for $t {
             fn to_u64(self) -> Option<u64> {
                 u64::try_from(self).ok()
             }
-        })*
-        $(impl IntElement for $u {
-            fn to_u64(self) -> Option<u64> {
-                Some(u64::from(self))
+            fn swapped(self) -> Self {
+                self.swap_bytes()
             }
         })*
     };
 }
 
-int_elements!(signed: i8, i16, i32, i64; unsigned: u8, u16, u32, u64);
+int_elements!(i8, i16, i32, i64, u8, u16, u32, u64);
 
 /// What integer sequences are converted to: `u32` (tokens, budgets) or `u64` (ids).
 pub trait Target: Copy {
@@ -138,20 +146,60 @@ impl Target for u64 {
     }
 }
 
+/// The most entries a sequence argument may have, checked before anything is copied or read.
+#[derive(Clone, Copy)]
+pub struct MaxLen {
+    len: usize,
+    /// The `prefixcache` constant that names the bound.
+    name: &'static str,
+    /// What to do instead, appended to the message.
+    advice: &'static str,
+}
+
+/// The tokens of one sequence.
+pub const SEQUENCE: MaxLen =
+    MaxLen { len: MAX_SEQUENCE_TOKENS, name: "MAX_SEQUENCE_TOKENS", advice: "" };
+
+/// The entries of one batch call: ids, budgets, one token per sequence.
+pub const BATCH: MaxLen = MaxLen {
+    len: MAX_BATCH_SEQUENCES,
+    name: "MAX_BATCH_SEQUENCES",
+    advice: ": split the batch into calls of at most that many sequences",
+};
+
+/// An empty vector with room for `len` values, reserved fallibly: a copy the machine cannot
+/// hold is an `InvalidRequestError` naming the memory it needs, not an abort of the process.
+fn reserve<T>(py: Python<'_>, len: usize, what: &str) -> PyResult<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(len).map_err(|_| {
+        range_error(
+            py,
+            Domain::Request,
+            format!(
+                "{what} has {len} entries, and copying them needs {} of memory, which could \
+                 not be allocated",
+                human_bytes(len.saturating_mul(std::mem::size_of::<T>()))
+            ),
+        )
+    })?;
+    Ok(out)
+}
+
 /// Arrays up to this length are copied out rather than borrowed (see `read_array`).
 const COPY_OUT_BELOW: usize = 1024;
 
 /// Reads a 1-D integer array into `Vec<T>`, checking `0..=max` (`max` fits `T`); `None` when
-/// the dtype is not `E`. Two passes without branches that depend on each other (a check, then
-/// a conversion), so both vectorise.
-fn read_array<E: IntElement, T: Target>(
+/// the dtype is not `E`. `SWAPPED`: the array holds `E` in the other byte order. Two passes
+/// without branches that depend on each other (a check, then a conversion), so both vectorise.
+fn read_array<E: IntElement, T: Target, const SWAPPED: bool>(
     array: &Bound<'_, PyUntypedArray>,
     what: &str,
     max: u64,
 ) -> PyResult<Option<Vec<T>>> {
     let Ok(typed) = array.cast::<PyArray1<E>>() else { return Ok(None) };
-    let bad = |v: &E| v.to_u64().is_none_or(|x| x > max);
-    let convert = |v: &E| T::from_checked(v.to_u64().unwrap_or(0));
+    let value = |v: &E| if SWAPPED { v.swapped() } else { *v };
+    let bad = |v: &E| value(v).to_u64().is_none_or(|x| x > max);
+    let convert = |v: &E| T::from_checked(value(v).to_u64().unwrap_or(0));
     // A short contiguous array (a decode step's ids and tokens) is copied out first: cheaper
     // than the bookkeeping of a read-only borrow, under which a long one (a prompt) is read
     // in place.
@@ -162,13 +210,23 @@ fn read_array<E: IntElement, T: Target>(
     } else {
         let view =
             typed.try_readonly().map_err(|e| PyTypeError::new_err(format!("{what}: {e}")))?;
-        if let Ok(slice) = view.as_slice() {
+        let mut out = reserve(array.py(), typed.len(), what)?;
+        let first_bad = if let Ok(slice) = view.as_slice() {
             // Contiguous: plain slice loops.
-            (slice.iter().position(bad), slice.iter().map(convert).collect())
+            let first_bad = slice.iter().position(bad);
+            if first_bad.is_none() {
+                out.extend(slice.iter().map(convert));
+            }
+            first_bad
         } else {
             let values = view.as_array();
-            (values.iter().position(bad), values.iter().map(convert).collect())
-        }
+            let first_bad = values.iter().position(bad);
+            if first_bad.is_none() {
+                out.extend(values.iter().map(convert));
+            }
+            first_bad
+        };
+        (first_bad, out)
     };
     match first_bad {
         Some(i) => Err(range_error(
@@ -180,7 +238,30 @@ fn read_array<E: IntElement, T: Target>(
     }
 }
 
-/// Reads a 1-D array of any integer dtype into `Vec<T>` (range `0..=max`).
+/// The one typed read of `array` its dtype's kind and size can match (`None`: not an integer
+/// dtype). A typed cast that fails costs `NumPy` a dtype comparison through its casting
+/// tables, which a decode step's arrays would pay on every call.
+fn read_integers<T: Target, const SWAPPED: bool>(
+    array: &Bound<'_, PyUntypedArray>,
+    what: &str,
+    max: u64,
+) -> PyResult<Option<Vec<T>>> {
+    let descr = array.dtype();
+    match (descr.kind(), descr.itemsize()) {
+        (b'u', 4) => read_array::<u32, T, SWAPPED>(array, what, max),
+        (b'i', 8) => read_array::<i64, T, SWAPPED>(array, what, max),
+        (b'i', 4) => read_array::<i32, T, SWAPPED>(array, what, max),
+        (b'u', 8) => read_array::<u64, T, SWAPPED>(array, what, max),
+        (b'u', 2) => read_array::<u16, T, SWAPPED>(array, what, max),
+        (b'i', 2) => read_array::<i16, T, SWAPPED>(array, what, max),
+        (b'u', 1) => read_array::<u8, T, SWAPPED>(array, what, max),
+        (b'i', 1) => read_array::<i8, T, SWAPPED>(array, what, max),
+        _ => Ok(None),
+    }
+}
+
+/// Reads a 1-D array of any integer dtype, in either byte order, into `Vec<T>` (range
+/// `0..=max`).
 fn from_array<T: Target>(
     array: &Bound<'_, PyUntypedArray>,
     what: &str,
@@ -194,56 +275,89 @@ fn from_array<T: Target>(
             format!("{what} must be 1-D, got an array of shape {:?}", array.shape()),
         ));
     }
-    // The dtype picks the one typed read that can match: a typed cast that fails costs numpy
-    // a dtype comparison through its casting tables, which a decode step's arrays would pay
-    // on every call.
     let descr = array.dtype();
-    let read = match (descr.kind(), descr.itemsize()) {
-        (b'u', 4) => read_array::<u32, T>(array, what, max)?,
-        (b'i', 8) => read_array::<i64, T>(array, what, max)?,
-        (b'i', 4) => read_array::<i32, T>(array, what, max)?,
-        (b'u', 8) => read_array::<u64, T>(array, what, max)?,
-        (b'u', 2) => read_array::<u16, T>(array, what, max)?,
-        (b'i', 2) => read_array::<i16, T>(array, what, max)?,
-        (b'u', 1) => read_array::<u8, T>(array, what, max)?,
-        (b'i', 1) => read_array::<i8, T>(array, what, max)?,
-        _ => None,
+    let read = if descr.is_native_byteorder() == Some(false) {
+        // Big-endian data on a little-endian machine (or the reverse), as NumPy accepts it
+        // everywhere: the same bytes are viewed as the native dtype (no copy) and each value
+        // is swapped as it is read.
+        let native = descr.call_method1("newbyteorder", ("=",))?;
+        let view = array.call_method1("view", (native,))?;
+        let view = view.cast::<PyUntypedArray>()?;
+        read_integers::<T, true>(view, what, max)?
+    } else {
+        read_integers::<T, false>(array, what, max)?
     };
     if let Some(v) = read {
         return Ok(v);
     }
-    let dtype = array.dtype().str().map_or_else(|_| "?".to_string(), |s| s.to_string());
+    let dtype = descr.str().map_or_else(|_| "?".to_string(), |s| s.to_string());
     Err(PyTypeError::new_err(format!(
         "{what} must be an integer array, got dtype {dtype}; convert it with .astype(numpy.int64)"
     )))
 }
 
+/// `TypeError` for a `NumPy` masked array, whose mask a read of its data would ignore.
+fn refuse_masked(array: &Bound<'_, PyUntypedArray>, what: &str) -> PyResult<()> {
+    let py = array.py();
+    if array.get_type().is(py.get_type::<PyUntypedArray>()) {
+        return Ok(()); // a plain ndarray (the usual case): no subclass to look at
+    }
+    let masked = py.import("numpy.ma")?.getattr("MaskedArray")?;
+    if array.is_instance(&masked)? {
+        return Err(PyTypeError::new_err(format!(
+            "{what} is a numpy masked array, and its mask would be ignored: pass a plain array \
+             instead (arr.filled(value) replaces the masked entries, arr.compressed() drops \
+             them)"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether `obj` is byte data (`bytes`, `bytearray`, `memoryview`).
+fn is_bytes_like(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+        || obj.is_instance_of::<PyMemoryView>()
+}
+
 /// A list of ints, a 1-D `NumPy` integer array or a torch CPU tensor, as `Vec<T>` in `0..=max`.
 ///
-/// `max_len` bounds the length before anything is copied.
+/// Its length is checked against `max_len` before anything is copied or read, and the copy is
+/// reserved fallibly (see `reserve`).
 pub fn int_sequence<T: Target>(
     obj: &Bound<'_, PyAny>,
     what: &str,
     max: u64,
-    max_len: usize,
+    max_len: MaxLen,
 ) -> PyResult<Vec<T>> {
     let py = obj.py();
     let too_long = |len: usize| {
         range_error(
             py,
             Domain::Request,
-            format!("{what} has {len} entries, more than the supported {max_len}"),
+            format!(
+                "{what} has {len} entries, more than the supported {} (prefixcache.{}){}",
+                max_len.len, max_len.name, max_len.advice
+            ),
         )
     };
     if let Ok(array) = obj.cast::<PyUntypedArray>() {
-        if array.ndim() == 1 && array.len() > max_len {
+        if array.ndim() == 1 && array.len() > max_len.len {
             return Err(too_long(array.len()));
         }
+        refuse_masked(array, what)?;
         return from_array(array, what, max);
     }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+    if obj.is_instance_of::<PyString>() {
         return Err(PyTypeError::new_err(format!(
-            "{what} must be a list of ints or a 1-D integer array, got {}",
+            "{what} must be a list of ints or a 1-D integer array, got str"
+        )));
+    }
+    if is_bytes_like(obj) {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a list of ints or a 1-D integer array, got {} (byte data, not \
+             token ids or sequence ids: numpy.frombuffer(data, dtype=...) reads integers \
+             stored in a buffer)",
             type_name(obj)
         )));
     }
@@ -258,9 +372,10 @@ pub fn int_sequence<T: Target>(
         let array = array.cast::<PyUntypedArray>().map_err(|_| {
             PyTypeError::new_err(format!("{what}: numpy.asarray did not return an array"))
         })?;
-        if array.ndim() == 1 && array.len() > max_len {
+        if array.ndim() == 1 && array.len() > max_len.len {
             return Err(too_long(array.len()));
         }
+        refuse_masked(array, what)?;
         return from_array(array, what, max);
     }
     let Ok(iter) = obj.try_iter() else {
@@ -269,9 +384,9 @@ pub fn int_sequence<T: Target>(
             type_name(obj)
         )));
     };
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0).min(max_len));
+    let mut out = reserve(py, obj.len().unwrap_or(0).min(max_len.len), what)?;
     for (i, item) in iter.enumerate() {
-        if i >= max_len {
+        if i >= max_len.len {
             return Err(too_long(obj.len().unwrap_or(i + 1)));
         }
         let item = item?;
@@ -306,9 +421,10 @@ pub fn int_sequence<T: Target>(
     Ok(out)
 }
 
-/// Token ids (`u32`), at most `MAX_SEQUENCE_TOKENS` of them.
-pub fn tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
-    int_sequence(obj, what, u64::from(u32::MAX), MAX_SEQUENCE_TOKENS)
+/// Token ids (`u32`), at most `max_len` of them (`SEQUENCE` for a prompt or an append,
+/// `BATCH` for one token per sequence of a batch).
+pub fn tokens(obj: &Bound<'_, PyAny>, what: &str, max_len: MaxLen) -> PyResult<Vec<u32>> {
+    int_sequence(obj, what, u64::from(u32::MAX), max_len)
 }
 
 /// A hash algorithm by name.
@@ -334,14 +450,54 @@ fn attr<'py>(obj: &Bound<'py, PyAny>, name: &str, what: &str) -> PyResult<Bound<
     })
 }
 
+/// `InvalidRequestError` for a byte field longer than the core takes, raised before it is copied.
+fn too_many_bytes(py: Python<'_>, what: &str, len: usize) -> PyErr {
+    range_error(
+        py,
+        Domain::Request,
+        format!(
+            "{what} is {len} bytes, more than the limit of {MAX_EXTRA_KEY_BYTES} bytes \
+             (prefixcache.MAX_EXTRA_KEY_BYTES); pass a digest of it instead"
+        ),
+    )
+}
+
+/// Byte data: `bytes`, `bytearray`, `memoryview` or any other object with the buffer protocol
+/// (its bytes, copied), or a `str` (UTF-8); its length is checked before it is copied.
 fn bytes_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
+    let py = obj.py();
+    let bounded = |bytes: &[u8]| {
+        if bytes.len() > MAX_EXTRA_KEY_BYTES {
+            return Err(too_many_bytes(py, what, bytes.len()));
+        }
+        Ok(bytes.to_vec())
+    };
     if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(b.as_bytes().to_vec());
+        return bounded(b.as_bytes());
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(s.to_str()?.as_bytes().to_vec());
+        return bounded(s.to_str()?.as_bytes());
     }
-    Err(PyTypeError::new_err(format!("{what} must be bytes or str, got {}", type_name(obj))))
+    if let Ok(b) = obj.cast::<PyByteArray>() {
+        if b.len() > MAX_EXTRA_KEY_BYTES {
+            return Err(too_many_bytes(py, what, b.len()));
+        }
+        return Ok(b.to_vec());
+    }
+    if let Ok(view) = PyMemoryView::from(obj) {
+        // `memoryview`, `array.array`, a `NumPy` array, ...: its bytes in C order.
+        let len: usize = view.getattr("nbytes")?.extract()?;
+        if len > MAX_EXTRA_KEY_BYTES {
+            return Err(too_many_bytes(py, what, len));
+        }
+        let bytes = view.call_method0("tobytes")?;
+        return Ok(bytes.cast::<PyBytes>()?.as_bytes().to_vec());
+    }
+    Err(PyTypeError::new_err(format!(
+        "{what} must be bytes or str (or another bytes-like object: bytearray, memoryview), \
+         got {}",
+        type_name(obj)
+    )))
 }
 
 /// `ExtraKeys` (or `None`: no extra keys).
@@ -363,7 +519,26 @@ pub fn extra_keys(obj: Option<&Bound<'_, PyAny>>) -> PyResult<ExtraKeys> {
             type_name(&inputs)
         ))
     })?;
+    let too_many = |len: Option<usize>| {
+        let count = len.map_or_else(|| "more".to_string(), |len| len.to_string());
+        range_error(
+            obj.py(),
+            Domain::Request,
+            format!(
+                "extra_keys.multimodal has {count} inputs, more than the limit of \
+                 {MAX_MULTIMODAL_INPUTS} a sequence (prefixcache.MAX_MULTIMODAL_INPUTS)"
+            ),
+        )
+    };
+    // Counted before anything is read: the core takes at most `MAX_MULTIMODAL_INPUTS`.
+    let len = inputs.len().ok();
+    if len.is_some_and(|len| len > MAX_MULTIMODAL_INPUTS) {
+        return Err(too_many(len));
+    }
     for (i, input) in iter.enumerate() {
+        if i >= MAX_MULTIMODAL_INPUTS {
+            return Err(too_many(len));
+        }
         let input = input?;
         let w = format!("extra_keys.multimodal[{i}]");
         multimodal.push(MultimodalInput {

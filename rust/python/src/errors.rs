@@ -65,7 +65,8 @@ fn build(py: Python<'_>) -> PyResult<ErrorClasses> {
         &[b],
         Some("Step"),
         "A call the step protocol does not allow now (a plan is in flight, the sequence is \
-         already scheduled, ...).",
+         already scheduled, the PlanBuffers hold another manager's step in flight or are being \
+         written by another thread, ...).",
     )?;
     let classes = ErrorClasses {
         config: make_class(

@@ -5,11 +5,13 @@
 //! arrays to `NumPy` without copying (`plan`). It holds no cache rule; users import the typed
 //! package `prefixcache`, which re-exports what is here with an explicit `__all__`.
 
-use prefixcache_core::{HashConfig, MAX_SEQUENCE_TOKENS};
+use prefixcache_core::limits;
+use prefixcache_core::HashConfig;
 use pyo3::exceptions::PyBaseException;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+mod buffer;
 mod buffers;
 mod convert;
 mod errors;
@@ -53,8 +55,7 @@ fn hash_prefix<'py>(
         },
         verify_tokens: false,
     };
-    let tokens =
-        convert::int_sequence::<u32>(tokens, "tokens", u64::from(u32::MAX), MAX_SEQUENCE_TOKENS)?;
+    let tokens = convert::tokens(tokens, "tokens", convert::SEQUENCE)?;
     let extra = convert::extra_keys(extra_keys)?;
     let digests = py
         .detach(|| prefixcache_core::hash_prefix(&config, &tokens, &extra))
@@ -83,7 +84,21 @@ fn _error_samples(py: Python<'_>) -> Vec<(&'static str, Bound<'_, PyBaseExceptio
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("ENCODING_VERSION", prefixcache_core::ENCODING_VERSION)?;
-    m.add("MAX_SEQUENCE_TOKENS", MAX_SEQUENCE_TOKENS)?;
+    // The bounds on every count the API takes (`prefixcache_core::limits`), for callers that
+    // split work to fit them.
+    m.add("MAX_BATCH_SEQUENCES", limits::MAX_BATCH_SEQUENCES)?;
+    m.add("MAX_BLOCK_SIZE", limits::MAX_BLOCK_SIZE)?;
+    m.add("MAX_BLOCKS_PER_POOL", limits::MAX_BLOCKS_PER_POOL)?;
+    m.add("MAX_EXTRA_KEY_BYTES", limits::MAX_EXTRA_KEY_BYTES)?;
+    m.add("MAX_GROUPS", limits::MAX_GROUPS)?;
+    m.add("MAX_HASH_UNIT", limits::MAX_HASH_UNIT)?;
+    m.add("MAX_LOOKAHEAD_TOKENS", limits::MAX_LOOKAHEAD_TOKENS)?;
+    m.add("MAX_MULTIMODAL_INPUTS", limits::MAX_MULTIMODAL_INPUTS)?;
+    m.add("MAX_PENDING_EVENTS", limits::MAX_PENDING_EVENTS)?;
+    m.add("MAX_POOLS", limits::MAX_POOLS)?;
+    m.add("MAX_RECENTLY_EVICTED", limits::MAX_RECENTLY_EVICTED)?;
+    m.add("MAX_SEQUENCE_TOKENS", limits::MAX_SEQUENCE_TOKENS)?;
+    m.add("MAX_STEP_TOKENS", limits::MAX_STEP_TOKENS)?;
     errors::register(m)?;
     m.add_class::<manager::PyCacheManager>()?;
     m.add_class::<results::PyAdded>()?;

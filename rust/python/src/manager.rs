@@ -6,26 +6,29 @@
 //! (`py.detach`) before it takes the lock. A short call keeps the GIL when the lock is free:
 //! releasing and retaking the GIL costs about 0.1 us, more than a decode step's calls do in the
 //! core; when the lock is held by another thread it waits without the GIL like a long call, so
-//! it never stalls other Python threads. `add` with `extends` on a `uint32` array reads the
-//! array in place with the GIL held. Nothing here decides anything about the cache. The lock is
-//! never held while Python runs (the core never calls into Python, so waiting for the lock with
-//! the GIL held cannot deadlock), and a panic in the core never reaches Python: it is caught and
-//! raised as `InvariantError`, and the mutex it poisoned makes every later call raise
-//! `InvariantError` too (the manager's state is no longer trustworthy; build a new one).
+//! it never stalls other Python threads. Nothing here decides anything about the cache. The
+//! lock is never held while Python runs (the core never calls into Python, so waiting for the
+//! lock with the GIL held cannot deadlock), and a panic in the core never reaches Python: it is
+//! caught and raised as `InvariantError`, and the mutex it poisoned makes every later call
+//! raise `InvariantError` too (the manager's state is no longer trustworthy; build a new one).
+//!
+//! `PlanBuffers` remember the manager whose step they hold; a manager refuses buffers holding
+//! another's step that is still in flight (`refuse_foreign_step`), and `abort_step` /
+//! `commit_step` end the step in flight by its id when its plan object is gone.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, TryLockError};
+use std::sync::{Arc, Mutex, TryLockError};
 
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use numpy::{IntoPyArray, PyArray1, PyArray2};
 use prefixcache_core::{CacheError, CacheManager, HashAlgorithm, Scheduled, StepPlan};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyInt;
 
-use crate::buffers::PyPlanBuffers;
-use crate::convert::{self, u32_arg, Domain};
+use crate::buffers::{self, Owner, PyPlanBuffers};
+use crate::convert::{self, u32_arg, u64_arg, Domain, BATCH, SEQUENCE};
 use crate::errors::to_pyerr;
 use crate::events;
 use crate::plan::PyStepPlan;
@@ -58,8 +61,9 @@ fn seq_id(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
     convert::int_in(obj, "seq_id", 0, MAX_SEQ_ID, Domain::Request)
 }
 
+/// The ids of a batch call, at most `MAX_BATCH_SEQUENCES` (checked before anything is read).
 fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    convert::int_sequence(obj, "seq_ids", MAX_SEQ_ID, usize::MAX)
+    convert::int_sequence(obj, "seq_ids", MAX_SEQ_ID, BATCH)
 }
 
 /// A schedule result as `schedule_tokens` reports it: the tokens, or -1 (out of blocks).
@@ -77,7 +81,9 @@ fn u32_or(obj: Option<&Bound<'_, PyAny>>, what: &str, default: u32) -> PyResult<
 /// runs without the GIL.
 #[pyclass(frozen, name = "CacheManager", module = "prefixcache")]
 pub struct PyCacheManager {
-    inner: Mutex<CacheManager>,
+    /// Shared with the `PlanBuffers` holding this manager's steps, which ask it whether their
+    /// step is still in flight (through a `Weak`: buffers do not keep a manager alive).
+    inner: Arc<Mutex<CacheManager>>,
     id: u64,
     algorithm: HashAlgorithm,
     chunk_alignment: u32,
@@ -92,17 +98,6 @@ impl PyCacheManager {
         F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
     {
         let outcome = py.detach(|| self.locked(f));
-        Self::outcome(py, outcome)
-    }
-
-    /// Runs `f` on the manager *with* the GIL held: for work on borrowed `NumPy` data, which no
-    /// Python thread can modify while the GIL is held. The lock's holder never needs the GIL,
-    /// so waiting for it here cannot deadlock.
-    fn run_attached<R, F>(&self, py: Python<'_>, f: F) -> PyResult<R>
-    where
-        F: FnOnce(&mut CacheManager) -> Result<R, CacheError>,
-    {
-        let outcome = self.locked(f);
         Self::outcome(py, outcome)
     }
 
@@ -206,7 +201,7 @@ impl PyCacheManager {
             id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             algorithm,
             chunk_alignment: manager.chunk_alignment(),
-            inner: Mutex::new(manager),
+            inner: Arc::new(Mutex::new(manager)),
             config: config.clone().unbind(),
         })
     }
@@ -236,7 +231,8 @@ impl PyCacheManager {
         self.run_short(py, |m| Ok(m.num_finished_cached()))
     }
 
-    /// The step id of the plan in flight (built, not yet committed or aborted), or `None`.
+    /// The step id of the plan in flight (built, not yet committed or aborted), or `None`;
+    /// `commit_step` / `abort_step` end it by this id.
     #[getter]
     fn plan_in_flight(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         self.run_short(py, |m| Ok(m.plan_in_flight()))
@@ -246,8 +242,8 @@ impl PyCacheManager {
     ///
     /// `tokens`: a list of ints or a 1-D integer `NumPy` array / torch CPU tensor, values in
     /// `0 .. 2**32 - 1`. `extends` names a live or recently finished sequence whose hashes are
-    /// reused for the common token prefix; with it, a contiguous `uint32` array is compared in
-    /// place (no copy of the prompt), holding the GIL while the manager works.
+    /// reused for the common token prefix, so that only the new tail is hashed (also without
+    /// the GIL).
     #[pyo3(signature = (seq_id, tokens, extra_keys = None, extends = None))]
     fn add(
         &self,
@@ -260,22 +256,9 @@ impl PyCacheManager {
         let id = self::seq_id(seq_id)?;
         let extra = convert::extra_keys(extra_keys)?;
         let extends = extends.filter(|e| !e.is_none()).map(|e| self::seq_id(e)).transpose()?;
-        if extends.is_some() {
-            // The next turn of a conversation: the core compares the shared prefix with the
-            // extended sequence's tokens and copies and hashes only what is new. A contiguous
-            // `uint32` array is read where it is, without a copy, holding the GIL meanwhile
-            // (so no Python thread can change it); other inputs are converted first.
-            if let Ok(array) = tokens.cast::<PyArray1<u32>>() {
-                if let Ok(readonly) = array.try_readonly() {
-                    if let Ok(slice) = readonly.as_slice() {
-                        return self
-                            .run_attached(py, |m| m.add(id, slice, extra, extends))
-                            .map(PyAdded::from);
-                    }
-                }
-            }
-        }
-        let tokens = convert::tokens(tokens, "tokens")?;
+        // The tokens are copied out with the GIL held (no Python thread can change them
+        // meanwhile); the core compares, copies and hashes without it.
+        let tokens = convert::tokens(tokens, "tokens", SEQUENCE)?;
         self.run(py, move |m| m.add(id, &tokens, extra, extends)).map(PyAdded::from)
     }
 
@@ -381,16 +364,19 @@ impl PyCacheManager {
 
     /// `build_plan` written into `buffers`, arrays that persist across steps, so that no
     /// Python object is made per step (see `PlanBuffers`). Returns the step id; `commit` and
-    /// `abort` take the buffers. The previous step's values are overwritten.
-    fn build_plan_into(&self, buffers: &Bound<'_, PyPlanBuffers>) -> PyResult<u64> {
+    /// `abort` take the buffers. The previous step's values are overwritten; buffers holding
+    /// another manager's step that is still in flight there are refused (`StepError`).
+    fn build_plan_into(slf: &Bound<'_, Self>, buffers: &Bound<'_, PyPlanBuffers>) -> PyResult<u64> {
         let py = buffers.py();
-        let mut target = buffers.try_borrow_mut()?;
+        let this = slf.get();
+        let mut target = buffers::borrow_mut(buffers)?;
+        this.refuse_foreign_step(py, &target)?;
         // The core refills the plan kept in the buffers (no allocation once it is large enough).
         let mut scratch = target.take_scratch();
-        let plan = self.run_measured(py, CacheManager::scheduled_tokens, move |m| {
+        let plan = this.run_measured(py, CacheManager::scheduled_tokens, move |m| {
             m.build_plan_into(&mut scratch).map(|()| scratch)
         })?;
-        self.deliver(py, &mut target, plan)
+        Self::deliver(slf, &mut target, plan)
     }
 
     /// An engine's decode step in one call: commits the step `buffers` hold when it is the
@@ -402,27 +388,30 @@ impl PyCacheManager {
     ///
     /// The commit happens first and stands even if the rest is refused; the rest is checked
     /// before any of it changes anything. To finish sequences, `commit(buffers)` first, finish
-    /// them, then call this for the others (it commits only a step still in flight).
+    /// them, then call this for the others (it commits only a step still in flight). Buffers
+    /// holding another manager's step still in flight are refused (`StepError`).
     fn decode_step<'py>(
-        &self,
+        slf: &Bound<'py, Self>,
         buffers: &Bound<'py, PyPlanBuffers>,
         seq_ids: &Bound<'py, PyAny>,
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let py = buffers.py();
+        let this = slf.get();
         let ids = self::seq_ids(seq_ids)?;
-        let tokens = convert::tokens(tokens, "tokens")?;
-        let mut target = buffers.try_borrow_mut()?;
-        let held = target.step_id().filter(|_| target.manager_id == self.id);
+        let tokens = convert::tokens(tokens, "tokens", BATCH)?;
+        let mut target = buffers::borrow_mut(buffers)?;
+        this.refuse_foreign_step(py, &target)?;
+        let held = target.step_id().filter(|_| target.owner().is_some_and(|o| o.id == this.id));
         // The step to commit may be a long prefill chunk: its tokens count as work too.
         let work = ids.len() + held.map_or(0, |_| target.scheduled_tokens());
         let mut scratch = target.take_scratch();
-        let (scheduled, plan) = self.run_sized(py, work, move |m| {
+        let (scheduled, plan) = this.run_sized(py, work, move |m| {
             let commit = held.filter(|&step| m.plan_in_flight() == Some(step));
             let scheduled = m.decode_step(commit, &ids, &tokens, &mut scratch)?;
             Ok((scheduled, scratch))
         })?;
-        self.deliver(py, &mut target, plan)?;
+        Self::deliver(slf, &mut target, plan)?;
         Ok(PyArray1::from_iter(py, scheduled.iter().map(Option::as_ref).map(tokens_or_refused)))
     }
 
@@ -440,17 +429,37 @@ impl PyCacheManager {
         self.run_sized(plan.py(), work, move |m| m.abort_step(step_id))
     }
 
+    /// `commit` by step id (`plan_in_flight`), for a step whose `StepPlan` or `PlanBuffers` is
+    /// no longer at hand: commit only once the forward of that very plan has run.
+    /// `StalePlanError` unless `step_id` is the step in flight.
+    fn commit_step(&self, step_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = step_id.py();
+        let step_id = u64_arg(step_id, "step_id", Domain::Request)?;
+        self.run(py, move |m| m.commit_step(step_id))
+    }
+
+    /// `abort` by step id (`plan_in_flight`): the way out for a step whose `StepPlan` or
+    /// `PlanBuffers` is no longer at hand (lost, or overwritten), which would otherwise keep
+    /// the manager refusing `schedule`, `append`, `finish` and `reset`. Nothing is published
+    /// and every sequence is back where it was. `StalePlanError` unless `step_id` is the step
+    /// in flight.
+    fn abort_step(&self, step_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = step_id.py();
+        let step_id = u64_arg(step_id, "step_id", Domain::Request)?;
+        self.run(py, move |m| m.abort_step(step_id))
+    }
+
     /// Appends sampled (or new user) tokens to a sequence; new full units are hashed.
     fn append(&self, seq_id: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::seq_id(seq_id)?;
-        let tokens = convert::tokens(tokens, "tokens")?;
+        let tokens = convert::tokens(tokens, "tokens", SEQUENCE)?;
         self.run_sized(seq_id.py(), tokens.len(), move |m| m.append(id, &tokens))
     }
 
     /// One token per sequence (a decode step) in one call; every id is checked first.
     fn append_batch(&self, seq_ids: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = self::seq_ids(seq_ids)?;
-        let tokens = convert::tokens(tokens, "tokens")?;
+        let tokens = convert::tokens(tokens, "tokens", BATCH)?;
         self.run_sized(seq_ids.py(), tokens.len(), move |m| m.append_batch(&ids, &tokens))
     }
 
@@ -564,7 +573,7 @@ impl PyCacheManager {
         let budgets = if scalar {
             vec![u32_arg(max_tokens, "max_tokens", Domain::Request)?; ids.len()]
         } else {
-            convert::int_sequence(max_tokens, "max_tokens", u64::from(u32::MAX), usize::MAX)?
+            convert::int_sequence(max_tokens, "max_tokens", u64::from(u32::MAX), BATCH)?
         };
         let work = budgets.iter().map(|&b| b as usize).fold(ids.len(), usize::saturating_add);
         self.run_sized(py, work, move |m| m.schedule_batch(&ids, &budgets, exact))
@@ -572,14 +581,54 @@ impl PyCacheManager {
 
     /// Writes the plan just built into `target` and keeps it there for the next refill; if the
     /// write fails, the engine never saw the plan, so it is taken out of flight again.
-    fn deliver(&self, py: Python<'_>, target: &mut PyPlanBuffers, plan: StepPlan) -> PyResult<u64> {
+    fn deliver(slf: &Bound<'_, Self>, target: &mut PyPlanBuffers, plan: StepPlan) -> PyResult<u64> {
+        let (py, this) = (slf.py(), slf.get());
         let step_id = plan.step_id;
-        let written = target.write(py, self.id, &plan);
+        let manager = Arc::downgrade(&this.inner);
+        let owner = Owner { id: this.id, manager, address: slf.as_ptr() as usize };
+        let written = target.write(py, owner, &plan);
         target.keep_scratch(plan);
         written.inspect_err(|_| {
-            let _ = self.run(py, move |m| m.abort_step(step_id));
+            let _ = this.run(py, move |m| m.abort_step(step_id));
         })?;
         Ok(step_id)
+    }
+
+    /// `StepError` when `buffers` hold a step of another manager that is still in flight
+    /// there: overwriting it would leave that manager no plan to commit or abort it by.
+    fn refuse_foreign_step(&self, py: Python<'_>, buffers: &PyPlanBuffers) -> PyResult<()> {
+        let (Some(owner), Some(step)) = (buffers.owner(), buffers.step_id()) else {
+            return Ok(());
+        };
+        if owner.id == self.id {
+            return Ok(()); // this manager's own step: the core knows whether it is in flight
+        }
+        let Some(other) = owner.manager.upgrade() else {
+            return Ok(()); // that manager is gone, and its step with it
+        };
+        // A poisoned manager is unusable anyway: nothing to protect.
+        let in_flight = match other.try_lock() {
+            Ok(manager) => manager.plan_in_flight(),
+            Err(TryLockError::WouldBlock) => {
+                py.detach(|| other.lock().ok().and_then(|m| m.plan_in_flight()))
+            }
+            Err(TryLockError::Poisoned(_)) => None,
+        };
+        if in_flight != Some(step) {
+            return Ok(());
+        }
+        Err(to_pyerr(
+            py,
+            CacheError::Step {
+                message: format!(
+                    "these PlanBuffers hold step {step} of another CacheManager (the one with \
+                     id() {}), which is still in flight there: that manager must end it first \
+                     (its commit(buffers), abort(buffers) or abort_step({step})), or give each \
+                     manager its own PlanBuffers",
+                    owner.address
+                ),
+            },
+        ))
     }
 
     /// The step id and scheduled tokens of a `StepPlan` or `PlanBuffers`, if this manager
@@ -590,7 +639,7 @@ impl PyCacheManager {
             let plan = plan.get();
             (plan.manager_id, plan.step_id(), plan.scheduled_tokens())
         } else if let Ok(buffers) = plan.cast::<PyPlanBuffers>() {
-            let buffers = buffers.try_borrow()?;
+            let buffers = buffers::borrow(buffers)?;
             let Some(step_id) = buffers.step_id() else {
                 return Err(to_pyerr(
                     py,
@@ -601,7 +650,7 @@ impl PyCacheManager {
                     },
                 ));
             };
-            (buffers.manager_id, step_id, buffers.scheduled_tokens())
+            (buffers.owner().map_or(0, |o| o.id), step_id, buffers.scheduled_tokens())
         } else {
             return Err(PyTypeError::new_err(format!(
                 "{verb} takes a StepPlan or PlanBuffers, got {}",
