@@ -38,6 +38,29 @@ def test_every_public_name_is_exported_and_documented() -> None:
     }
 
 
+def test_the_limits_are_exported_as_the_bindings_enforce_them() -> None:
+    limits = [name for name in pc.__all__ if name.startswith("MAX_")]
+    assert set(limits) >= {
+        "MAX_BATCH_SEQUENCES",
+        "MAX_BLOCKS_PER_POOL",
+        "MAX_BLOCK_SIZE",
+        "MAX_GROUPS",
+        "MAX_HASH_UNIT",
+        "MAX_LOOKAHEAD_TOKENS",
+        "MAX_POOLS",
+        "MAX_SEQUENCE_TOKENS",
+    }
+    for name in limits:
+        value = getattr(pc, name)
+        assert type(value) is int and value > 0 and value == getattr(pc._core, name), name
+    # Positions and ids are int32 / int64 in plans: the bounds fit them.
+    assert pc.MAX_SEQUENCE_TOKENS <= 2**31 - 1 and pc.MAX_BLOCKS_PER_POOL <= 2**31 - 1
+    with pytest.raises(
+        pc.InvalidRequestError, match=rf"rows must be in 1\.\.={pc.MAX_BATCH_SEQUENCES}"
+    ):
+        pc.PlanBuffers(rows=pc.MAX_BATCH_SEQUENCES + 1)
+
+
 def test_config_is_frozen_and_stores_tuples() -> None:
     cfg = paged_config()
     assert isinstance(cfg.pools, tuple) and isinstance(cfg.groups, tuple)
@@ -338,8 +361,8 @@ def test_an_add_without_extends_reuses_the_prefix_of_a_live_sequence(reuse: bool
     "as_input",
     [
         list,
-        lambda t: np.asarray(t, dtype=np.uint32),  # read in place, with the GIL held
-        lambda t: np.repeat(np.asarray(t, dtype=np.uint32), 2)[::2],  # strided: converted first
+        lambda t: np.asarray(t, dtype=np.uint32),
+        lambda t: np.repeat(np.asarray(t, dtype=np.uint32), 2)[::2],  # strided
         lambda t: np.asarray(t, dtype=np.int64),
         lambda t: torch.tensor(t, dtype=torch.int32),
     ],

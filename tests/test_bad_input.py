@@ -8,7 +8,14 @@ still serves a full step.
 
 from __future__ import annotations
 
+import itertools
+import os
+import re
+import subprocess
+import sys
+import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -175,6 +182,114 @@ def test_oversized_token_inputs_are_refused_before_copying(mgr: pc.CacheManager)
     still_usable(mgr)
 
 
+# What the bindings refuse before copying or reading a huge input, run in a child process
+# under a 6 GiB address-space limit: a typed error there, never an abort of the process. `ids`
+# is a zero-stride view of 2**33 ids and `tokens` one of MAX_SEQUENCE_TOKENS tokens (8 GiB to
+# copy as uint32); neither occupies memory.
+HUGE_INPUT_CHILD = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+import numpy as np
+import prefixcache as pc
+m = pc.CacheManager(pc.CacheConfig(pools=[pc.PoolConfig(256)], groups=[pc.FullAttention(16)]))
+m.add(1, [1, 2, 3])
+ids = np.broadcast_to(np.int64(1), (2**33,))
+tokens = np.broadcast_to(np.uint32(1), (pc.MAX_SEQUENCE_TOKENS,))
+try:
+    {call}
+except pc.InvalidRequestError as e:
+    print("refused:", e)
+print("in flight:", m.plan_in_flight)
+"""
+TOO_MANY_IDS = (
+    r"has 8589934592 entries, more than the supported 1048576 "
+    r"\(prefixcache\.MAX_BATCH_SEQUENCES\): split the batch"
+)
+TOO_MANY_TO_COPY = (
+    r"tokens has 2147483647 entries, and copying them needs 8\.0 GiB of memory, which could "
+    r"not be allocated"
+)
+HUGE_INPUTS = [
+    ("schedule_batch", "m.schedule_batch(ids, 1)", "seq_ids " + TOO_MANY_IDS),
+    ("schedule_tokens", "m.schedule_tokens(ids, 1)", "seq_ids " + TOO_MANY_IDS),
+    ("schedule_batch budgets", "m.schedule_batch([1], ids)", "max_tokens " + TOO_MANY_IDS),
+    ("append_batch", "m.append_batch(ids, ids)", "seq_ids " + TOO_MANY_IDS),
+    ("append_batch tokens", "m.append_batch([1], ids)", "tokens " + TOO_MANY_IDS),
+    ("decode_step", "m.decode_step(pc.PlanBuffers(), ids, ids)", "seq_ids " + TOO_MANY_IDS),
+    ("block_table", "m.block_table(0, ids)", "seq_ids " + TOO_MANY_IDS),
+    ("add", "m.add(2, tokens)", TOO_MANY_TO_COPY),
+    ("add extends", "m.add(2, tokens, extends=1)", TOO_MANY_TO_COPY),
+    (
+        "add big-endian",
+        "m.add(2, np.broadcast_to(np.array(1, dtype='>u4'), tokens.shape))",
+        TOO_MANY_TO_COPY,
+    ),
+    ("add range", "m.add(2, range(pc.MAX_SEQUENCE_TOKENS))", TOO_MANY_TO_COPY),
+    ("append", "m.append(1, tokens)", TOO_MANY_TO_COPY),
+    ("hash_prefix", "pc.hash_prefix(tokens)", TOO_MANY_TO_COPY),
+    (
+        "PlanBuffers rows",
+        "pc.PlanBuffers(rows=pc.MAX_BATCH_SEQUENCES + 1)",
+        r"rows must be in 1\.\.=1048576, got 1048577",
+    ),
+    (
+        # 100 paged groups' parts at 2**20 rows need about 9 GiB: the build that lays them out
+        # is refused, and its step taken out of flight again.
+        "PlanBuffers growth",
+        "m = pc.CacheManager(pc.CacheConfig(pools=[pc.PoolConfig(256)], "
+        "groups=[pc.FullAttention(16)] * 100)); m.add(1, [1]); m.schedule(1, 1); "
+        "m.build_plan_into(pc.PlanBuffers(rows=pc.MAX_BATCH_SEQUENCES))",
+        r"PagedGroupBuffers\.\w+ of \d+ values needs [\d.]+ MiB of memory, which could not be "
+        r"allocated .*: ask for fewer rows",
+    ),
+]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="address-space limits are Linux's")
+@pytest.mark.parametrize(
+    ("call", "message"), [(c, m) for _, c, m in HUGE_INPUTS], ids=[n for n, _, _ in HUGE_INPUTS]
+)
+def test_huge_inputs_are_refused_with_a_typed_error_not_an_abort(call: str, message: str) -> None:
+    start = time.perf_counter()
+    child = subprocess.run(
+        [sys.executable, "-c", HUGE_INPUT_CHILD.format(call=call)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RUST_BACKTRACE": "0"},
+    )
+    elapsed = time.perf_counter() - start
+    assert child.returncode == 0, child.stderr
+    refused = child.stdout.splitlines()[0]
+    assert refused.startswith("refused: invalid request: "), child.stdout
+    assert re.search(message, refused), refused
+    assert child.stdout.splitlines()[-1] == "in flight: None"
+    assert elapsed < 10, f"{elapsed:.1f} s: the input was read before it was refused"
+
+
+def test_batches_beyond_the_bound_are_refused_by_length(mgr: pc.CacheManager) -> None:
+    bound = pc.MAX_BATCH_SEQUENCES
+    too_many = np.broadcast_to(np.int64(2), (bound + 1,))
+    message = (
+        rf"has {bound + 1} entries, more than the supported {bound} "
+        r"\(prefixcache\.MAX_BATCH_SEQUENCES\)"
+    )
+    for call in (
+        lambda: mgr.schedule_batch(too_many, 16),
+        lambda: mgr.schedule_tokens(list(range(bound + 1)), 16),
+        lambda: mgr.append_batch(too_many, too_many),
+        lambda: mgr.decode_step(pc.PlanBuffers(), too_many, too_many),
+        lambda: mgr.block_table(0, too_many),
+        lambda: mgr.schedule_batch(torch.zeros(bound + 1, dtype=torch.int64), 16),
+    ):
+        with pytest.raises(pc.InvalidRequestError, match=message):
+            call()
+    # At the bound itself the ids are read, and the core answers for them.
+    with pytest.raises(pc.UnknownSequenceError, match="unknown sequence 99"):
+        mgr.schedule_batch(np.broadcast_to(np.int64(99), (bound,)), 16)
+    still_usable(mgr)
+
+
 @pytest.mark.parametrize("bad", OUT_OF_RANGE_U32, ids=repr)
 def test_counts_out_of_range(mgr: pc.CacheManager, bad: int) -> None:
     calls: list[tuple[Callable[[], object], str]] = [
@@ -270,6 +385,45 @@ def test_bad_extra_keys(mgr: pc.CacheManager) -> None:
             mgr.lookup(3)
     with pytest.raises(TypeError, match="lora_id must be an int"):
         pc.hash_prefix([1] * 16, extra_keys=pc.ExtraKeys(lora_id=1.0))  # type: ignore[arg-type]
+    still_usable(mgr)
+
+
+def test_extra_keys_beyond_the_bounds_are_refused_before_they_are_copied(
+    mgr: pc.CacheManager,
+) -> None:
+    limit = pc.MAX_EXTRA_KEY_BYTES
+    long = b"x" * (limit + 1)
+    huge = memoryview(np.broadcast_to(np.uint8(1), (2**40,)))  # 1 TiB that occupies nothing
+    prompt = list(range(32))
+    too_long: list[tuple[object, int]] = [
+        (long, limit + 1),
+        (bytearray(long), limit + 1),
+        ("é" * limit, 2 * limit),  # a str is its UTF-8 bytes
+        (huge, 2**40),
+    ]
+    for value, length in too_long:
+        message = (
+            rf"is {length} bytes, more than the limit of {limit} bytes "
+            r"\(prefixcache\.MAX_EXTRA_KEY_BYTES\); pass a digest of it instead"
+        )
+        with pytest.raises(pc.InvalidRequestError, match="extra_keys.cache_salt " + message):
+            mgr.add(3, prompt, extra_keys=pc.ExtraKeys(cache_salt=value))  # type: ignore[arg-type]
+        image = pc.MultimodalInput(0, 16, value)  # type: ignore[arg-type]
+        with pytest.raises(pc.InvalidRequestError, match=r"multimodal\[0\]\.hash " + message):
+            pc.hash_prefix(prompt, extra_keys=pc.ExtraKeys(multimodal=[image]))
+    assert pc.hash_prefix(prompt, extra_keys=pc.ExtraKeys(cache_salt=b"x" * limit))
+    bound = pc.MAX_MULTIMODAL_INPUTS
+    inputs = [pc.MultimodalInput(0, 1, b"x")] * (bound + 1)
+    endless = SimpleNamespace(cache_salt=None, lora_id=None, multimodal=itertools.repeat(inputs[0]))
+    for extra, count in ((pc.ExtraKeys(multimodal=inputs), bound + 1), (endless, "more")):
+        with pytest.raises(
+            pc.InvalidRequestError,
+            match=rf"extra_keys\.multimodal has {count} inputs, more than the limit of {bound} a "
+            r"sequence \(prefixcache\.MAX_MULTIMODAL_INPUTS\)",
+        ):
+            mgr.add(3, prompt, extra_keys=extra)  # type: ignore[arg-type]
+    with pytest.raises(pc.UnknownSequenceError):
+        mgr.lookup(3)
     still_usable(mgr)
 
 
@@ -496,3 +650,133 @@ def test_random_calls_raise_only_typed_errors(
         except (pc.PrefixCacheError, TypeError, ValueError):
             pass
         mgr.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", [">i8", ">u8", ">i4", ">u4", ">i2", ">u2"])
+@pytest.mark.parametrize("length", [40, 3000])  # copied out, read in place
+@pytest.mark.parametrize("strided", [False, True])
+def test_integer_arrays_in_the_other_byte_order_hold_their_values(
+    dtype: str, length: int, strided: bool
+) -> None:
+    other = np.dtype(dtype) if sys.byteorder == "little" else np.dtype(dtype).newbyteorder("<")
+    assert not other.isnative
+
+    def make(values: list[int]) -> np.ndarray:
+        array = np.array(values, dtype=other.newbyteorder("=")).astype(other)
+        return np.repeat(array, 2)[::2] if strided else array
+
+    tokens = [i % 1000 for i in range(length)]
+    assert pc.hash_prefix(make(tokens)) == pc.hash_prefix(tokens)
+    mgr = pc.CacheManager(paged_config())
+    mgr.add(1, make(tokens))
+    mgr.append(1, make([7, 8]))
+    assert mgr.num_tokens(1) == length + 2
+    assert mgr.schedule_tokens(make([1]), make([16])).tolist() == [16]
+    assert mgr.block_table(0, make([1])).shape == (1, 1)
+    # Out-of-range values are found in the other byte order too.
+    if other.kind == "i" or other.itemsize == 8:
+        bad = [*tokens[:-1], -1 if other.kind == "i" else 2**64 - 1]
+        with pytest.raises(pc.InvalidRequestError, match=rf"tokens\[{length - 1}\] is out of"):
+            mgr.add(2, make(bad))
+    mgr.check_invariants()
+
+
+MASKED_CALLS: list[tuple[str, Callable[[pc.CacheManager, np.ma.MaskedArray], object]]] = [
+    ("add", lambda m, a: m.add(3, a)),
+    ("add extends", lambda m, a: m.add(3, a, extends=1)),
+    ("append", lambda m, a: m.append(1, a)),
+    ("hash_prefix", lambda m, a: pc.hash_prefix(a)),
+    ("schedule_batch", lambda m, a: m.schedule_batch(a[2:3], 16)),
+    ("schedule_batch budgets", lambda m, a: m.schedule_batch([2], a[:1])),
+    ("append_batch", lambda m, a: m.append_batch(a[1:2], [5])),
+    ("decode_step", lambda m, a: m.decode_step(pc.PlanBuffers(), a[1:2], [5])),
+]
+
+
+@pytest.mark.parametrize(("name", "call"), MASKED_CALLS, ids=[n for n, _ in MASKED_CALLS])
+def test_masked_arrays_are_refused_not_read_without_their_mask(
+    mgr: pc.CacheManager,
+    name: str,
+    call: Callable[[pc.CacheManager, np.ma.MaskedArray], object],
+) -> None:
+    masked = np.ma.masked_array(np.arange(40), mask=np.arange(40) == 30)
+    with pytest.raises(
+        TypeError, match=r"is a numpy masked array, and its mask would be ignored: pass a plain "
+    ) as error:
+        call(mgr, masked)
+    assert "arr.filled(value)" in str(error.value) and "arr.compressed()" in str(error.value)
+    assert mgr.num_tokens(1) == 41 and mgr.plan_in_flight is None
+    mgr.add(3, masked.filled(0))  # what the message says to pass
+    assert mgr.num_tokens(3) == 40
+    still_usable(mgr)
+
+
+BYTES_LIKE: list[tuple[str, Callable[[bytes], object]]] = [
+    ("bytes", bytes),
+    ("bytearray", bytearray),
+    ("memoryview", memoryview),
+    ("uint8 array", lambda b: np.frombuffer(b, dtype=np.uint8)),
+]
+
+
+@pytest.mark.parametrize("as_bytes", [f for _, f in BYTES_LIKE], ids=[n for n, _ in BYTES_LIKE])
+def test_byte_fields_take_every_bytes_like_value_alike(as_bytes: Callable[[bytes], Any]) -> None:
+    """A cache salt and a multimodal hash are bytes: any bytes-like object gives the same keys
+    as `bytes` with its contents."""
+    prompt = list(range(64))
+
+    def keys(convert: Callable[[bytes], Any]) -> pc.ExtraKeys:
+        image = pc.MultimodalInput(start=10, end=20, hash=convert(b"img"))
+        return pc.ExtraKeys(cache_salt=convert(b"tenant-a"), multimodal=[image])
+
+    reference, given = keys(bytes), keys(as_bytes)
+    assert pc.hash_prefix(prompt, extra_keys=given) == pc.hash_prefix(prompt, extra_keys=reference)
+    assert pc.hash_prefix(prompt, extra_keys=given) != pc.hash_prefix(prompt)
+    mgr = pc.CacheManager(paged_config())
+    mgr.add(1, prompt, extra_keys=reference)
+    mgr.schedule(1, 64)
+    mgr.commit(mgr.build_plan())
+    mgr.finish(1)
+    mgr.add(2, prompt, extra_keys=given)
+    assert mgr.lookup(2).tokens == 48
+
+
+@pytest.mark.parametrize(
+    "data", [b"\x01\x02", bytearray(b"\x01\x02"), memoryview(b"\x01\x02")], ids=repr
+)
+def test_byte_data_is_refused_where_integers_are_expected(
+    mgr: pc.CacheManager, data: bytes | bytearray | memoryview
+) -> None:
+    """Byte data is not a token or id list, whatever object holds it."""
+    kind = type(data).__name__
+    for call in (
+        lambda: mgr.add(3, data),
+        lambda: mgr.add(3, data, extends=1),
+        lambda: mgr.append(1, data),
+        lambda: pc.hash_prefix(data),
+        lambda: mgr.append_batch(data, [1, 2]),
+        lambda: mgr.append_batch([1, 2], data),
+        lambda: mgr.schedule_batch(data, 16),
+        lambda: mgr.schedule_batch([1, 2], data),
+    ):
+        with pytest.raises(
+            TypeError,
+            match=rf"must be a list of ints or a 1-D integer array, got {kind} \(byte data.*"
+            r"numpy\.frombuffer",
+        ):
+            call()  # type: ignore[arg-type]
+    assert mgr.num_tokens(1) == 41
+    still_usable(mgr)
+
+
+def test_a_sequence_named_twice_is_refused_by_every_batch_call(mgr: pc.CacheManager) -> None:
+    buffers = pc.PlanBuffers()
+    for name, call in (
+        ("append_batch", lambda: mgr.append_batch([1, 1], [5, 6])),
+        ("decode_step", lambda: mgr.decode_step(buffers, [1, 1], [5, 6])),
+        ("schedule_batch", lambda: mgr.schedule_batch([2, 2], 16)),
+    ):
+        with pytest.raises(pc.StepError, match=rf"sequence \d+ appears twice in one {name}"):
+            call()
+    assert mgr.num_tokens(1) == 41  # nothing was appended
+    still_usable(mgr)

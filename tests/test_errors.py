@@ -35,6 +35,17 @@ def test_every_core_variant_maps_to_its_own_class() -> None:
     assert len({type(e) for _, e in samples}) == len(EXPECTED)
 
 
+def test_every_class_the_module_registers_has_a_sample() -> None:
+    """A class added for a new core variant without a sample in `_error_samples` (so without
+    the mapping test above) fails here."""
+    registered = {
+        cls.kind: cls
+        for cls in vars(_core).values()
+        if isinstance(cls, type) and issubclass(cls, pc.PrefixCacheError) and cls.kind
+    }
+    assert registered == {kind: type(error) for kind, error in _core._error_samples()}
+
+
 def test_hierarchy() -> None:
     assert issubclass(pc.PrefixCacheError, Exception)
     assert issubclass(pc.InvalidRequestError, ValueError)

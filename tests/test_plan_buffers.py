@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import warnings
+from collections.abc import Callable
+
 import numpy as np
 import prefixcache as pc
 import pytest
-from conftest import hybrid_config, paged_config
+from conftest import hybrid_config, paged_config, run_prompt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -255,3 +259,148 @@ def test_buffers_follow_a_manager_with_other_groups() -> None:
         assert_same_plan(plan, buffers)
         assert len(buffers.paged) == len(plan.paged) and len(buffers.state) == len(plan.state)
         twins[1].commit(buffers)
+
+
+def test_buffers_holding_another_managers_step_in_flight_are_refused() -> None:
+    """Manager B's build into buffers that hold manager A's step, still in flight, would leave
+    A no plan to commit or abort it by: B refuses them, and A goes on."""
+    a, b = pc.CacheManager(paged_config()), pc.CacheManager(paged_config())
+    for mgr in (a, b):
+        mgr.add(1, list(range(40)))
+        mgr.schedule(1, 32)
+    buffers = pc.PlanBuffers()
+    step = a.build_plan_into(buffers)
+    held = rf"hold step {step} of another CacheManager \(the one with id\(\) {id(a)}\)"
+    for call in (
+        lambda: b.build_plan_into(buffers),
+        lambda: b.decode_step(buffers, [1], [7]),
+    ):
+        with pytest.raises(pc.StepError, match=rf"{held}.*abort_step\({step}\)"):
+            call()
+    assert buffers.step_id == step and b.plan_in_flight is None and b.num_tokens(1) == 40
+    a.commit(buffers)  # A's step is still there to commit
+    assert a.num_computed(1) == 32
+    run_prompt(a, 2, list(range(100, 140)))  # and A serves further steps
+    # A committed: B may take the buffers over, and A in turn refuses them.
+    b_step = b.build_plan_into(buffers)
+    assert buffers.step_id == b_step and buffers.seq_ids[:1].tolist() == [1]
+    a.append(1, [5])
+    a.schedule(1, 100)
+    with pytest.raises(pc.StepError, match=rf"step {b_step} of another CacheManager"):
+        a.build_plan_into(buffers)
+    b.commit(buffers)
+    a.build_plan_into(buffers)
+    a.commit(buffers)
+    # Buffers whose manager is gone hold no step anyone can end: any manager takes them.
+    c = pc.CacheManager(paged_config())
+    c.add(1, list(range(40)))
+    c.schedule(1, 40)
+    c.build_plan_into(buffers)
+    del c
+    gc.collect()
+    b.append(1, [6])
+    b.schedule(1, 100)
+    b.build_plan_into(buffers)
+    b.commit(buffers)
+    for mgr in (a, b):
+        mgr.check_invariants()
+
+
+def test_a_step_is_ended_by_its_id_when_its_plan_is_gone() -> None:
+    """`abort_step` / `commit_step`: the step in flight (`plan_in_flight`) ended without its
+    plan object, for buffers that were dropped or overwritten."""
+    mgr = pc.CacheManager(hybrid_config())
+    mgr.add(1, list(range(40)))
+    mgr.schedule(1, 40)
+    mgr.build_plan_into(pc.PlanBuffers())  # the buffers are dropped at once
+    step = mgr.plan_in_flight
+    assert step is not None
+    with pytest.raises(pc.StepError, match=f"plan of step {step} is in flight"):
+        mgr.finish(1)
+    with pytest.raises(pc.StalePlanError, match=f"step {step} is in flight"):
+        mgr.abort_step(step + 1)
+    with pytest.raises(pc.InvalidRequestError, match="step_id must be in"):
+        mgr.abort_step(-1)
+    with pytest.raises(TypeError, match="step_id must be an int"):
+        mgr.commit_step("1")  # type: ignore[arg-type]
+    mgr.abort_step(step)
+    assert mgr.plan_in_flight is None and mgr.num_computed(1) == 0
+    with pytest.raises(pc.StalePlanError, match="cannot abort it again"):
+        mgr.abort_step(step)
+    mgr.schedule(1, 40)
+    plan = mgr.build_plan()
+    mgr.commit_step(plan.step_id)
+    assert mgr.num_computed(1) == 40 and mgr.stats().commits == 1
+    with pytest.raises(pc.StalePlanError, match="already committed"):
+        mgr.commit(plan)
+    mgr.finish(1)
+    mgr.check_invariants()
+
+
+def _strided(array: np.ndarray) -> None:
+    with warnings.catch_warnings():  # setting strides is deprecated (NumPy 2.4), not gone
+        warnings.simplefilter("ignore", DeprecationWarning)
+        array.strides = (0,)
+
+
+# An array of the buffers changed in place from Python, and what the next build says.
+IN_PLACE_CHANGES: list[tuple[str, Callable[[pc.PlanBuffers], object], str]] = [
+    (
+        "resized",
+        lambda b: b.seq_ids.resize(2, refcheck=False),
+        r"PlanBuffers\.seq_ids was resized or reshaped to shape \(2,\) \(it is \(4,\)\)",
+    ),
+    (
+        "reshaped",
+        lambda b: setattr(b.paged[0].appended, "shape", (6, 2)),
+        r"PagedGroupBuffers\.appended was resized or reshaped to shape \(6, 2\) "
+        r"\(it is \(4, 3\)\)",
+    ),
+    (
+        "retyped",
+        lambda b: setattr(b.num_computed, "dtype", np.int16),
+        r"PlanBuffers\.num_computed had its dtype changed to int16 \(it is int32\)",
+    ),
+    (
+        "strided",
+        lambda b: _strided(b.query_start_loc),
+        r"PlanBuffers\.query_start_loc is no longer C-contiguous",
+    ),
+    (
+        "read-only",
+        lambda b: setattr(b.num_scheduled.flags, "writeable", False),
+        r"PlanBuffers\.num_scheduled was made read-only",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [(c, m) for _, c, m in IN_PLACE_CHANGES],
+    ids=[n for n, _, _ in IN_PLACE_CHANGES],
+)
+def test_an_array_changed_in_place_is_refused_with_what_happened(
+    change: Callable[[pc.PlanBuffers], object], message: str
+) -> None:
+    mgr = pc.CacheManager(paged_config())
+    buffers = pc.PlanBuffers(rows=4)
+    mgr.add(1, list(range(40)))
+    mgr.schedule(1, 40)
+    mgr.build_plan_into(buffers)
+    mgr.commit(buffers)
+    change(buffers)
+    mgr.add(2, list(range(100, 140)))
+    mgr.schedule(2, 40)
+    with pytest.raises(pc.InvalidRequestError, match=message) as error:
+        mgr.build_plan_into(buffers)
+    assert "do not resize, reshape, retype" in str(error.value)
+    assert "create a new PlanBuffers" in str(error.value)
+    # The engine never got the plan: it was taken out of flight again, and new buffers serve.
+    assert mgr.plan_in_flight is None and mgr.num_computed(2) == 0
+    fresh = pc.PlanBuffers(rows=4)
+    mgr.schedule(2, 40)
+    mgr.build_plan_into(fresh)
+    assert fresh.seq_ids[:1].tolist() == [2]
+    mgr.commit(fresh)
+    assert mgr.num_computed(2) == 40
+    mgr.check_invariants()

@@ -62,7 +62,7 @@ def test_threads_drive_distinct_sequences_through_steps() -> None:
 
     def next_turn(seqs: list[int]) -> None:
         for seq in seqs:  # each sequence's tokens were kept for `extends`
-            # A uint32 array: read in place with the GIL held, while other threads run.
+            # A uint32 array; the new tail is hashed without the GIL, while other threads run.
             tokens = np.array([*prompt(seq), 0, 1, 2, 3, 4, 5], dtype=np.uint32)
             added = mgr.add(seq, tokens, extends=seq)
             assert added.extends_found and added.hashed_units == 0
@@ -193,3 +193,74 @@ def test_threads_reading_a_plan_get_the_same_arrays() -> None:
     assert all(ids == seen[0] for ids in seen)  # one array per attribute, whoever made it
     assert plan.num_rows == 32 and plan.seq_ids.tolist() == list(range(32))
     mgr.commit(plan)
+
+
+def test_add_with_extends_hashes_the_new_tail_without_the_gil(long_switch_interval: None) -> None:
+    mgr = pc.CacheManager(
+        pc.CacheConfig(
+            pools=[pc.PoolConfig(num_blocks=64)],
+            groups=[pc.FullAttention(block_size=16, pool=0)],
+            hash=pc.HashConfig(algorithm="sha256", unit=16),
+        )
+    )
+    run_prompt(mgr, 1, list(range(64)))  # the first turn, finished
+    # The next turn: the 64 tokens of the first, then 4M new ones (about 25 ms of SHA-256).
+    turn = np.concatenate([np.arange(64), np.arange(1 << 22) % 50_000]).astype(np.uint32)
+    added: list[pc.Added] = []
+    assert ticks_during(lambda: added.append(mgr.add(2, turn, extends=1))) > 0
+    assert added[0].extends_found and added[0].reused_tokens == 64
+    assert added[0].hashed_units == (1 << 22) // 16
+    mgr.check_invariants()
+
+
+def test_buffers_used_while_another_thread_builds_into_them_raise_step_error() -> None:
+    """A build holds its buffers from before it takes the manager's lock until the plan is
+    written; using them meanwhile gets a `StepError` that says so."""
+    mgr = pc.CacheManager(
+        pc.CacheConfig(
+            pools=[pc.PoolConfig(num_blocks=1024)],
+            groups=[pc.FullAttention(block_size=16, pool=0)],
+            hash=pc.HashConfig(algorithm="sha256", unit=16),
+        )
+    )
+    refused = 0
+    for attempt in range(3):  # each attempt's prompts share nothing with the others'
+        mgr.add(attempt, [attempt * 1000 + t for t in range(64)])
+        mgr.schedule(attempt, 64)
+        buffers = pc.PlanBuffers()
+        # Another thread holds the manager's lock while it hashes 8M tokens (about 50 ms of
+        # SHA-256): the build waits for the lock without the GIL, holding the buffers.
+        many = np.arange(1 << 23, dtype=np.uint32) + np.uint32(attempt << 24)
+        hashing = threading.Thread(target=lambda a=attempt, t=many: mgr.add(100 + a, t))
+        hashing.start()
+        time.sleep(0.01)
+        builder = threading.Thread(target=lambda b=buffers: mgr.build_plan_into(b))
+        builder.start()
+        while builder.is_alive():
+            for use in (
+                lambda b=buffers: b.num_rows,
+                lambda b=buffers: b.seq_ids,
+                lambda b=buffers: b.counts,
+                lambda b=buffers: repr(b),
+                lambda b=buffers: mgr.commit(b),
+            ):
+                try:
+                    use()
+                except pc.StepError as e:
+                    if "no plan was built into them" in str(e):
+                        continue  # the build had not taken the buffers yet
+                    assert "being written by a build (build_plan_into or decode_step) in " in (
+                        str(e)
+                    )
+                    refused += 1
+            time.sleep(0)
+        builder.join()
+        hashing.join()
+        assert buffers.num_rows == 1 and buffers.num_tokens == 64
+        if mgr.plan_in_flight is not None:  # unless a commit in the loop came after the build
+            mgr.commit(buffers)
+        assert mgr.num_computed(attempt) == 64
+        if refused:
+            break
+    assert refused > 0
+    mgr.check_invariants()
