@@ -139,11 +139,12 @@ const PATHS: [&str; 38] = [
 ];
 
 /// What the traffic with extra keys, several state groups and hostile values must reach too.
-const EXTRA_PATHS: [&str; 21] = [
+const EXTRA_PATHS: [&str; 22] = [
     "add reused hashes of a prompt with images",
     "add reuse stopped by an extra key",
     "add refused unsorted multimodal inputs",
     "add refused a malformed multimodal input",
+    "add refused extra keys beyond a bound",
     "hit stopped by an image",
     "hit stopped by a salt or adapter",
     "cap evicted own checkpoint with a shared pool",

@@ -8,6 +8,7 @@
 //! (`refusal`), and how many units of digests `add` may take from another sequence
 //! (`reusable_units`: reuse stops at the earliest unit any differing extra key touches).
 
+use prefixcache_core::limits::{MAX_EXTRA_KEY_BYTES, MAX_MULTIMODAL_INPUTS};
 use prefixcache_core::{ExtraKeys, MultimodalInput};
 use proptest::prelude::*;
 
@@ -31,6 +32,12 @@ pub(crate) enum Fault {
     BeyondEnd,
     /// An input with an empty hash.
     EmptyHash,
+    /// A salt one byte over `MAX_EXTRA_KEY_BYTES`.
+    LongSalt,
+    /// An input whose hash is one byte over `MAX_EXTRA_KEY_BYTES`.
+    LongHash,
+    /// One input more than `MAX_MULTIMODAL_INPUTS`.
+    TooManyInputs,
 }
 
 /// What an `Add` does with extra keys.
@@ -64,6 +71,9 @@ pub(crate) fn extra_op() -> impl Strategy<Value = ExtraOp> {
         Just(Fault::Inverted),
         Just(Fault::BeyondEnd),
         Just(Fault::EmptyHash),
+        Just(Fault::LongSalt),
+        Just(Fault::LongHash),
+        Just(Fault::TooManyInputs),
     ];
     (
         prop::bool::weighted(0.6),
@@ -136,7 +146,7 @@ pub(crate) fn resolve(op: &ExtraOp, len: u32, base: Option<&ExtraKeys>) -> Extra
                         m.start -= 1;
                     }
                 }
-                4 | 1..=7 => {
+                1..=7 => {
                     let (s, l, c) = op.images.first().copied().unwrap_or((0, 2, 1));
                     let start = u32::from(s) % len;
                     keys.multimodal.push(image(start, (start + u32::from(l)).min(len), c));
@@ -186,15 +196,32 @@ pub(crate) fn resolve(op: &ExtraOp, len: u32, base: Option<&ExtraKeys>) -> Extra
             m.hash.clear();
             keys.multimodal.insert(0, m);
         }
+        Some(Fault::LongSalt) => keys.cache_salt = Some(vec![7; MAX_EXTRA_KEY_BYTES + 1]),
+        Some(Fault::LongHash) => {
+            let mut m = image(0, 1, 0);
+            m.hash = vec![9; MAX_EXTRA_KEY_BYTES + 1];
+            keys.multimodal.insert(0, m);
+        }
+        Some(Fault::TooManyInputs) => {
+            keys.multimodal = vec![image(0, 1, 0); MAX_MULTIMODAL_INPUTS + 1];
+        }
     }
     keys
 }
 
 /// Why `add` must refuse these extra keys for a prompt of `len` tokens, if it must: every
-/// input needs `start < end <= len` and a non-empty hash, and the list must be in order of
-/// (start, end).
+/// input needs `start < end <= len` and a non-empty hash of at most `MAX_EXTRA_KEY_BYTES`
+/// bytes (the salt too), there are at most `MAX_MULTIMODAL_INPUTS` of them, and the list must
+/// be in order of (start, end).
 pub(crate) fn refusal(keys: &ExtraKeys, len: u32) -> Option<&'static str> {
     let inputs = &keys.multimodal;
+    let too_long = |b: &[u8]| b.len() > MAX_EXTRA_KEY_BYTES;
+    if inputs.len() > MAX_MULTIMODAL_INPUTS
+        || keys.cache_salt.as_deref().is_some_and(too_long)
+        || inputs.iter().any(|m| too_long(&m.hash))
+    {
+        return Some("beyond a bound");
+    }
     if inputs.iter().any(|m| m.start >= m.end || m.end > len || m.hash.is_empty()) {
         return Some("malformed");
     }

@@ -16,6 +16,7 @@ use crate::reference::{Model, SeqModel};
 pub(crate) const HUGE_ID: u64 = u64::MAX;
 
 impl Model {
+    #[allow(clippy::too_many_lines)]
     pub(crate) fn hostile(&mut self, what: Hostile, pick: u8) -> Result<(), String> {
         let usage = self.m.pool_usage();
         let stats = self.m.stats();

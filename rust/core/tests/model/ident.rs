@@ -31,12 +31,15 @@ struct Node {
     plain: u32,
 }
 
+/// A unit's content: the identity before it, its tokens, the hashes of the inputs on it.
+type UnitContent = (u32, Vec<u32>, Vec<Vec<u8>>);
+
 /// The intern tables.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Idents {
     roots: HashMap<(Option<Vec<u8>>, Option<u64>), u32>,
     /// (parent, unit tokens, hashes of the inputs overlapping the unit) -> id.
-    units: HashMap<(u32, Vec<u32>, Vec<Vec<u8>>), u32>,
+    units: HashMap<UnitContent, u32>,
     /// Plain token chains: (parent, unit tokens) -> id.
     plain: HashMap<(u32, Vec<u32>), u32>,
     /// Node of id `i` at index `i - 1`.

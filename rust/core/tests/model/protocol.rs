@@ -205,6 +205,7 @@ impl Model {
             if invalid {
                 self.saw(match refusal {
                     Some("unsorted") => "add refused unsorted multimodal inputs",
+                    Some("beyond a bound") => "add refused extra keys beyond a bound",
                     _ => "add refused a malformed multimodal input",
                 });
             }

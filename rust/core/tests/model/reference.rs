@@ -294,7 +294,7 @@ impl Model {
     }
 
     pub(crate) fn prefix_of(&self, d: &Digest) -> Result<Prefix, String> {
-        self.digests.get(d).cloned().ok_or_else(|| {
+        self.digests.get(d).copied().ok_or_else(|| {
             "an event names a digest that is no prefix of any sequence (hashing disagrees with \
              hash_prefix)"
                 .to_string()
