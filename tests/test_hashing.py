@@ -145,7 +145,10 @@ def test_matches_the_reference_encoding(
     lora: int | None,
     mm: list[tuple[int, int, bytes]],
 ) -> None:
-    multimodal = [(s, s + n, h) for s, n, h in mm]
+    # Inputs the cache accepts: in order of start (ties by end), within the tokens.
+    multimodal = sorted(
+        ((s, s + n, h) for s, n, h in mm if s + n <= len(tokens)), key=lambda m: (m[0], m[1])
+    )
     extra = pc.ExtraKeys(
         cache_salt=salt,
         lora_id=lora,

@@ -961,7 +961,6 @@ mod tests {
             sha in any::<bool>(),
         ) {
             let algorithm = if sha { HashAlgorithm::Sha256 } else { HashAlgorithm::Xxh3_128 };
-            let config = HashConfig { algorithm, seed: 5, unit, verify_tokens: false };
             let mut one_shot = Vec::new();
             Hasher::new(algorithm, 5).extend(&all, unit, &extra, &mut one_shot);
             let mut ends: Vec<usize> = cuts.into_iter().map(|c| c.min(all.len())).collect();

@@ -71,6 +71,7 @@ pub(crate) fn try_vec<T>(len: usize, what: &str) -> Result<Vec<T>, String> {
 
 /// `bytes` as a short human-readable size (`1.5 GiB`).
 #[must_use]
+#[allow(clippy::cast_precision_loss)] // one decimal of a message: precision is not needed
 pub fn human_bytes(bytes: usize) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut value = bytes as f64;

@@ -287,29 +287,19 @@ impl CacheManager {
         let direct = extends
             .filter(|&o| n > 0 && !self.by_id.contains_key(&o))
             .and_then(|o| self.finished.serial_of(o));
-        let taken = direct.and_then(|serial| self.finished.take_serial(serial));
+        let taken = match direct {
+            Some(previous) => {
+                self.continue_finished(previous, seq_id, serial, common, n, capacity)?
+            }
+            None => None,
+        };
         let (owned, mut hashes) = if let Some(previous) = taken {
-            let (mut owned, mut hashes) = (previous.tokens, previous.hashes);
             if hint_chains.is_empty() {
                 hint_chains = previous.chains;
             }
-            // `common` was measured against exactly these tokens (a direct finished entry).
-            let keep = common;
-            let record = Continued {
-                by: seq_id,
-                by_serial: serial,
-                tokens: keep,
-                units: n,
-                tail_tokens: owned.split_off(keep),
-                tail_hashes: hashes.split_off(n),
-                extra: previous.extra,
-            };
-            self.finished.set_continued(previous.serial, previous.id, record);
-            owned
-                .try_reserve(capacity.saturating_sub(owned.len()))
-                .map_err(|_| CacheError::invalid("the prompt's tokens could not be allocated"))?;
-            owned.extend_from_slice(&tokens[keep..]);
-            (owned, hashes)
+            let mut owned = previous.tokens;
+            owned.extend_from_slice(&tokens[common..]);
+            (owned, previous.hashes)
         } else {
             let mut hashes = try_vec(capacity / unit as usize, "the digests of the prompt")
                 .map_err(CacheError::invalid)?;
@@ -359,6 +349,51 @@ impl CacheManager {
         };
         self.by_id.insert(seq_id, slot);
         Ok(Added { reused_tokens: reused as u32 * unit, hashed_units, extends_found })
+    }
+
+    /// Takes the buffers of finished sequence `serial` over for its continuation `seq_id`
+    /// (serial `by_serial`), which shares its first `common` tokens and `units` digests:
+    /// returns it with its tokens cut to `common` (with room for `capacity`) and its digests
+    /// cut to `units` (its extra keys went to the record). What the continuation does not share stays in a record.
+    /// The room is reserved before anything changes: on failure the finished sequence is kept
+    /// as it was.
+    fn continue_finished(
+        &mut self,
+        serial: u64,
+        seq_id: u64,
+        by_serial: u64,
+        common: usize,
+        units: usize,
+        capacity: usize,
+    ) -> Result<Option<FinishedSequence>> {
+        let unit = self.unit as usize;
+        if let Err(bytes) = self.finished.reserve(serial, capacity, capacity / unit) {
+            return Err(CacheError::invalid(format!(
+                "the continuation of a finished sequence needs {} more of memory, which could not \
+                 be allocated",
+                human_bytes(bytes)
+            )));
+        }
+        let Some(previous) = self.finished.take_serial(serial) else {
+            return Ok(None);
+        };
+        let (mut owned, mut hashes) = (previous.tokens, previous.hashes);
+        let record = Continued {
+            by: seq_id,
+            by_serial,
+            tokens: common,
+            units,
+            tail_tokens: owned.split_off(common),
+            tail_hashes: hashes.split_off(units),
+            extra: previous.extra,
+        };
+        self.finished.set_continued(previous.serial, previous.id, record);
+        Ok(Some(FinishedSequence {
+            tokens: owned,
+            hashes,
+            extra: ExtraKeys::default(),
+            ..previous
+        }))
     }
 
     /// Without `extends`, a live sequence with the same first unit stands in for it (with

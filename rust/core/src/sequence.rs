@@ -256,6 +256,21 @@ impl FinishedCache {
         self.entries.get(&serial)
     }
 
+    /// Grows the buffers of finished sequence `serial` to hold `tokens` tokens and `units`
+    /// digests, fallibly (their lengths, which the budget counts, do not change). `Err` carries
+    /// the bytes that could not be allocated; nothing changes then.
+    pub fn reserve(&mut self, serial: u64, tokens: usize, units: usize) -> Result<(), usize> {
+        let Some(entry) = self.entries.get_mut(&serial) else {
+            return Ok(());
+        };
+        let tokens = tokens.saturating_sub(entry.tokens.len());
+        let units = units.saturating_sub(entry.hashes.len());
+        let bytes = tokens.saturating_mul(4) + units.saturating_mul(std::mem::size_of::<Digest>());
+        entry.tokens.try_reserve(tokens).map_err(|_| bytes)?;
+        entry.hashes.try_reserve(units).map_err(|_| bytes)?;
+        Ok(())
+    }
+
     /// Takes a finished sequence's buffers out (its continuation owns them now).
     pub fn take_serial(&mut self, serial: u64) -> Option<FinishedSequence> {
         let entry = self.entries.remove(&serial)?;

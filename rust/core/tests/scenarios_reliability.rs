@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{tokens, Harness, Hybrid, ALL};
+use common::{tokens, Harness, ALL};
 use prefixcache_core::limits::{MAX_BATCH_SEQUENCES, MAX_LOOKAHEAD_TOKENS};
 use prefixcache_core::{
     hash_prefix, CacheConfig, CacheError, CacheEvent, CacheManager, ExtraKeys, GroupConfig,
