@@ -6,8 +6,10 @@
 //! predicts little; after every call it checks what must hold whatever the traffic
 //! (`fuzz_core/driver.rs`): `check_invariants`, errors that are typed and change nothing,
 //! hits that rest only on prefixes some committed step computed with the same tokens and extra
-//! keys, commits that store only what they computed, well-formed plans, and no block left owned
-//! once everything is finished. The reference model (`model.rs`) predicts everything, on
+//! keys, commits that store only what they computed, well-formed plans, plans that read only
+//! what the engine wrote there (`fuzz_core/content.rs`: the driver plays the engine, writing
+//! the KV, states and checkpoints each plan names), and no block left owned once everything
+//! is finished. The reference model (`model.rs`) predicts everything, on
 //! narrower traffic.
 //!
 //! By default a handful of cases run (a few seconds in a debug build). For a long run:
@@ -27,6 +29,8 @@ mod ident;
 
 #[path = "fuzz_core/config.rs"]
 mod config;
+#[path = "fuzz_core/content.rs"]
+mod content;
 #[path = "fuzz_core/driver.rs"]
 mod driver;
 #[path = "fuzz_core/ops.rs"]

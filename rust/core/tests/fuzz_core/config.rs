@@ -53,7 +53,7 @@ fn group(unit: u32, pools: usize) -> impl Strategy<Value = GroupConfig> {
 }
 
 fn pool() -> impl Strategy<Value = PoolConfig> {
-    prop_oneof![2 => 2u32..=8, 4 => 8u32..=48, 1 => 48u32..=400]
+    prop_oneof![1 => 2u32..=8, 3 => 8u32..=64, 2 => 64u32..=400]
         .prop_map(|num_blocks| PoolConfig { num_blocks })
 }
 

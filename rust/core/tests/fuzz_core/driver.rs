@@ -27,6 +27,7 @@ use prefixcache_core::{
     Hit, PoolUsage, Scheduled, StateGroupConfig, Stats, StepPlan,
 };
 
+use crate::content::Contents;
 use crate::extra::{refusal, resolve};
 use crate::ident::{Idents, Prefix};
 use crate::ops::{FuzzOp, Id, Num, Plan};
@@ -82,6 +83,10 @@ pub(crate) struct Fuzz {
     computed: HashSet<Prefix>,
     /// Scheduled for the next plan.
     pending: BTreeSet<u64>,
+    /// Sequences with a committed step since they were added or preempted.
+    committed_once: HashSet<u64>,
+    /// What the engine wrote into every block.
+    contents: Contents,
     in_flight: Option<StepPlan>,
     /// The plans built, the latest last (a few).
     built: Vec<StepPlan>,
@@ -137,6 +142,8 @@ impl Fuzz {
             finished: BTreeMap::new(),
             computed: HashSet::new(),
             pending: BTreeSet::new(),
+            committed_once: HashSet::new(),
+            contents: Contents::default(),
             in_flight: None,
             built: Vec::new(),
             reused: StepPlan::default(),
@@ -662,6 +669,7 @@ impl Fuzz {
             self.pending
         );
         self.check_plan(&plan)?;
+        self.check_contents(&plan)?;
         self.pending.clear();
         self.built.push(plan.clone());
         if self.built.len() > 4 {
@@ -797,6 +805,26 @@ impl Fuzz {
         Ok(())
     }
 
+    /// What a plan reads is what the engine wrote (`content.rs`).
+    fn check_contents(&mut self, plan: &StepPlan) -> Result<(), String> {
+        let seqs = &self.seqs;
+        let once = &self.committed_once;
+        let keys = |id: u64| seqs.get(&id).map(|s| s.keys.as_slice());
+        let first = |r: usize| !once.contains(&plan.seq_ids[r]);
+        self.contents.plan(&self.config, plan, &keys, &first)
+    }
+
+    /// The engine ran the plan: its writes, or garbage where an aborted step wrote.
+    fn run_plan(&mut self, plan: &StepPlan, committed: bool) -> Result<(), String> {
+        let seqs = &self.seqs;
+        let keys = |id: u64| seqs.get(&id).map(|s| s.keys.as_slice());
+        self.contents.ran(&self.config, plan, &keys, committed)?;
+        if committed {
+            self.committed_once.extend(plan.seq_ids.iter().copied());
+        }
+        Ok(())
+    }
+
     fn commit_in_flight(&mut self) -> Result<(), String> {
         if self.in_flight.is_some() {
             self.end_plan(&Plan::Current, false, true)?;
@@ -850,6 +878,7 @@ impl Fuzz {
             self.saw("a foreign plan with the step id in flight ended it");
         }
         let own = self.in_flight.take().ok_or("no plan in flight")?;
+        self.run_plan(&own, commit)?;
         if !commit {
             self.saw("abort");
             return self.absorb(&Stores::None);
@@ -913,6 +942,7 @@ impl Fuzz {
         if commits {
             // The commit happens first and stands even if the rest is refused.
             let own = self.in_flight.take().ok_or("no plan in flight")?;
+            self.run_plan(&own, true)?;
             stores = self.computed_by(&own);
         } else if commit.is_some() {
             ensure!(
@@ -963,6 +993,7 @@ impl Fuzz {
             self.pending
         );
         self.check_plan(&plan)?;
+        self.check_contents(&plan)?;
         self.pending.clear();
         self.built.push(plan.clone());
         if self.built.len() > 4 {
@@ -989,6 +1020,7 @@ impl Fuzz {
         }
         ensure!(self.in_flight.is_none(), "finish/preempt accepted with a plan in flight");
         self.pending.remove(&id);
+        self.committed_once.remove(&id);
         if !finish {
             return self.absorb(&Stores::None);
         }
@@ -1010,6 +1042,8 @@ impl Fuzz {
             return self.absorb(&Stores::None);
         }
         self.pending.clear();
+        self.committed_once.clear();
+        self.contents.clear();
         let events: Vec<CacheEvent> = self.m.drain_events().into_iter().map(|e| e.event).collect();
         ensure!(
             events.iter().all(|e| matches!(e, CacheEvent::AllBlocksCleared)),
@@ -1121,6 +1155,16 @@ impl Fuzz {
             ensure!(u.owned == 0, "pool {p} after finishing everything: {u:?}");
         }
         self.reset()?;
-        self.check()
+        self.check()?;
+        let names = [
+            "hit column read checked",
+            "copy-on-write source checked",
+            "resumed checkpoint checked",
+            "running state read checked",
+        ];
+        for (name, n) in names.into_iter().zip(self.contents.checked) {
+            *self.seen.entry(name).or_default() += n;
+        }
+        Ok(())
     }
 }

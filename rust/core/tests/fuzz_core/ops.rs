@@ -179,7 +179,7 @@ fn extra() -> impl Strategy<Value = ExtraOp> {
 
 pub(crate) fn op() -> impl Strategy<Value = FuzzOp> {
     prop_oneof![
-        10 => (new_id(), any::<u8>(), 1u8..=160, prop_oneof![2 => Just(0u8), 1 => 1u8..24],
+        10 => (new_id(), any::<u8>(), prop_oneof![3 => 1u8..=40, 1 => 41u8..=160], prop_oneof![2 => Just(0u8), 1 => 1u8..24],
                prop::option::of(id()), extra(), prop::bool::weighted(0.05))
             .prop_map(|(id, source, len, suffix, extends, extra, high_tokens)| FuzzOp::Add {
                 id, source, len, suffix, extends, extra, high_tokens
