@@ -23,8 +23,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use prefixcache_core::limits::{MAX_BATCH_SEQUENCES, MAX_LOOKAHEAD_TOKENS};
 use prefixcache_core::{
-    hash_prefix, CacheConfig, CacheError, CacheEvent, CacheManager, Digest, ExtraKeys, GroupKind,
-    Hit, PoolUsage, Scheduled, StateGroupConfig, Stats, StepPlan,
+    hash_prefix, CacheConfig, CacheError, CacheEvent, CacheManager, Digest, ExtraKeys, GroupConfig,
+    GroupKind, Hit, PoolUsage, Scheduled, StateGroupConfig, Stats, StepPlan,
 };
 
 use crate::content::Contents;
@@ -109,6 +109,23 @@ fn num(n: Num, small_scale: u32) -> u32 {
     }
 }
 
+/// A configuration unlike most the fuzz draws: two paged groups and two state groups.
+fn other_groups() -> CacheConfig {
+    let state =
+        || GroupKind::State(StateGroupConfig { reserve_per_sequence: 0, ..Default::default() });
+    CacheConfig {
+        hash: prefixcache_core::HashConfig { unit: 2, ..Default::default() },
+        pools: vec![prefixcache_core::PoolConfig { num_blocks: 64 }],
+        groups: vec![
+            GroupConfig { kind: state(), pool: 0 },
+            GroupConfig { kind: GroupKind::FullAttention { block_size: 4 }, pool: 0 },
+            GroupConfig { kind: GroupKind::SlidingWindow { block_size: 2, window: 4 }, pool: 0 },
+            GroupConfig { kind: state(), pool: 0 },
+        ],
+        ..CacheConfig::default()
+    }
+}
+
 fn not_invariant<T: std::fmt::Debug>(what: &str, r: &Result<T, CacheError>) -> Result<(), String> {
     ensure!(!matches!(r, Err(CacheError::Invariant { .. })), "{what}: {r:?}");
     Ok(())
@@ -118,18 +135,23 @@ impl Fuzz {
     /// A manager for `config`, and a second one that builds the foreign plans.
     pub(crate) fn new(config: CacheConfig) -> Result<Self, String> {
         let m = CacheManager::new(config.clone()).map_err(|e| format!("config refused: {e}"))?;
-        let mut other = CacheManager::new(config.clone()).map_err(|e| e.to_string())?;
+        // Plans of another manager of this configuration (steps 1 to 4) and of one with other
+        // groups (steps 1 and 2), whose refills must lay the plan out anew.
         let mut foreign = Vec::new();
         let unit = config.hash.unit;
-        for i in 0..4u32 {
-            let tokens: Vec<u32> = (0..3 * unit + i).map(|t| t + 7 * i).collect();
-            other
-                .add(u64::from(i), &tokens, ExtraKeys::default(), None)
-                .map_err(|e| e.to_string())?;
-            let _ = other.schedule(u64::from(i), u32::MAX, 0, false);
-            let plan = other.build_plan().map_err(|e| e.to_string())?;
-            other.commit(&plan).map_err(|e| e.to_string())?;
-            foreign.push(plan);
+        for (other, steps) in [(config.clone(), 4u32), (other_groups(), 2)] {
+            let mut other = CacheManager::new(other).map_err(|e| e.to_string())?;
+            let unit = other.config().hash.unit;
+            for i in 0..steps {
+                let tokens: Vec<u32> = (0..3 * unit + i).map(|t| t + 7 * i).collect();
+                other
+                    .add(u64::from(i), &tokens, ExtraKeys::default(), None)
+                    .map_err(|e| e.to_string())?;
+                let _ = other.schedule(u64::from(i), u32::MAX, 0, false);
+                let plan = other.build_plan().map_err(|e| e.to_string())?;
+                other.commit(&plan).map_err(|e| e.to_string())?;
+                foreign.push(plan);
+            }
         }
         Ok(Self {
             m,
