@@ -42,9 +42,22 @@ impl CacheManager {
         }
     }
 
-    /// Publishes what the plan's step wrote and advances every sequence.
+    /// Publishes what the plan's step wrote and advances every sequence. A plan another
+    /// manager built is refused (`StalePlan`), whatever its step id.
     pub fn commit(&mut self, plan: &StepPlan) -> Result<()> {
+        self.refuse_foreign(plan, "commit")?;
         self.commit_step(plan.step_id)
+    }
+
+    /// `StalePlan` for a plan this manager did not build.
+    fn refuse_foreign(&self, plan: &StepPlan, verb: &str) -> Result<()> {
+        if plan.manager == self.manager_id {
+            return Ok(());
+        }
+        Err(CacheError::StalePlan {
+            plan_step: plan.step_id,
+            state: format!("it was built by another manager; cannot {verb} it here"),
+        })
     }
 
     /// `commit` by step id.
@@ -69,6 +82,7 @@ impl CacheManager {
 
     /// Undoes the plan's step: nothing is published, every sequence is back where it was.
     pub fn abort(&mut self, plan: &StepPlan) -> Result<()> {
+        self.refuse_foreign(plan, "abort")?;
         self.abort_step(plan.step_id)
     }
 

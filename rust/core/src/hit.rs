@@ -283,7 +283,9 @@ impl CacheManager {
         {
             tokens -= unit;
         }
-        let top = groups.iter().map(|g| g.tokens).max().unwrap_or(0);
+        // Own hits within the bound only: a full-attention group reaching past another one's
+        // bound merely lost fewer blocks; no request diverged there.
+        let top = groups.iter().map(|g| g.tokens.min(bound)).max().unwrap_or(0);
         let junction = (top >= tokens + 2 * unit).then_some(top);
         (Hit { tokens, max_tokens, groups, junction }, chains)
     }

@@ -13,6 +13,7 @@
 //! buffers, its resume pin, its decode-tail snapshot and the blocks of its pending step.
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustc_hash::FxHashMap;
 
@@ -31,6 +32,9 @@ use crate::stats::{GroupStats, Stats};
 
 pub use crate::limits::MAX_SEQUENCE_TOKENS;
 use crate::limits::{human_bytes, try_vec, MAX_BATCH_SEQUENCES};
+
+/// The id of the next manager built (0 is no manager's: a default `StepPlan` is foreign).
+static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Refuses a batch of more than `MAX_BATCH_SEQUENCES` ids before anything is copied.
 pub(crate) fn check_batch_len(len: usize, call: &str) -> Result<()> {
@@ -105,6 +109,8 @@ pub struct PoolUsage {
 #[derive(Debug)]
 pub struct CacheManager {
     pub(crate) config: CacheConfig,
+    /// Unique in the process: the plans this manager builds carry it.
+    pub(crate) manager_id: u64,
     pub(crate) unit: u32,
     pub(crate) chunk_alignment: u32,
     pub(crate) groups: Vec<GroupRuntime>,
@@ -170,6 +176,7 @@ impl CacheManager {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
+            manager_id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             unit: config.hash.unit,
             chunk_alignment: config.chunk_alignment(),
             pools,

@@ -54,6 +54,8 @@ pub struct StateGroupPlan {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepPlan {
     pub step_id: u64,
+    /// The manager that built the plan (`commit` and `abort` refuse another manager's plan).
+    pub manager: u64,
     pub seq_ids: Vec<u64>,
     /// `[R + 1]`
     pub query_start_loc: Vec<i32>,
@@ -69,7 +71,8 @@ pub struct StepPlan {
 
 impl StepPlan {
     /// Empties every vector (keeping its memory) and lays out one part per group.
-    fn clear_for(&mut self, step_id: u64, groups: &[GroupRuntime]) {
+    fn clear_for(&mut self, manager: u64, step_id: u64, groups: &[GroupRuntime]) {
+        self.manager = manager;
         self.step_id = step_id;
         self.seq_ids.clear();
         self.query_start_loc.clear();
@@ -297,7 +300,7 @@ impl CacheManager {
         self.scheduled_tokens = 0;
         let step_id = self.next_step;
         self.next_step += 1;
-        plan.clear_for(step_id, &self.groups);
+        plan.clear_for(self.manager_id, step_id, &self.groups);
         plan.query_start_loc.push(0);
         // (state group part, row, column, offset, slot) of every interior checkpoint; empty,
         // so never allocated, in a step without any (every decode step).
@@ -426,6 +429,9 @@ impl CacheManager {
                 } else if p != end && planned_interior >= limit {
                     SkipReason::Capacity
                 } else if planned.len() >= available {
+                    // Selected for export, but no block could be taken for it: it counts
+                    // against C as a planned one whose allocation failed would.
+                    planned_interior += usize::from(p != end);
                     SkipReason::Budget
                 } else {
                     planned_interior += usize::from(p != end);

@@ -13,6 +13,7 @@ use common::{
 use prefixcache_core::{
     Added, CacheConfig, CacheError, CacheEvent, CacheManager, Digest, ExtraKeys, GroupConfig,
     GroupKind, HashConfig, MissReason, MultimodalInput, PoolConfig, Retention, StateGroupConfig,
+    StepPlan,
 };
 
 fn fa(num_blocks: u32) -> Harness {
@@ -1244,9 +1245,12 @@ fn decode_step_equals_commit_append_schedule_and_plan() {
             h.schedule(id, ALL);
         }
     }
+    // Equal plans, but for the manager that built each.
+    let same = |a: &StepPlan, b: &StepPlan| StepPlan { manager: b.manager, ..a.clone() } == *b;
     let mut plan = explicit.plan();
     let mut kept = fused.plan();
-    assert_eq!(plan, kept);
+    assert_ne!(plan.manager, kept.manager);
+    assert!(same(&plan, &kept));
     for step in 0..12u32 {
         let sampled: Vec<u32> = ids.iter().map(|&id| 1000 + step * 10 + id as u32).collect();
         explicit.commit(&plan);
@@ -1258,7 +1262,7 @@ fn decode_step_equals_commit_append_schedule_and_plan() {
             .call(|m| m.decode_step(Some(step_id), &ids, &sampled, &mut kept))
             .expect("decode_step");
         assert_eq!(got, expected);
-        assert_eq!(kept, plan, "step {step}");
+        assert!(same(&plan, &kept), "step {step}: {plan:?} != {kept:?}");
     }
     // Refused before anything changes (after the commit, which stands).
     let step_id = kept.step_id;
@@ -1266,6 +1270,24 @@ fn decode_step_equals_commit_append_schedule_and_plan() {
     let twice = fused.call(|m| m.decode_step(Some(step_id), &[1, 1], &[5, 6], &mut kept));
     assert!(matches!(twice, Err(CacheError::Step { .. })), "{twice:?}");
     assert_eq!((fused.m.plan_in_flight(), fused.m.num_tokens(1)), (None, before));
+}
+
+#[test]
+fn a_plan_built_by_another_manager_is_refused_whatever_its_step_id() {
+    let (mut a, mut b) = (fa(64), fa(64));
+    for h in [&mut a, &mut b] {
+        h.add(1, &tokens(1, 20));
+        h.schedule(1, ALL);
+    }
+    let (plan_a, plan_b) = (a.plan(), b.plan());
+    assert_eq!(plan_a.step_id, plan_b.step_id);
+    for r in [a.call(|m| m.commit(&plan_b)), a.call(|m| m.abort(&plan_b))] {
+        assert!(matches!(r, Err(CacheError::StalePlan { .. })), "{r:?}");
+        assert!(r.unwrap_err().to_string().contains("another manager"));
+    }
+    assert_eq!(a.m.plan_in_flight(), Some(plan_a.step_id));
+    a.commit(&plan_a);
+    b.commit(&plan_b);
 }
 
 #[test]

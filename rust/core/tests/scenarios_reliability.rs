@@ -272,3 +272,60 @@ fn counts_beyond_their_limits_are_config_errors() {
         assert!(matches!(err, CacheError::Config { .. }), "{err}");
     }
 }
+
+#[test]
+fn a_full_attention_group_reaching_past_another_ones_bound_is_no_junction() {
+    // Two full-attention groups; the second's small pool loses X's blocks to Y. X's resend hits
+    // 2 tokens, and no request diverged anywhere: the first group merely lost fewer blocks.
+    let mut h = Harness::new(CacheConfig {
+        hash: HashConfig { unit: 2, ..HashConfig::default() },
+        pools: vec![PoolConfig { num_blocks: 64 }, PoolConfig { num_blocks: 12 }],
+        groups: vec![
+            GroupConfig { kind: GroupKind::FullAttention { block_size: 2 }, pool: 0 },
+            GroupConfig { kind: GroupKind::FullAttention { block_size: 2 }, pool: 1 },
+        ],
+        ..CacheConfig::default()
+    });
+    let x: Vec<u32> = (0..20).collect();
+    h.serve(1, &x);
+    h.serve(2, &(100..120).collect::<Vec<_>>());
+    let hit = h.probe(&x);
+    assert_eq!((hit.groups[0].tokens, hit.groups[1].tokens), (18, hit.tokens));
+    assert_eq!(hit.junction, None);
+}
+
+#[test]
+fn checkpoints_without_a_block_still_count_against_the_per_step_limit() {
+    // C = 1, interval 2 and the tail, in a state pool with no block to spare: every position
+    // after the first selected one is a `capacity` skip, as it is with blocks to spare; only
+    // the selected one is a `budget` skip.
+    let state = StateGroupConfig {
+        alignment: 1,
+        max_checkpoints_per_step: Some(1),
+        retention: Retention { tail: true, interval: Some(2), junction: false, decode_tail: false },
+        reserve_per_sequence: 0,
+        ..StateGroupConfig::default()
+    };
+    let config = |state_blocks| CacheConfig {
+        hash: HashConfig { unit: 2, ..HashConfig::default() },
+        pools: vec![PoolConfig { num_blocks: 64 }, PoolConfig { num_blocks: state_blocks }],
+        groups: vec![
+            GroupConfig { kind: GroupKind::FullAttention { block_size: 2 }, pool: 0 },
+            GroupConfig { kind: GroupKind::State(state.clone()), pool: 1 },
+        ],
+        ..CacheConfig::default()
+    };
+    let skips = |state_blocks| {
+        let mut h = Harness::new(config(state_blocks));
+        h.add(1, &(0..8).collect::<Vec<_>>());
+        h.schedule(1, ALL);
+        let plan = h.plan();
+        h.commit(&plan);
+        h.m.stats().groups[1].checkpoints_skipped
+    };
+    // Skips by reason: unaligned, capacity, already cached, budget, mid step. With two spare
+    // blocks the tail at 6 (interior) and the snapshot at 8 are taken, 4 and 2 hit the limit.
+    assert_eq!(skips(5), [0, 2, 0, 0, 0]);
+    // With no spare block (the two running buffers take both): 6 and 8 get no block.
+    assert_eq!(skips(3), [0, 2, 0, 2, 0]);
+}

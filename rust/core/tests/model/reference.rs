@@ -413,7 +413,9 @@ impl Model {
             .collect();
         let tokens_hit =
             candidates(bound).find(|&l| (0..self.groups()).all(|g| allows(g, l))).unwrap_or(0);
-        let top = groups.iter().map(|g| g.tokens).max().unwrap_or(0);
+        // Where another request diverged: an own hit within the bound (a full-attention group
+        // that reaches past another one's bound merely lost fewer blocks).
+        let top = groups.iter().map(|g| g.tokens.min(bound)).max().unwrap_or(0);
         let junction = (top >= tokens_hit + 2 * unit).then_some(top);
         (Hit { tokens: tokens_hit, max_tokens, groups, junction }, unbounded)
     }
