@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 # Set-up is idempotent: pip skips what is already installed (torch is large; it is fetched once).
 INSTALL_STAMP := target/.python-installed
 
-.PHONY: install demo test test-rust test-python bench bench-python lint fmt clean
+.PHONY: install demo test test-rust test-python fuzz bench bench-python lint fmt clean
 
 $(INSTALL_STAMP): pyproject.toml rust/python/Cargo.toml rust/core/Cargo.toml $(shell find rust -name '*.rs') $(shell find python -name '*.py' -o -name '*.pyi')
 	$(PIP) install -q --disable-pip-version-check -e '.[demo,test]'
@@ -22,6 +22,23 @@ test-python: install
 	$(PYTHON) -m pytest -q tests
 
 test: test-rust test-python
+
+# Long fuzz runs (minutes; `make test` runs short, fixed-seed versions of each): the core's wide
+# fuzz property (1-3 pools, 1-4 groups, every call with hostile values) in release with
+# overflow checks and debug assertions on, the model-based properties at depth, then the Python
+# API's state machine. Each prints its seed and the operations it executed; a core failure is
+# shrunk and recorded in rust/core/tests/*.proptest-regressions (commit it), a Python one
+# printed as a minimal program. FUZZ_SEED=... replays a core run.
+FUZZ_CASES ?= 40000
+MODEL_CASES ?= 4000
+FUZZ_EXAMPLES ?= 2000
+FUZZ_CARGO := CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS=true CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
+	CARGO_TARGET_DIR=target/fuzz cargo test --release -p prefixcache-core
+
+fuzz: install
+	FUZZ_CASES=$(FUZZ_CASES) $(FUZZ_CARGO) --test fuzz_core -- --nocapture
+	PROPTEST_CASES=$(MODEL_CASES) $(FUZZ_CARGO) --test model
+	$(PYTHON) tests/fuzz_api.py --examples $(FUZZ_EXAMPLES)
 
 bench:
 	cargo bench -p prefixcache-core

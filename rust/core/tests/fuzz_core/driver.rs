@@ -882,8 +882,16 @@ impl Fuzz {
             (false, false) => self.m.abort_step(plan.step_id),
         };
         not_invariant("commit/abort", &r)?;
-        let ours = self.in_flight.as_ref().is_some_and(|p| p.step_id == plan.step_id);
+        // By plan, the step in flight ends only for the plan this manager built (a plan carries
+        // its manager); by id, any plan's id names it.
+        let ours = self
+            .in_flight
+            .as_ref()
+            .is_some_and(|p| p.step_id == plan.step_id && (!by_plan || p.manager == plan.manager));
         if !ours {
+            if by_plan && self.in_flight.as_ref().is_some_and(|p| p.step_id == plan.step_id) {
+                self.saw("a foreign plan with the step id in flight refused");
+            }
             ensure!(
                 matches!(r, Err(CacheError::StalePlan { .. })),
                 "commit/abort of step {} (in flight {:?}): {r:?}",
@@ -896,8 +904,8 @@ impl Fuzz {
         }
         r.map_err(|e| format!("commit/abort of the plan in flight: {e}"))?;
         if matches!(which, Plan::Foreign(_)) {
-            // Indistinguishable from this manager's own plan: it ends the step in flight.
-            self.saw("a foreign plan with the step id in flight ended it");
+            // `commit_step` / `abort_step` take an id, whoever built the plan it came from.
+            self.saw("a foreign plan's step id ended the step in flight");
         }
         let own = self.in_flight.take().ok_or("no plan in flight")?;
         self.run_plan(&own, commit)?;
