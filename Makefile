@@ -30,7 +30,7 @@ test: test-rust test-python
 # shrunk and recorded in rust/core/tests/*.proptest-regressions (commit it), a Python one
 # printed as a minimal program. FUZZ_SEED=... replays a core run.
 FUZZ_CASES ?= 40000
-MODEL_CASES ?= 4000
+MODEL_CASES ?= 20000
 FUZZ_EXAMPLES ?= 2000
 FUZZ_CARGO := CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS=true CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS=true \
 	CARGO_TARGET_DIR=target/fuzz cargo test --release -p prefixcache-core
