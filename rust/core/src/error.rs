@@ -43,12 +43,20 @@ pub enum CacheError {
     )]
     StalePlan { plan_step: u64, state: String },
 
-    /// A checkpoint position the kernel cannot write.
+    /// A checkpoint position the kernel cannot write; `reason` says which rule it breaks (the
+    /// backend's alignment, the hash unit, the chunk's range).
     #[error(
         "checkpoint at position {position} is offset {offset} from the chunk start {chunk_start}, \
-         not a multiple of the backend's alignment {alignment}; {valid}"
+         {reason}; {valid}"
     )]
-    Alignment { position: u32, offset: u32, alignment: u32, chunk_start: u32, valid: String },
+    Alignment {
+        position: u32,
+        offset: u32,
+        alignment: u32,
+        chunk_start: u32,
+        reason: String,
+        valid: String,
+    },
 
     /// `reset` while sequences still hold blocks.
     #[error("reset refused: {live} sequence(s) still hold blocks; finish or preempt them first")]

@@ -261,16 +261,21 @@ impl CacheManager {
             format!("nearest valid positions in chunk [{start}, {end}): {}", near.join(", "))
         };
         let offset = position.saturating_sub(start);
-        if position <= start || position > end {
-            return Err(CacheError::Alignment {
-                position,
-                offset,
-                alignment,
-                chunk_start: start,
-                valid: format!("position {position} is outside the chunk; {valid}"),
-            });
-        }
-        Err(CacheError::Alignment { position, offset, alignment, chunk_start: start, valid })
+        let reason = if position <= start || position > end {
+            format!("outside the chunk [{start}, {end})")
+        } else if position % unit != 0 {
+            format!("not a multiple of the hash unit {unit} (checkpoints sit on unit boundaries)")
+        } else {
+            format!("not a multiple of the backend's alignment {alignment}")
+        };
+        Err(CacheError::Alignment {
+            position,
+            offset,
+            alignment,
+            chunk_start: start,
+            reason,
+            valid,
+        })
     }
 
     /// Builds the plan of every sequence scheduled since the last plan and puts it in flight.

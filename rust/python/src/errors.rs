@@ -184,6 +184,7 @@ pub fn samples() -> Vec<CacheError> {
             offset: 20,
             alignment: 16,
             chunk_start: 0,
+            reason: "not a multiple of the backend's alignment 16".to_string(),
             valid: message(),
         },
         CacheError::ResetRefused { live: 1 },

@@ -792,11 +792,21 @@ impl Model {
                     offset,
                     alignment: a,
                     chunk_start,
+                    reason,
                     valid: text,
                 }),
             ) => {
                 self.saw("checkpoint request off the grid");
-                let (s, _) = chunk.ok_or("no chunk")?;
+                let (s, e) = chunk.ok_or("no chunk")?;
+                // The rule it breaks, by precedence: the chunk's range, the unit, the grid.
+                let broken = if p <= s || p > e {
+                    "outside the chunk"
+                } else if p % self.unit != 0 {
+                    "hash unit"
+                } else {
+                    "alignment"
+                };
+                ensure!(reason.contains(broken), "AlignmentError for {p} in ({s}, {e}]: {reason}");
                 ensure!(
                     position == p
                         && offset == p.saturating_sub(s)
