@@ -264,7 +264,10 @@ impl CacheManager {
         let reason = if position <= start || position > end {
             format!("outside the chunk [{start}, {end})")
         } else if position % unit != 0 {
-            format!("not a multiple of the hash unit {unit} (checkpoints sit on unit boundaries)")
+            format!(
+                "not a multiple of the hash unit {unit} (checkpoints sit on unit boundaries, at \
+                 offsets that are multiples of the backend's alignment {alignment})"
+            )
         } else {
             format!("not a multiple of the backend's alignment {alignment}")
         };
