@@ -44,8 +44,10 @@ import argparse
 import contextlib
 import hashlib
 import math
+import os
 import re
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -74,6 +76,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 OPERATIONS = 0
 """Calls into prefixcache made by the fuzzer so far (all programs, shrinking included)."""
+HUGE_POOL_CHECKED = False
 
 SEQ_ID_MAX = 2**63 - 1
 U32_MAX = 2**32 - 1
@@ -376,6 +379,12 @@ class Seq:
     """Tokens committed when the sequence has started; ``None`` when its next schedule starts
     from a fresh lookup (after ``add`` or ``preempt``)."""
     digests: list[bytes] | None = None
+    prefill: int | None = None
+    """Tokens known when its prefill was first scheduled (the tail is retained from it)."""
+    retained: set[int] = field(default_factory=set)
+    """Positions a checkpoint may be taken at besides the policy's rules: the tails, the
+    junctions of its lookups (``-1``: any, a junction unknown)."""
+    requested: set[int] = field(default_factory=set)
 
     def unit_key(self, j: int, unit: int) -> tuple[Any, ...]:
         lo, hi = j * unit, (j + 1) * unit
@@ -392,6 +401,10 @@ class Seq:
             lora_id=self.lora,
             multimodal=[pc.MultimodalInput(s, e, h) for s, e, h in self.multimodal],
         )
+
+
+def hit_summary(hit: pc.Hit) -> tuple[Any, ...]:
+    return (hit.tokens, hit.max_tokens, hit.junction, [(g.tokens, g.stop) for g in hit.groups])
 
 
 def common_prefix(a: Seq, b: Seq, unit: int) -> int:
@@ -467,8 +480,8 @@ def configs(draw: st.DrawFn) -> pc.CacheConfig:
         finished_cache_bytes=draw(st.sampled_from([0, 64, 1024, 64 << 20])),
         reuse_live_prefixes=draw(st.booleans()),
         recently_evicted_capacity=draw(st.sampled_from([0, 2, 4096])),
-        enable_events=draw(st.sampled_from([True, True, True, False])),
-        max_pending_events=draw(st.sampled_from([1, 8, 1 << 20, 1 << 20])),
+        enable_events=draw(st.sampled_from([True] * 6 + [False])),
+        max_pending_events=draw(st.sampled_from([1, 8] + [1 << 20] * 6)),
     )
 
 
@@ -563,11 +576,14 @@ class FuzzMachine(RuleBasedStateMachine):
         self.live: dict[int, Seq] = {}
         self.finished: dict[int, Seq] = {}
         self.computed: set[tuple[Any, ...]] = set()
+        self.since_reset: set[tuple[Any, ...]] = set()  # the same, since the last reset
         self.pending: dict[int, tuple[int | None, int]] = {}
         self.flight: Flight | None = None
         self.ended: list[Any] = []  # plans committed or aborted (stale now)
         self.commits = 0
         self.aborts = 0
+        self.refused = 0
+        self.scheduled_tokens = 0
         self.finishes = 0
         self.cleared = True  # nothing published since the start or the last reset
         self.last_event = -1
@@ -686,7 +702,7 @@ class FuzzMachine(RuleBasedStateMachine):
     def was_computed(self, seq: Seq, length: int) -> bool:
         return length == 0 or seq.identity(length, self.unit) in self.computed
 
-    def check_hit(self, seq: Seq, hit: pc.Hit, label: str) -> None:
+    def check_hit(self, seq: Seq, hit: pc.Hit, label: str, reference: bool = True) -> None:
         unit = self.unit
         n = len(seq.tokens)
         top = ((n - 1) // unit) * unit
@@ -710,6 +726,13 @@ class FuzzMachine(RuleBasedStateMachine):
         for i, g in enumerate(hit.groups):
             self.check(g.group == i, f"{where}: groups out of order")
             self.check(g.stop in STOPS, f"{where}: unknown stop {g.stop!r}")
+            kind = self.cfg.groups[i]
+            self.check(
+                (g.stop != "no_state_at_position" or isinstance(kind, pc.StateGroup))
+                and (g.stop != "window_gap" or isinstance(kind, pc.SlidingWindow))
+                and (g.stop != "recently_evicted" or self.cfg.recently_evicted_capacity > 0),
+                f"{where}: group {i} ({type(kind).__name__}) stops with {g.stop!r}",
+            )
             self.check(
                 (g.stop is None) == (g.tokens == top),
                 f"{where}: group {i} stop {g.stop!r} with {g.tokens} of {top}",
@@ -723,22 +746,120 @@ class FuzzMachine(RuleBasedStateMachine):
                         g.tokens <= bound,
                         f"{where}: group {i}'s own hit is above the full-attention bound {bound}",
                     )
-        largest = max(own)
+        # The junction: the largest own hit, never above the full-attention bound.
+        bound = min((own[i] for i in self.full_groups), default=top)
+        largest = min(max(own), bound)
         if hit.junction is None:
             self.check(
                 largest < hit.tokens + 2 * unit,
-                f"{where}: no junction although a group's own hit is {largest}",
+                f"{where}: no junction although a group's own hit reaches {largest}",
             )
         else:
             self.check(
                 hit.junction == largest and hit.junction >= hit.tokens + 2 * unit,
-                f"{where}: junction is not the largest own hit (>= L + 2U)",
+                f"{where}: junction is not the largest own hit up to the bound {bound} "
+                "(and >= L + 2U)",
             )
+        self.check_exact_paged_hit(seq, hit, where, top)
+        if reference:
+            self.check_hit_against_events(seq, hit, where, top)
         if self.cleared:
             self.check(
                 hit.tokens == 0 and largest == 0,
                 f"{where}: a hit with nothing published since reset",
             )
+
+    def check_exact_paged_hit(self, seq: Seq, hit: pc.Hit, where: str, top: int) -> None:
+        """With paged groups only and no block ever evicted since the last reset, every key
+        a commit published is still there: the hit is the longest prefix ever computed with
+        the sequence's extra keys (below the bound), for every group, and nothing stops for
+        having been evicted."""
+        if self.state_groups:
+            return
+        stats = self.call(Expect(), "stats()", self.mgr.stats)
+        if stats.evictions:
+            return
+        unit = self.unit
+        expected = max(
+            (p for p in range(0, top + 1, unit) if seq.identity(p, unit) in self.since_reset),
+            default=0,
+        )
+        own = [g.tokens for g in hit.groups]
+        self.check(
+            hit.tokens == expected and all(t == expected for t in own),
+            f"{where}: nothing was ever evicted, so every group should hit {expected} tokens "
+            "(the longest prefix computed with these extra keys)",
+        )
+        self.check(
+            all(g.stop != "recently_evicted" for g in hit.groups),
+            f"{where}: recently_evicted although nothing was evicted",
+        )
+
+    def alive_keys(self) -> dict[int, set[bytes]]:
+        """Per group, the keys some block holds now, as the events told (stored, not removed
+        since)."""
+        alive: dict[int, set[bytes]] = {}
+        for (group, _block), keys in self.keys_on.items():
+            alive.setdefault(group, set()).update(keys)
+        return alive
+
+    def resumable(self, group: int, seq: Seq, length: int, alive: set[bytes]) -> bool:
+        """Whether ``group`` can resume ``seq`` at ``length`` with the keys ``alive`` (the
+        hit rule of the design, group by group)."""
+        if length == 0:
+            return True
+        digests, unit = self.digests(seq), self.unit
+
+        def key(position: int) -> bool:
+            return digests[position // unit - 1] in alive
+
+        g = self.cfg.groups[group]
+        if isinstance(g, pc.StateGroup):
+            return key(length)
+        first = 0
+        if isinstance(g, pc.SlidingWindow):
+            first = max(0, length - g.window) // g.block_size
+        full = length // g.block_size
+        boundaries = [(j + 1) * g.block_size for j in range(first, full)]
+        return all(key(q) for q in boundaries) and (length % g.block_size == 0 or key(length))
+
+    def check_hit_against_events(self, seq: Seq, hit: pc.Hit, where: str, top: int) -> None:
+        """When every event was seen, the hit is the one the design's rule gives for the keys
+        the events say are alive: each full-attention group's longest prefix, the others'
+        longest position at or below their bound, the largest position every group can
+        resume at, and the junction."""
+        if not self.events_exact:
+            return
+        stats = self.call(Expect(), "stats()", self.mgr.stats)
+        if stats.events_dropped:
+            return
+        alive = self.alive_keys()
+        unit, groups = self.unit, range(len(self.cfg.groups))
+        positions = range(unit, top + 1, unit)
+
+        def longest(group: int, bound: int) -> int:
+            keys = alive.get(group, set())
+            ok = [p for p in positions if p <= bound and self.resumable(group, seq, p, keys)]
+            return max(ok, default=0)
+
+        own = {g: longest(g, top) for g in self.full_groups}
+        bound = min(own.values(), default=top)
+        own |= {g: longest(g, bound) for g in groups if g not in own}
+        every = [
+            p
+            for p in positions
+            if p <= bound and all(self.resumable(g, seq, p, alive.get(g, set())) for g in groups)
+        ]
+        expected = max(every, default=0)
+        largest = min(max(own.values()), bound)
+        junction = largest if largest >= expected + 2 * unit else None
+        got = (hit.tokens, [g.tokens for g in hit.groups], hit.junction)
+        want = (expected, [own[g] for g in groups], junction)
+        self.check(
+            got == want,
+            f"{where}: the keys alive (from the events) give hit {want[0]}, own hits {want[1]}, "
+            f"junction {want[2]}",
+        )
 
     def check_rows(self, rows: list[tuple[int, int, int]], label: str) -> None:
         """The rows of a plan just built are what was scheduled, from where each sequence is."""
@@ -823,6 +944,11 @@ class FuzzMachine(RuleBasedStateMachine):
                         f"{label}: state group {group} checkpoint offset {o} in chunk "
                         f"[{nc}, {nc + n}) (A={g.alignment}, U={unit})",
                     )
+                    self.check(
+                        self.is_retained(rows[r][0], g, nc + o, decode_tail=False),
+                        f"{label}: state group {group} checkpoints position {nc + o} of sequence "
+                        f"{rows[r][0]}, not a position its retention keeps",
+                    )
                 C = g.max_checkpoints_per_step
                 self.check(
                     C is None or len(taken) <= C,
@@ -837,6 +963,12 @@ class FuzzMachine(RuleBasedStateMachine):
                 self.check(
                     run in list(running) and 0 < slot < blocks, f"{label}: snapshot ({run}, {slot})"
                 )
+                s, nc, n = rows[list(running).index(run)]
+                self.check(
+                    self.is_retained(s, g, nc + n, decode_tail=n > 0 and nc >= self.prefill_of(s)),
+                    f"{label}: state group {group} snapshots position {nc + n} of sequence {s} "
+                    f"(chunk [{nc}, {nc + n})), not a position its retention keeps",
+                )
         for group, src, dst, n in view["copies"]:
             g = self.paged.get(int(group))
             self.check(g is not None, f"{label}: copy in group {group}, not a paged group")
@@ -846,7 +978,35 @@ class FuzzMachine(RuleBasedStateMachine):
                 f"{label}: copy {(group, src, dst, n)}",
             )  # type: ignore[union-attr]
 
+    def prefill_of(self, seq_id: int) -> int:
+        prefill = self.live[seq_id].prefill
+        return len(self.live[seq_id].tokens) if prefill is None else prefill
+
+    def is_retained(self, seq_id: int, g: pc.StateGroup, p: int, decode_tail: bool) -> bool:
+        """Whether state group ``g`` may checkpoint ``seq_id`` at ``p``: its tail, a multiple
+        of the interval, its junction, a requested position, or a decode tail."""
+        seq, ret = self.live[seq_id], g.retention
+        if p % self.unit:
+            return False
+        tails = {((len(seq.tokens) - 1) // self.unit) * self.unit}
+        return (
+            (ret.tail and p in seq.retained | tails)
+            or (ret.interval is not None and p % ret.interval == 0)
+            or (ret.junction and (p in seq.retained or -1 in seq.retained))
+            or p in seq.requested
+            or (ret.decode_tail and decode_tail)
+        )
+
     def view_of_plan(self, plan: pc.StepPlan) -> dict[str, Any]:
+        self.check(
+            plan.seq_ids is plan.seq_ids and plan.copies is plan.copies,
+            "build_plan: a StepPlan array is not the same object on a second read",
+        )
+        self.check(
+            [p.group for p in plan.paged] == sorted(self.paged)
+            and [q.group for q in plan.state] == [i for i, _ in self.state_groups],
+            "build_plan: the plan's groups are not the configuration's",
+        )
         rows = list(
             zip(
                 plan.seq_ids.tolist(),
@@ -878,6 +1038,13 @@ class FuzzMachine(RuleBasedStateMachine):
 
     def view_of_buffers(self, b: pc.PlanBuffers) -> dict[str, Any]:
         r, t = b.num_rows, b.num_tokens
+        counts = [r, t, b.num_copies]
+        counts += [n for p in b.paged for n in (p.num_appended, p.num_replaced)]
+        counts += [n for q in b.state for n in (q.max_checkpoints, q.num_snapshots)]
+        self.check(
+            b.counts == tuple(counts),
+            f"build_plan_into: counts {b.counts} are not the buffers' counts {tuple(counts)}",
+        )
         rows = list(
             zip(
                 b.seq_ids[:r].tolist(),
@@ -924,6 +1091,7 @@ class FuzzMachine(RuleBasedStateMachine):
         self.check_plan_arrays(view, label)
         self.flight = Flight(obj, step_id, view["rows"])
         self.pending.clear()
+        self.check_plan_against_tables(view, label)
 
     def committed(self, label: str) -> None:
         """The model of a commit of the plan in flight (it succeeded)."""
@@ -934,6 +1102,7 @@ class FuzzMachine(RuleBasedStateMachine):
             seq = self.live[s]
             for p in range((nc // self.unit + 1) * self.unit, nc + n + 1, self.unit):
                 self.computed.add(seq.identity(p, self.unit))
+                self.since_reset.add(seq.identity(p, self.unit))
             seq.own = nc + n
             storers.append(seq)
         self.ended.append(flight.obj)
@@ -1003,6 +1172,118 @@ class FuzzMachine(RuleBasedStateMachine):
                 self.check(cleared, f"{label}: AllBlocksCleared outside reset")
                 self.keys_on.clear()
 
+    def computed_of(self, seq: Seq) -> int:
+        """Tokens of ``seq`` whose KV its block table may already hold: committed, or the
+        hit it starts from when scheduled (or in flight) for its first step."""
+        if seq.own is not None:
+            return seq.own
+        if self.flight is not None:
+            for s, nc, _ in self.flight.rows:
+                if s == seq.seq_id:
+                    return nc
+        nc = self.pending.get(seq.seq_id, (None, 0))[0]
+        return nc or 0
+
+    def tables(self) -> dict[int, dict[int, list[int]]]:
+        """Per paged group, each live sequence's block-table row."""
+        ids = sorted(self.live)
+        out: dict[int, dict[int, list[int]]] = {}
+        for g in self.paged:
+            table = self.call(
+                Expect(), f"block_table({g})", lambda g=g: self.mgr.block_table(g, ids)
+            )
+            out[g] = {s: row.tolist() for s, row in zip(ids, table, strict=True)}
+        return out
+
+    def check_block_tables(self) -> None:
+        """No block is in two groups' tables, twice in one row, or in two sequences' rows
+        unless it is a full block of a prefix both computed with the same extra keys."""
+        if not self.live or not self.paged:
+            return
+        tables = self.tables()
+        owner: dict[tuple[int, int], int] = {}  # (pool, block) -> group
+        for g, rows in tables.items():
+            pool, size = self.paged[g].pool, self.paged[g].block_size
+            holders: dict[int, list[tuple[int, int]]] = {}
+            for s, row in rows.items():
+                blocks = [b for b in row if b]
+                self.check(
+                    len(set(blocks)) == len(blocks),
+                    f"block_table({g}, [{s}]) repeats a block: {row}",
+                )
+                for column, block in enumerate(row):
+                    if block:
+                        holders.setdefault(block, []).append((s, column))
+            for block, users in holders.items():
+                other = owner.setdefault((pool, block), g)
+                self.check(other == g, f"block {block} of pool {pool} is in groups {other} and {g}")
+                if len(users) < 2:
+                    continue
+                columns = {c for _, c in users}
+                self.check(
+                    len(columns) == 1,
+                    f"block {block} of group {g} is at different columns of sequences {users}",
+                )
+                end = (users[0][1] + 1) * size
+                seqs = [self.live[s] for s, _ in users]
+                for seq in seqs:
+                    self.check(
+                        self.computed_of(seq) >= end,
+                        f"block {block} of group {g} is shared by sequences {[s for s, _ in users]}"
+                        f" but sequence {seq.seq_id} has computed only {self.computed_of(seq)} of "
+                        f"its {end} tokens",
+                    )
+                first = seqs[0].identity(end - end % self.unit, self.unit)
+                tokens_equal = len({tuple(q.tokens[:end]) for q in seqs}) == 1
+                self.check(
+                    tokens_equal
+                    and all(q.identity(end - end % self.unit, self.unit) == first for q in seqs),
+                    f"block {block} of group {g} (tokens up to {end}) is shared by sequences "
+                    f"{[s for s, _ in users]} whose prefixes differ in tokens or extra keys",
+                )
+
+    def check_plan_against_tables(self, view: dict[str, Any], label: str) -> None:
+        """Each scheduled token's KV slot is in its sequence's block table at its position,
+        in a block no other live sequence holds (published content never changes)."""
+        if not self.paged or not view["rows"]:
+            return
+        tables = self.tables()
+        for group, slots, appended, _replaced in view["paged"]:
+            size = self.paged[group].block_size
+            rows = tables[group]
+            users: dict[int, set[int]] = {}
+            for s, row in rows.items():
+                for b in row:
+                    if b:
+                        users.setdefault(b, set()).add(s)
+            i = 0
+            for s, nc, n in view["rows"]:
+                row = rows[s]
+                for pos in range(nc, nc + n):
+                    block = int(slots[i]) // size
+                    i += 1
+                    column = pos // size
+                    self.check(
+                        column < len(row) and row[column] == block,
+                        f"{label}: group {group} writes position {pos} of sequence {s} into "
+                        f"block {block}, but its table holds "
+                        f"{row[column] if column < len(row) else None}",
+                    )
+                    self.check(
+                        users.get(block, set()) == {s},
+                        f"{label}: group {group} writes position {pos} of sequence {s} into "
+                        f"block {block}, which sequences {sorted(users.get(block, set()) - {s})} "
+                        "hold too",
+                    )
+            for r, column, block in appended:
+                s = view["rows"][r][0]
+                row = rows[s]
+                self.check(
+                    column < len(row) and row[column] == block,
+                    f"{label}: appended ({r}, {column}, {block}) is not in sequence {s}'s "
+                    f"table {row}",
+                )
+
     # -- invariants -----------------------------------------------------------------------------
 
     @invariant()
@@ -1025,6 +1306,7 @@ class FuzzMachine(RuleBasedStateMachine):
             if seq.own is not None:
                 c = self.call(Expect(), "num_computed", lambda s=s: mgr.num_computed(s))
                 self.check(c == seq.own, f"num_computed({s}) = {c}, model {seq.own}")
+        self.check_block_tables()
         cached = mgr.num_finished_cached
         self.check(
             cached <= self.finishes and (cached == 0 or self.cfg.finished_cache_bytes > 0),
@@ -1203,6 +1485,14 @@ class FuzzMachine(RuleBasedStateMachine):
             self.check(
                 not added.extends_found, f"{where}: extends={ext_id} was never added, yet found"
             )
+        elif ext_id is not None:
+            tokens_bytes = 4 * len(self.finished[ext_id].tokens)
+            self.check(
+                not added.extends_found or tokens_bytes <= self.cfg.finished_cache_bytes,
+                f"{where}: finished sequence {ext_id} found, but its tokens alone take "
+                f"{tokens_bytes} bytes, more than finished_cache_bytes="
+                f"{self.cfg.finished_cache_bytes}",
+            )
         if ext_id is None:
             self.check(not added.extends_found, f"{where}: extends_found without extends")
         self.check(
@@ -1234,6 +1524,11 @@ class FuzzMachine(RuleBasedStateMachine):
         hit = self.call(expect, f"lookup({seq_id!r})", lambda: self.mgr.lookup(seq_id))
         if seq is not None and not isinstance(hit, BaseException):
             self.check_hit(seq, hit, "lookup")
+            again = self.call(expect, f"lookup({seq_id!r}) again", lambda: self.mgr.lookup(seq_id))
+            self.check(
+                hit_summary(again) == hit_summary(hit),
+                f"lookup({seq_id}) changed between two calls: {hit!r}, then {again!r}",
+            )
 
     def schedule_expect(self, seq_id: object, seq: Seq | None, expect: Expect) -> None:
         self.in_flight_expect(expect, "schedule")
@@ -1244,17 +1539,27 @@ class FuzzMachine(RuleBasedStateMachine):
                 expect.must(pc.NothingToScheduleError, f"{seq.seq_id} is computed")
 
     def scheduled(
-        self, seq: Seq, result: pc.Scheduled | None, budget: int, exact: bool, label: str
+        self,
+        seq: Seq,
+        result: pc.Scheduled | None,
+        budget: int,
+        exact: bool,
+        label: str,
+        reference: bool = True,
     ) -> None:
+        """Checks a schedule's result (``reference``: its hit was looked up in the state the
+        events describe, not after an earlier schedule of the same batch allocated)."""
         if result is None:
+            self.refused += 1
             return
         where = f"{label} -> {result!r}"
         self.check(result.seq_id == seq.seq_id, f"{where}: seq_id")
         nc, ns, n = result.num_computed, result.num_tokens, len(seq.tokens)
         if seq.own is None:
             self.check(result.hit is not None, f"{where}: a first schedule without its hit")
-            self.check_hit(seq, result.hit, label)
+            self.check_hit(seq, result.hit, label, reference)
             self.check(nc == result.hit.tokens, f"{where}: starts at {nc}, not at its hit")
+            self.first_scheduled(seq, result.hit.junction)
         else:
             self.check(
                 result.hit is None and nc == seq.own,
@@ -1268,8 +1573,21 @@ class FuzzMachine(RuleBasedStateMachine):
             f"{where}: scheduled {ns} tokens, expected {max(0, end - nc)} "
             f"(budget {budget}, grid {self.grid}, exact={exact})",
         )
-        if ns > 0:
+        if result.num_tokens > 0:
             self.pending[seq.seq_id] = (nc, ns)
+        self.scheduled_tokens += ns
+        self.retain_tail(seq)
+
+    def first_scheduled(self, seq: Seq, junction: int | str | None) -> None:
+        """A first schedule (after add or preempt): the prefill's length, its junction."""
+        seq.prefill = len(seq.tokens)
+        if junction == "unknown":
+            seq.retained.add(-1)
+        elif junction is not None:
+            seq.retained.add(int(junction))
+
+    def retain_tail(self, seq: Seq) -> None:
+        seq.retained.add(((len(seq.tokens) - 1) // self.unit) * self.unit)
 
     @precondition(lambda self: bool(self.live))
     @rule(who=WHO, budget=BUDGET, lookahead=LOOKAHEAD, exact=EXACT)
@@ -1290,12 +1608,21 @@ class FuzzMachine(RuleBasedStateMachine):
             expect.must(TypeError, f"exact={exact!r} is not a bool")
         label = f"schedule({seq_id!r}, {budget!r}, lookahead={lookahead!r}, exact={exact!r})"
         kwargs = {} if lookahead is None else {"lookahead": lookahead}
+        before = None
+        if seq is not None and seq.own is None and not expect.errors:
+            before = self.call(Expect(), f"lookup({seq_id})", lambda: self.mgr.lookup(seq_id))
         result = self.call(
             expect, label, lambda: self.mgr.schedule(seq_id, budget, exact=exact, **kwargs)
         )
         if not isinstance(result, BaseException):
             assert seq is not None
             self.scheduled(seq, result, int(budget), bool(exact), label)  # type: ignore[call-overload]
+            if before is not None and result is not None and result.hit is not None:
+                self.check(
+                    hit_summary(result.hit) == hit_summary(before),
+                    f"{label}: the hit it started from {result.hit!r} is not the lookup's just "
+                    f"before {before!r}",
+                )
         self.absorb_events(None, label)
 
     @precondition(lambda self: bool(self.live))
@@ -1361,10 +1688,20 @@ class FuzzMachine(RuleBasedStateMachine):
             if tokens_form:
                 r = int(r)
                 self.check(-1 <= r <= int(b), f"{label}: {r} tokens for budget {b}")  # type: ignore[call-overload]
+                self.refused += r == -1
+                self.scheduled_tokens += max(r, 0)
                 if r > 0:
-                    self.pending[seq.seq_id] = (seq.own if seq.own is not None else None, r)
+                    start = seq.own
+                    if start is None:  # a first schedule: it starts from its hit, pinned now
+                        start = self.call(
+                            Expect(), "num_computed", lambda s=s: self.mgr.num_computed(s)
+                        )
+                        self.first_scheduled(seq, "unknown")
+                    self.pending[seq.seq_id] = (start, r)
+                    self.retain_tail(seq)
             else:
-                self.scheduled(seq, r, int(b), exact, label)  # type: ignore[call-overload]
+                first = s == ids[0]
+                self.scheduled(seq, r, int(b), exact, label, first)  # type: ignore[call-overload]
         self.absorb_events(None, label)
 
     def chunk_of(self, seq: Seq | None) -> tuple[int, int] | None:
@@ -1424,7 +1761,38 @@ class FuzzMachine(RuleBasedStateMachine):
                 if any(g.max_checkpoints_per_step == 0 for _, g in self.state_groups) and p < end:
                     expect.may(pc.AlignmentError, "a group takes no interior checkpoints")
         label = f"request_checkpoint({seq_id!r}, {p!r})"
-        self.call(expect, label, lambda: self.mgr.request_checkpoint(seq_id, p))
+        if chunk is not None:
+            expect.message_check = lambda error: self.alignment_message(error, p, chunk)
+        got = self.call(expect, label, lambda: self.mgr.request_checkpoint(seq_id, p))
+        if seq is not None and not isinstance(got, BaseException):
+            seq.requested.add(int(p))
+
+    def alignment_message(self, error: BaseException, p: int, chunk: tuple[int, int]) -> str | None:
+        """An AlignmentError names the offset and A truthfully, and the nearest valid
+        positions it lists are valid ones of the chunk."""
+        if not isinstance(error, pc.AlignmentError):
+            return None
+        text = str(error)
+        claim = re.search(
+            r"offset (\d+) from the chunk start (\d+), not a multiple of the "
+            r"backend's alignment (\d+)",
+            text,
+        )
+        if claim:
+            offset, start, alignment = (int(x) for x in claim.groups())
+            if offset % alignment == 0 or offset != p - start:
+                return f"AlignmentError for position {p} in chunk {chunk} says: {text}"
+        listed = re.search(r"nearest valid positions in chunk \[(\d+), (\d+)\): ([\d, ]+)", text)
+        if listed:
+            start, end = int(listed.group(1)), int(listed.group(2))
+            valid = self.grid_positions(start, end)
+            named = [int(x) for x in re.findall(r"\d+", listed.group(3))]
+            if (start, end) != chunk or not set(named) <= set(valid):
+                return (
+                    f"AlignmentError for position {p} names positions {named}, but the valid ones "
+                    f"of chunk {chunk} are {valid}: {text}"
+                )
+        return None
 
     def suggest_chunk(self, who: object, budget: object) -> None:
         seq_id, _ = self.seq_of(who)
@@ -1628,8 +1996,13 @@ class FuzzMachine(RuleBasedStateMachine):
             seq = self.live[int(s)]  # type: ignore[call-overload]
             seq.tokens.append(t)
             self.check(r in (-1, 0, 1), f"{label}: scheduled {r}")
+            self.refused += r == -1
+            self.scheduled_tokens += max(r, 0)
             if r == 1:
                 self.pending[seq.seq_id] = (seq.own, 1)
+                if seq.own is None:
+                    self.first_scheduled(seq, "unknown")
+                self.retain_tail(seq)
         self.took_flight(buffers, buffers.step_id, self.view_of_buffers(buffers), label)
         self.absorb_events([], label)
 
@@ -1715,6 +2088,8 @@ class FuzzMachine(RuleBasedStateMachine):
         else:
             seq.own = None
             self.absorb_events(None, verb)
+            got = self.call(Expect(), "num_computed", lambda: self.mgr.num_computed(seq.seq_id))
+            self.check(got == 0, f"num_computed({seq.seq_id}) = {got} after preempt")
 
     def reset(self) -> None:
         expect = Expect()
@@ -1725,6 +2100,7 @@ class FuzzMachine(RuleBasedStateMachine):
         if isinstance(got, BaseException):
             return
         self.cleared = True
+        self.since_reset.clear()
         self.absorb_events(None, "reset", cleared=True)
         for usage in self.mgr.pool_usage():
             self.check(usage.cached == 0 and usage.checkpoints == 0, f"after reset: {usage!r}")
@@ -1739,6 +2115,12 @@ class FuzzMachine(RuleBasedStateMachine):
             f"model {self.commits} / {self.aborts}",
         )
         self.check(len(stats.groups) == len(self.cfg.groups), "stats: one entry per group")
+        self.check(
+            stats.refused_schedules == self.refused
+            and stats.scheduled_tokens == self.scheduled_tokens,
+            f"stats: {stats.refused_schedules} refused schedules, {stats.scheduled_tokens} tokens "
+            f"scheduled; model {self.refused}, {self.scheduled_tokens}",
+        )
         d = stats.to_dict()
         self.check(all(v >= 0 for v in d.values() if isinstance(v, int)), f"stats: {d}")
         if self.events_exact:
@@ -1880,6 +2262,104 @@ class FuzzMachine(RuleBasedStateMachine):
         side.reset()
         return problems[0] if problems else None
 
+    def lookups_from_other_threads(self, budget: int) -> None:
+        """Two threads look up every live sequence (and hash them) while this one runs an
+        engine step: no error, and every hit they saw is within what was computed."""
+        if self.flight is not None or not self.live:
+            return
+        seqs = [self.live[s] for s in sorted(self.live)]
+        seen: list[tuple[Seq, Any]] = []
+        stop = threading.Event()
+        h = self.cfg.hash
+
+        def look() -> None:
+            while not stop.is_set():
+                for seq in seqs:
+                    try:
+                        seen.append((seq, self.mgr.lookup(seq.seq_id)))
+                        pc.hash_prefix(seq.tokens, self.unit, h.algorithm, h.seed)
+                    except BaseException as error:
+                        seen.append((seq, error))
+                time.sleep(0)
+
+        threads = [threading.Thread(target=look) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            self.engine_step(budget, "commit", "buffers", False, False, None)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        global OPERATIONS
+        OPERATIONS += len(seen)
+        for seq, hit in seen:
+            if isinstance(hit, BaseException):
+                self.fail(
+                    f"lookup({seq.seq_id}) from another thread raised {type(hit).__name__}: {hit}",
+                    f"threaded-lookup:{type(hit).__name__}",
+                )
+            top = ((len(seq.tokens) - 1) // self.unit) * self.unit
+            for length in (hit.tokens, *(g.tokens for g in hit.groups)):
+                self.check(
+                    length <= top and self.was_computed(seq, length),
+                    f"lookup({seq.seq_id}) from another thread: {hit!r} exceeds what was computed",
+                )
+
+    def oversized(self, which: int) -> None:
+        """Inputs past the documented bounds that cost no memory (broadcast views): refused
+        with a typed error before anything is copied, the manager unchanged."""
+        tokens = np.broadcast_to(np.uint32(1), (pc.MAX_SEQUENCE_TOKENS + 1,))
+        seq_id = min(self.live) if self.live else 1000
+        ids = np.broadcast_to(np.int64(seq_id), (1 << 21,))
+        small = np.broadcast_to(np.uint32(1), (1 << 21,))
+        expect = Expect().must(pc.PrefixCacheError, "more than the supported count")
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            ("add", lambda: self.mgr.add(2000, tokens)),
+            ("append", lambda: self.mgr.append(seq_id, tokens)),
+            ("hash_prefix", lambda: pc.hash_prefix(tokens, unit=self.unit)),
+            ("schedule_batch", lambda: self.mgr.schedule_batch(ids, 1)),
+            ("append_batch", lambda: self.mgr.append_batch(ids, small)),
+            ("block_table", lambda: self.mgr.block_table(min(self.paged, default=0), ids)),
+        ]
+        if self.flight is None:
+            calls.append(("decode_step", lambda: self.mgr.decode_step(self.buffers, ids, small)))
+        name, fn = calls[which % len(calls)]
+        if name in ("add", "append", "hash_prefix"):
+            expect.must(pc.InvalidRequestError, f"{pc.MAX_SEQUENCE_TOKENS + 1} tokens")
+        self.call(expect, f"{name}(a broadcast input past the bounds)", fn)
+        self.absorb_events(None, name)
+
+    def huge_pool(self) -> None:
+        """A pool of 2**31 - 1 blocks (the largest id) in a child process under a 6 GiB
+        address-space limit: refused with a typed error (or MemoryError), never an abort."""
+        global HUGE_POOL_CHECKED
+        if HUGE_POOL_CHECKED:
+            return  # once per process: a child costs half a second
+        HUGE_POOL_CHECKED = True
+        code = (
+            "import resource\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
+            "import prefixcache as pc\n"
+            "try:\n"
+            "    pc.CacheManager(pc.CacheConfig(pools=[pc.PoolConfig(2**31 - 1)],\n"
+            "                                   groups=[pc.FullAttention(16)]))\n"
+            "    print('built')\n"
+            "except (pc.PrefixCacheError, MemoryError) as e:\n"
+            "    print('refused', type(e).__name__)\n"
+        )
+        global OPERATIONS
+        OPERATIONS += 1
+        env = dict(os.environ, RUST_BACKTRACE="0", PYTHONPATH=os.pathsep.join(sys.path))
+        child = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+        )
+        self.check(
+            child.returncode == 0,
+            f"CacheManager with a pool of 2**31 - 1 blocks killed the process (rc "
+            f"{child.returncode}): {child.stderr.strip()[-300:]}",
+        )
+
     def invalid_configuration(self, which: int) -> None:
         """A configuration breaking one documented rule is refused with ConfigError."""
         cfg, unit = self.cfg, self.unit
@@ -1929,6 +2409,9 @@ class FuzzMachine(RuleBasedStateMachine):
             ),
             st.tuples(st.just("read_buffers_while_another_thread_builds")),
             st.tuples(st.just("invalid_configuration"), st.integers(0, 11)),
+            st.tuples(st.just("oversized"), st.integers(0, 6)),
+            st.tuples(st.just("lookups_from_other_threads"), st.integers(1, 48)),
+            st.tuples(st.just("huge_pool")),
             st.tuples(
                 st.just("end_stale_plan"),
                 st.integers(0, 20),
@@ -1987,7 +2470,7 @@ class FuzzMachine(RuleBasedStateMachine):
         extra=EXTRA_SPEC,
         extends=st.sampled_from([None, None, "base"]),
         budget=st.integers(1, 64),
-        finish=mostly(st.just(True), st.just(False), odds=3),
+        finish=st.booleans(),
     )
     def serve_request(
         self,
@@ -2005,21 +2488,55 @@ class FuzzMachine(RuleBasedStateMachine):
         junctions."""
         if self.flight is not None:
             self.end_step("commit")
-        free = [i for i in range(100, 140) if i not in self.live]
-        self.add(free[0], base, keep, suffix or [1], extra, extends, "list")
-        seq = self.live.get(free[0])
+        seq_id = self.fresh_id()
+        self.add(seq_id, base, keep, suffix or [1], extra, extends, "list")
+        self.serve(seq_id, budget, 0, finish)
+
+    @rule(
+        base=st.integers(0, 40),
+        suffix=st.lists(st.integers(0, 3), max_size=12),
+        extends=st.booleans(),
+        budget=st.integers(1, 64),
+        decode=st.integers(0, 3),
+        finish=mostly(st.just(True), st.just(False), odds=3),
+    )
+    def next_turn(
+        self, base: int, suffix: list[int], extends: bool, budget: int, decode: int, finish: bool
+    ) -> None:
+        """A known request sent again (no ``suffix``) or continued (the next turn of a
+        conversation: its tokens, outputs included, and more), with its extra keys; served,
+        decoded for ``decode`` tokens and finished."""
+        if self.flight is not None:
+            self.end_step("commit")
+        seq_id = self.fresh_id()
+        keep = 10**6
+        self.add(seq_id, base, keep, suffix, "inherit", "base" if extends else None, "list")
+        self.serve(seq_id, budget, decode, finish)
+
+    def fresh_id(self) -> int:
+        return next(i for i in range(100, 10**6) if i not in self.live)
+
+    def serve(self, seq_id: int, budget: int, decode: int, finish: bool) -> None:
+        """Prefills a live sequence in chunks of ``budget`` (until computed or out of blocks),
+        decodes ``decode`` tokens, then finishes it if asked to."""
+        seq = self.live.get(seq_id)
         if seq is None:
             return
-        for _ in range(4):
-            if seq.own == len(seq.tokens) or seq.seq_id in self.pending:
+        for _ in range(4 + decode):
+            if seq.seq_id in self.pending or seq.seq_id not in self.live:
                 break
-            self.schedule_ids([seq.seq_id], budget, False, "list", tokens_form=False)
-            if seq.seq_id not in self.pending:
+            if seq.own == len(seq.tokens):
+                if decode == 0:
+                    break
+                decode -= 1
+                self.append(seq_id, [decode % 4], "list")
+            self.schedule_ids([seq_id], budget, False, "list", tokens_form=False)
+            if seq_id not in self.pending:
                 break  # out of blocks (or nothing on the grid)
             self.build("buffers")
             self.end_step("commit")
-        if finish and self.flight is None:
-            self.release(seq.seq_id if seq.seq_id in self.live else 63, "finish")
+        if finish and self.flight is None and seq_id in self.live:
+            self.release(seq_id, "finish")
 
     # -- the end: the manager is still usable -----------------------------------------------------
 
@@ -2097,7 +2614,8 @@ def run_campaign(examples: int, seed: int, steps: int, rounds: int, shrink: bool
                 IGNORED.add(getattr(one, "signature", f"{type(one).__name__}:{shape(str(one))}"))
                 first = str(one).splitlines()[0] if str(one) else type(one).__name__
                 failures.append(f"seed {s}: {type(one).__name__}: {first}")
-                print(f"\nFAILURE (seed {s}): {type(one).__name__}: {one}", flush=True)
+                signature = getattr(one, "signature", "?")
+                print(f"\nFAILURE (seed {s}, signature {signature!r}): {type(one).__name__}: {one}")
                 for note in getattr(one, "__notes__", []):
                     print(note)
     elapsed = time.perf_counter() - started
@@ -2120,9 +2638,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gentle", action="store_true", help="no hostile values: valid calls only, deeper"
     )
+    parser.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="SIGNATURE",
+        help="skip programs that meet a failure already known (its signature, as printed)",
+    )
     args = parser.parse_args(argv)
     global GENTLE
     GENTLE = args.gentle
+    IGNORED.update(args.ignore)
     print(f"prefixcache {pc.__version__} from {pc.__file__}; seed {args.seed}")
     failing = run_campaign(args.examples, args.seed, args.steps, args.rounds, not args.no_shrink)
     return 1 if failing else 0
