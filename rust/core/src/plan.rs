@@ -262,11 +262,12 @@ impl CacheManager {
         };
         let offset = position.saturating_sub(start);
         let reason = if position <= start || position > end {
-            format!("outside the chunk [{start}, {end})")
+            format!("but the position is outside the chunk [{start}, {end})")
         } else if position % unit != 0 {
             format!(
-                "not a multiple of the hash unit {unit} (checkpoints sit on unit boundaries, at \
-                 offsets that are multiples of the backend's alignment {alignment})"
+                "but the position is not a multiple of the hash unit {unit} (checkpoints sit on \
+                 unit boundaries, at offsets that are multiples of the backend's alignment \
+                 {alignment})"
             )
         } else {
             format!("not a multiple of the backend's alignment {alignment}")
