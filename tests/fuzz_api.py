@@ -26,16 +26,28 @@ What every call must satisfy, checked by a model kept here in plain Python:
   or per group, must be the length of such a prefix of the sequence (or 0) and at most
   ``((N - 1) // U) * U``; no group's own hit and no junction lies above the full-attention
   bound; digest reuse (``Added.reused_tokens``) never crosses a unit whose extra keys differ;
-* the plan is well formed (checkpoint offsets on the kernel's grid and within C, slots in
-  their pool, copy-on-write lengths below the block) and holds exactly what was scheduled;
+* when every event was seen, each hit is exactly the one the design's rule gives for the keys
+  the events say are alive (each full-attention group's longest prefix, the other groups'
+  longest position up to that bound, the largest position every group resumes at, the
+  junction); with paged groups only and nothing ever evicted, it is the longest prefix ever
+  computed with the sequence's extra keys;
+* the plan is well formed (checkpoint offsets on the kernel's grid, within C and at positions
+  the retention keeps; slots in their pool; copy-on-write lengths below the block), holds
+  exactly what was scheduled, and writes each token into its sequence's block-table entry, in
+  a block no other live sequence holds; a block is shared by two sequences only as a full
+  block of a prefix both computed with the same extra keys, and never by two groups;
 * every published key is the ``hash_prefix`` digest of a prefix of a sequence that the
   publishing call committed or finished (and ``hash_prefix`` equals the README's reference
-  encoding); a removed block loses exactly the keys it was given;
+  encoding); a removed block loses exactly the keys it was given; statistics count what the
+  model counted; an ``AlignmentError`` says nothing false about the offset;
 * at the end the manager is still usable: the plan in flight ends, every sequence finishes,
   no block is still owned, ``reset`` succeeds and a fresh request is served.
 
-``python3 tests/fuzz_api.py --examples N --seed S`` runs a long campaign; the test suite runs
-a short deterministic one (``tests/test_fuzz_api.py``).
+A long campaign: ``python3 tests/fuzz_api.py --examples N --seed S [--rounds R] [--gentle]``
+(``--gentle``: no hostile values, deeper programs; ``--no-shrink``: report failures as found;
+``--ignore SIGNATURE``: skip a failure already known). It prints the seed, the operations
+run and each failure with its minimal program (``from prefixcache import *`` runs it). The
+test suite runs a short deterministic one (``tests/test_fuzz_api.py``).
 """
 
 from __future__ import annotations
@@ -520,7 +532,9 @@ LOOKAHEAD = mostly(
 )
 EXACT = mostly(st.booleans(), st.sampled_from([1, 0, None, "yes"]), odds=10)
 POSITION = mostly(
-    st.tuples(st.sampled_from(["grid", "grid", "unit", "raw"]), st.integers(0, 48)),
+    st.tuples(
+        st.sampled_from(["grid", "grid", "unit", "offset", "aligned", "raw"]), st.integers(0, 48)
+    ),
     st.tuples(st.just("hostile"), st.one_of(HOSTILE, st.just(U32_MAX))),
     odds=10,
 )
@@ -1735,6 +1749,10 @@ class FuzzMachine(RuleBasedStateMachine):
             p = valid[k % len(valid)] if valid else chunk[1]
         elif chunk is not None and kind == "unit":
             p = (chunk[0] // self.unit + 1 + k % 4) * self.unit
+        elif chunk is not None and kind == "offset":  # a unit-sized offset from the start
+            p = chunk[0] + (k % 4 + 1) * self.unit
+        elif chunk is not None and kind == "aligned":  # on the kernel's grid, maybe off the unit
+            p = chunk[0] + (k % 6 + 1) * min((g.alignment for _, g in self.state_groups), default=1)
         expect = Expect()
         self.in_flight_expect(expect, "request_checkpoint")
         live = self.id_expect(seq_id, expect)
@@ -1773,15 +1791,25 @@ class FuzzMachine(RuleBasedStateMachine):
         if not isinstance(error, pc.AlignmentError):
             return None
         text = str(error)
-        claim = re.search(
-            r"offset (\d+) from the chunk start (\d+), not a multiple of the "
-            r"backend's alignment (\d+)",
-            text,
-        )
-        if claim:
-            offset, start, alignment = (int(x) for x in claim.groups())
-            if offset % alignment == 0 or offset != p - start:
-                return f"AlignmentError for position {p} in chunk {chunk} says: {text}"
+        false = f"AlignmentError for position {p} in chunk {chunk} says something false: {text}"
+        said = re.search(r"offset (\d+) from the chunk start (\d+)", text)
+        if said and (int(said.group(1)), int(said.group(2))) != (p - chunk[0], chunk[0]):
+            return false
+        offset = p - chunk[0]
+        claims: list[tuple[str, Callable[[int], bool]]] = [  # what it may say, and when true
+            (r"\d+, not a multiple of the backend's alignment (\d+)", lambda a: offset % a != 0),
+            (r"\d+, not a multiple of the hash unit (\d+)", lambda u: offset % u != 0),
+            (r"the position is not a multiple of the hash unit (\d+)", lambda u: p % u != 0),
+        ]
+        for pattern, holds in claims:
+            found = re.search(pattern, text)
+            if found and not holds(int(found.group(1))):
+                return false
+        outside = re.search(r"outside the chunk \[(\d+), (\d+)\)", text)
+        if outside and (
+            (int(outside.group(1)), int(outside.group(2))) != chunk or chunk[0] < p <= chunk[1]
+        ):
+            return false
         listed = re.search(r"nearest valid positions in chunk \[(\d+), (\d+)\): ([\d, ]+)", text)
         if listed:
             start, end = int(listed.group(1)), int(listed.group(2))
@@ -2438,10 +2466,16 @@ class FuzzMachine(RuleBasedStateMachine):
         kind=st.sampled_from(["plan", "buffers"]),
         exact=mostly(st.just(False), st.just(True), odds=4),
         decode=st.booleans(),
-        checkpoint=st.one_of(st.none(), st.integers(0, 47)),
+        checkpoint=st.one_of(st.none(), st.tuples(st.integers(0, 47), POSITION)),
     )
     def engine_step(
-        self, budget: int, verb: str, kind: str, exact: bool, decode: bool, checkpoint: int | None
+        self,
+        budget: int,
+        verb: str,
+        kind: str,
+        exact: bool,
+        decode: bool,
+        checkpoint: tuple[int, tuple[str, Any]] | None,
     ) -> None:
         """One step of an engine: every live sequence with tokens left is scheduled (and with
         ``checkpoint``, one of them asks for a checkpoint on its grid), the plan built and
@@ -2456,7 +2490,7 @@ class FuzzMachine(RuleBasedStateMachine):
         if todo:
             self.schedule_ids(todo, budget, exact, "int64", tokens_form=False)
         if checkpoint is not None and self.pending and self.state_groups:
-            self.request_checkpoint(checkpoint, ("grid", checkpoint))
+            self.request_checkpoint(*checkpoint)
         self.build(kind)
         self.end_step(verb)
         done = [s for s, q in sorted(self.live.items()) if q.own == len(q.tokens)]
