@@ -191,3 +191,22 @@ def test_the_finished_cache_stays_within_its_budget_with_ids_that_never_repeat()
     assert mgr.num_finished_cached <= 4096 // 160
     assert mgr.add(1 << 40, tokens, extends=1_099_999).extends_found
     assert not mgr.add(1 << 41, tokens, extends=5).extends_found
+
+
+def test_an_alignment_error_says_which_rule_a_position_breaks() -> None:
+    mgr = pc.CacheManager(
+        pc.CacheConfig(
+            pools=[pc.PoolConfig(64), pc.PoolConfig(32)],
+            groups=[pc.FullAttention(4), pc.StateGroup(alignment=2, pool=1)],
+            hash=pc.HashConfig(unit=4),
+        )
+    )
+    mgr.add(1, list(range(21)))
+    mgr.schedule(1, 8)
+    mgr.commit(mgr.build_plan())
+    mgr.schedule(1, 8)  # the chunk [8, 16)
+    with pytest.raises(pc.AlignmentError, match="offset -4 .* outside the chunk"):
+        mgr.request_checkpoint(1, 4)
+    with pytest.raises(pc.AlignmentError, match="position is not a multiple of the hash unit 4"):
+        mgr.request_checkpoint(1, 10)
+    mgr.request_checkpoint(1, 12)

@@ -51,7 +51,8 @@ pub enum CacheError {
     )]
     Alignment {
         position: u32,
-        offset: u32,
+        /// `position - chunk_start`: negative for a position before the chunk.
+        offset: i64,
         alignment: u32,
         chunk_start: u32,
         reason: String,

@@ -260,7 +260,7 @@ impl CacheManager {
                 below(position).into_iter().chain(above(position)).map(describe).collect();
             format!("nearest valid positions in chunk [{start}, {end}): {}", near.join(", "))
         };
-        let offset = position.saturating_sub(start);
+        let offset = i64::from(position) - i64::from(start);
         let reason = if position <= start || position > end {
             format!("but the position is outside the chunk [{start}, {end})")
         } else if position % unit != 0 {

@@ -809,7 +809,7 @@ impl Model {
                 ensure!(reason.contains(broken), "AlignmentError for {p} in ({s}, {e}]: {reason}");
                 ensure!(
                     position == p
-                        && offset == p.saturating_sub(s)
+                        && offset == i64::from(p) - i64::from(s)
                         && a == alignment
                         && chunk_start == s,
                     "AlignmentError fields for {p} in a chunk from {s}"
