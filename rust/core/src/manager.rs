@@ -224,7 +224,12 @@ impl CacheManager {
     }
 
     pub(crate) fn slot(&self, seq_id: u64) -> Result<usize> {
-        self.by_id.get(&seq_id).copied().ok_or(CacheError::UnknownSequence { seq_id })
+        // A `match`, not `ok_or(..)`: the error is built only on the miss (an eagerly built
+        // one is dropped on every hit, through `CacheError`'s drop glue).
+        match self.by_id.get(&seq_id) {
+            Some(&slot) => Ok(slot),
+            None => Err(CacheError::UnknownSequence { seq_id }),
+        }
     }
 
     pub(crate) fn seq(&self, slot: usize) -> &Sequence {
