@@ -54,11 +54,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import math
 import os
 import re
-import struct
 import subprocess
 import sys
 import threading
@@ -69,6 +67,7 @@ from typing import Any
 
 import numpy as np
 import prefixcache as pc
+import reference_encoding
 from hypothesis import HealthCheck, Phase, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
@@ -80,11 +79,6 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-
-try:  # the README's reference implementation of xxh3_128 digests needs it; sha256 does not
-    import xxhash
-except ImportError:  # pragma: no cover - depends on the environment
-    xxhash = None
 
 OPERATIONS = 0
 """Calls into prefixcache made by the fuzzer so far (all programs, shrinking included)."""
@@ -193,32 +187,9 @@ def reference_digests(
     multimodal: Iterable[tuple[int, int, bytes]],
 ) -> list[bytes] | None:
     """The README's reference encoding (``None`` when xxh3 is asked for without xxhash)."""
-    if algorithm == "xxh3_128" and xxhash is None:
+    if not reference_encoding.available(algorithm):
         return None
-
-    def digest(data: bytes) -> bytes:
-        if algorithm == "sha256":
-            return hashlib.sha256(data).digest()
-        return int(xxhash.xxh3_128_intdigest(data, seed=0)).to_bytes(16, "little")
-
-    multimodal = list(multimodal)
-    parent = digest(b"prefixcache" + struct.pack("<Q", seed))
-    out = []
-    for i in range(len(tokens) // unit):
-        chunk = tokens[i * unit : (i + 1) * unit]
-        entries = []
-        if i == 0 and salt is not None:
-            entries.append((1, salt))
-        if lora is not None:
-            entries.append((2, struct.pack("<Q", lora)))
-        entries += [(3, h) for s, e, h in multimodal if s < (i + 1) * unit and e > i * unit]
-        data = bytes([1]) + parent + struct.pack(f"<I{len(chunk)}I", len(chunk), *chunk)
-        data += struct.pack("<I", len(entries))
-        for tag, payload in entries:
-            data += struct.pack("<BI", tag, len(payload)) + payload
-        parent = digest(data)
-        out.append(parent)
-    return out
+    return reference_encoding.reference(tokens, unit, algorithm, seed, salt, lora, multimodal)
 
 
 GENTLE = False

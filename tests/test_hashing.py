@@ -2,55 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import struct
-
 import numpy as np
 import prefixcache as pc
 import pytest
 from conftest import paged_config, run_prompt
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-
-def reference(
-    tokens: list[int],
-    unit: int,
-    algorithm: str = "sha256",
-    seed: int = 0,
-    cache_salt: bytes | None = None,
-    lora_id: int | None = None,
-    multimodal: list[tuple[int, int, bytes]] = (),  # type: ignore[assignment]
-) -> list[bytes]:
-    """The reference implementation of the README's "Prefix hashing", encoding version 1."""
-
-    def digest(data: bytes) -> bytes:
-        if algorithm == "sha256":
-            return hashlib.sha256(data).digest()
-        xxhash = pytest.importorskip("xxhash")
-        return int(xxhash.xxh3_128_intdigest(data, seed=0)).to_bytes(16, "little")
-
-    parent = digest(b"prefixcache" + struct.pack("<Q", seed))
-    out = []
-    for i in range(len(tokens) // unit):
-        unit_tokens = tokens[i * unit : (i + 1) * unit]
-        entries = []
-        if i == 0 and cache_salt is not None:
-            entries.append((1, cache_salt))
-        if lora_id is not None:
-            entries.append((2, struct.pack("<Q", lora_id)))
-        for start, end, mm_hash in multimodal:
-            if start < (i + 1) * unit and end > i * unit:
-                entries.append((3, mm_hash))
-        data = bytes([pc.ENCODING_VERSION]) + parent
-        data += struct.pack(f"<I{len(unit_tokens)}I", len(unit_tokens), *unit_tokens)
-        data += struct.pack("<I", len(entries))
-        for tag, payload in entries:
-            data += struct.pack("<BI", tag, len(payload)) + payload
-        parent = digest(data)
-        out.append(parent)
-    return out
-
+from reference_encoding import reference
 
 # (tokens, keyword arguments, algorithm, h[0] hex, h[1] hex) from the README.
 VECTORS = [

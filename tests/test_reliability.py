@@ -205,7 +205,7 @@ def test_an_alignment_error_says_which_rule_a_position_breaks() -> None:
     mgr.schedule(1, 8)
     mgr.commit(mgr.build_plan())
     mgr.schedule(1, 8)  # the chunk [8, 16)
-    with pytest.raises(pc.AlignmentError, match="offset -4 .* outside the chunk"):
+    with pytest.raises(pc.AlignmentError, match=r"offset -4 .* outside the chunk"):
         mgr.request_checkpoint(1, 4)
     with pytest.raises(pc.AlignmentError, match="position is not a multiple of the hash unit 4"):
         mgr.request_checkpoint(1, 10)
