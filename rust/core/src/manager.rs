@@ -364,11 +364,11 @@ impl CacheManager {
     }
 
     /// Takes the buffers of finished sequence `serial` over for its continuation `seq_id`
-    /// (serial `by_serial`), which shares its first `common` tokens and `units` digests:
-    /// returns it with its tokens cut to `common` (with room for `capacity`) and its digests
-    /// cut to `units` (its extra keys went to the record). What the continuation does not share stays in a record.
-    /// The room is reserved before anything changes: on failure the finished sequence is kept
-    /// as it was.
+    /// (serial `by_serial`), which shares its first `common` tokens (measured against exactly
+    /// these tokens) and `units` digests: returns it with its tokens cut to `common` (with room
+    /// for `capacity`) and its digests cut to `units`. What the continuation does not share,
+    /// and the extra keys, stay in a record. The room is reserved before anything changes: on
+    /// failure the finished sequence is kept as it was.
     fn continue_finished(
         &mut self,
         serial: u64,
