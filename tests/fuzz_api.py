@@ -1639,12 +1639,7 @@ class FuzzMachine(RuleBasedStateMachine):
         """``schedule_batch`` / ``schedule_tokens`` of ``ids`` (hostile or not)."""
         obj, expect = id_array(ids, form)
         self.in_flight_expect(expect, "schedule_batch")
-        good = []
-        for i, s in enumerate(ids):
-            if self.id_expect(s, expect, f"seq_ids[{i}]"):
-                good.append(int(s))  # type: ignore[call-overload]
-        if len(set(good)) < len(good):
-            expect.must(pc.StepError, "a sequence appears twice")
+        good = self.batch_ids_expect(ids, expect)
         for s in good:
             seq = self.live[s]
             if s in self.pending:
@@ -1755,6 +1750,17 @@ class FuzzMachine(RuleBasedStateMachine):
         got = self.call(expect, label, lambda: self.mgr.request_checkpoint(seq_id, p))
         if seq is not None and not isinstance(got, BaseException):
             seq.requested.add(int(p))
+
+    def batch_ids_expect(self, ids: Iterable[object], expect: Expect) -> list[int]:
+        """The ids of a batch call that name a sequence, in order, with what the others (and a
+        repeated one) must raise added to ``expect``."""
+        good = []
+        for i, s in enumerate(ids):
+            if self.id_expect(s, expect, f"seq_ids[{i}]"):
+                good.append(int(s))  # type: ignore[call-overload]
+        if len(set(good)) < len(good):
+            expect.must(pc.StepError, "a sequence appears twice")
+        return good
 
     def alignment_message(self, error: BaseException, p: int, chunk: tuple[int, int]) -> str | None:
         """An AlignmentError names the offset and A truthfully, and the nearest valid
@@ -1971,12 +1977,7 @@ class FuzzMachine(RuleBasedStateMachine):
         if not conversion.errors and self.flight is not None and not held:
             expect.must(pc.StepError, "a plan not held by these buffers is in flight")
         if not conversion.errors:
-            good = []
-            for i, s in enumerate(ids):
-                if self.id_expect(s, expect, f"seq_ids[{i}]"):
-                    good.append(int(s))  # type: ignore[call-overload]
-            if len(set(good)) < len(good):
-                expect.must(pc.StepError, "a sequence appears twice")
+            good = self.batch_ids_expect(ids, expect)
             if len(ids) != len(tokens):
                 expect.must(pc.InvalidRequestError, f"{len(ids)} ids but {len(tokens)} tokens")
             for s in good:

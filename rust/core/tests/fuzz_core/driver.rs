@@ -690,14 +690,7 @@ impl Fuzz {
             plan.seq_ids,
             self.pending
         );
-        self.check_plan(&plan)?;
-        self.check_contents(&plan)?;
-        self.pending.clear();
-        self.built.push(plan.clone());
-        if self.built.len() > 4 {
-            self.built.remove(0);
-        }
-        self.in_flight = Some(plan);
+        self.accept_plan(plan)?;
         self.absorb(&Stores::None)
     }
 
@@ -918,6 +911,20 @@ impl Fuzz {
         self.absorb(&Stores::Some(stores))
     }
 
+    /// Checks a plan just built (its shape and what it reads) and puts it in flight, keeping
+    /// the last few built for stale commits.
+    fn accept_plan(&mut self, plan: StepPlan) -> Result<(), String> {
+        self.check_plan(&plan)?;
+        self.check_contents(&plan)?;
+        self.pending.clear();
+        self.built.push(plan.clone());
+        if self.built.len() > 4 {
+            self.built.remove(0);
+        }
+        self.in_flight = Some(plan);
+        Ok(())
+    }
+
     /// Marks what `plan`'s step computed, and returns the keys its commit may store.
     fn computed_by(&mut self, plan: &StepPlan) -> HashSet<Prefix> {
         let mut stores = HashSet::new();
@@ -1022,14 +1029,7 @@ impl Fuzz {
             plan.seq_ids,
             self.pending
         );
-        self.check_plan(&plan)?;
-        self.check_contents(&plan)?;
-        self.pending.clear();
-        self.built.push(plan.clone());
-        if self.built.len() > 4 {
-            self.built.remove(0);
-        }
-        self.in_flight = Some(plan.clone());
+        self.accept_plan(plan.clone())?;
         self.reused = plan;
         self.saw("decode_step");
         self.absorb(&Stores::Some(stores))
