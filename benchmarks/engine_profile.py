@@ -16,7 +16,7 @@ import time
 
 from prefixcache.engine import Engine, build_model, engine_config_for
 from prefixcache.engine.policy import Policy
-from prefixcache.workloads import Geometry, GrowingPrefixSpec, PresetWorkload
+from prefixcache.engine.workloads import Geometry, GrowingPrefixSpec, PresetWorkload
 from torch.profiler import ProfilerActivity, profile
 
 

@@ -23,8 +23,8 @@ import torch
 pytest.importorskip("prefixcache._core")
 
 import prefixcache
-from prefixcache.cli import build_parser, main
-from prefixcache.workloads import (
+from prefixcache.engine.cli import build_parser, main
+from prefixcache.engine.workloads import (
     AgenticSpec,
     Geometry,
     GrowingPrefixSpec,

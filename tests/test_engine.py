@@ -34,8 +34,7 @@ from prefixcache.engine import (
     relative_difference,
     simulate,
 )
-from prefixcache.models import HybridModel, ModelCaches, StepInputs
-from prefixcache.workloads import (
+from prefixcache.engine.workloads import (
     AgenticSpec,
     Geometry,
     GrowingPrefixSpec,
@@ -44,6 +43,7 @@ from prefixcache.workloads import (
     TraceSpec,
     WorkloadSpec,
 )
+from prefixcache.models import HybridModel, ModelCaches, StepInputs
 
 GROWING = GrowingPrefixSpec(streams=3, first_prompt=150, growth=70, rounds=4, output_len=4)
 AGENTIC = AgenticSpec(conversations=2, turns=3, first_prompt=100, user_turn=20, output_len=10)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefixcache.cli import main
+from prefixcache.engine.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -43,9 +43,9 @@ import prefixcache as pc
 
 from ..kernels import apply_copies, apply_snapshots
 from ..models import HybridModel, ModelCaches, StepInputs
-from ..workloads import Request, Workload
 from .policy import PAGED_GROUP, STATE_GROUP, Policy
 from .results import RequestResult, RunResult
+from .workloads import Request, Workload
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "ForwardFn", "PoolTooSmallError"]
 

@@ -29,10 +29,10 @@ from ..kernels.backend import ConvImpl
 from ..kernels.ops import conv_function
 from ..models import HybridModel, KernelTimer, ModelConfig
 from ..models.timing import TimingMode
-from ..workloads import Geometry, GrowingPrefixSpec, PresetWorkload
 from .engine import Engine, EngineConfig
 from .policy import POLICY_NAMES, Policy
 from .results import RequestResult, RunResult, outputs_match
+from .workloads import Geometry, GrowingPrefixSpec, PresetWorkload
 
 __all__ = [
     "FLOAT32_RTOL",

@@ -1,7 +1,7 @@
 """The ``prefixcache`` command line: ``prefixcache simulate`` (also ``python -m prefixcache``).
 
 ``simulate`` runs the reference engine (:mod:`prefixcache.engine`) with the tiny hybrid model
-(:mod:`prefixcache.models`) over a named workload (:mod:`prefixcache.workloads`) under each
+(:mod:`prefixcache.models`) over a named workload (:mod:`prefixcache.engine.workloads`) under each
 caching policy, side by side, checks that caching changed no output, and prints a per-round
 table and a summary table; ``--json`` and ``--plot`` write the same figures to files.
 """
@@ -338,8 +338,8 @@ def _plot(document: dict[str, Any], path: Path) -> None:
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
-    from .engine import SimulationReport, build_model, simulate
-    from .kernels import KernelError
+    from ..kernels import KernelError
+    from .simulate import SimulationReport, build_model, simulate
     from .workloads import TraceError, workload_preset
 
     name, trace_path = _workload_arguments(parser, args.workload)
