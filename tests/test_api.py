@@ -69,6 +69,59 @@ def test_config_is_frozen_and_stores_tuples() -> None:
     assert dataclasses.replace(cfg, enable_events=False).enable_events is False
 
 
+def _default_of(field: dataclasses.Field[Any]) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    assert field.default_factory is not dataclasses.MISSING, field.name
+    made = field.default_factory()
+    return dataclasses.asdict(made) if dataclasses.is_dataclass(made) else made
+
+
+def test_every_dataclass_default_is_the_cores() -> None:
+    """Each configuration default is the core's (`CacheConfig::default()`, ...): a literal
+    default written in Python that differs, a default the core has and the dataclass lacks
+    (or the reverse) fails here."""
+    core = pc._core.defaults()
+    expected: dict[type, dict[str, Any]] = {
+        pc.CacheConfig: {**core["cache"], "hash": core["hash"]},
+        pc.HashConfig: dict(core["hash"]),
+        pc.StateGroup: dict(core["state_group"]),
+        pc.Retention: dict(core["retention"]),
+        # No defaults in the core either: the pool's size and a paged group's geometry are
+        # always given.
+        pc.PoolConfig: {},
+        pc.FullAttention: {},
+        pc.SlidingWindow: {},
+    }
+    # `pool` is the one default of Python's alone: the core's `GroupConfig` has no default
+    # (a group always names its pool there); 0 is the first pool.
+    python_only = {"pool": 0}
+    for cls, table in expected.items():
+        defaults = {
+            f.name: _default_of(f)
+            for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        }
+        for name, value in python_only.items():
+            if name in defaults:
+                assert defaults.pop(name) == value, (cls.__name__, name)
+        assert defaults == table, cls.__name__
+    # The ways a default reaches a caller besides the dataclasses' fields.
+    assert pc.StateGroup().retention == pc.Retention(**core["state_group"]["retention"])
+    backend = inspect.signature(pc.StateGroup.from_backend).parameters
+    for name in ("checkpoint_cap", "reserve_per_sequence"):
+        assert backend[name].default == core["state_group"][name], name
+    hashing = inspect.signature(pc.hash_prefix).parameters
+    for name in ("unit", "algorithm", "seed"):
+        assert hashing[name].default == core["hash"][name], name
+    assert pc.hash_prefix(list(range(64))) == pc.hash_prefix(
+        list(range(64)), **{k: core["hash"][k] for k in ("unit", "algorithm", "seed")}
+    )
+    # A fresh dict each call: changing one changes no later default.
+    core["cache"]["enable_events"] = not core["cache"]["enable_events"]
+    assert pc._core.defaults() != core
+
+
 def test_state_group_from_backend_reads_alignment_and_capacity() -> None:
     class Backend:
         checkpoint_alignment = 64

@@ -9,7 +9,9 @@ import pytest
 from conftest import hybrid_config, paged_config, run_prompt
 from prefixcache import _core
 
-# The core's variants (`CacheError::kind`) and the class each must raise.
+# The class each core variant must raise, by `CacheError::kind`. The tests below take the list
+# of variants from the core (`_core.ERROR_KINDS`, generated with `kind` from one list in
+# rust/core/src/error.rs), so a variant added there without a class here fails them.
 EXPECTED = {
     "Config": pc.ConfigError,
     "InvalidRequest": pc.InvalidRequestError,
@@ -24,15 +26,27 @@ EXPECTED = {
 }
 
 
+def test_every_core_variant_has_its_own_class_in_prefixcache() -> None:
+    kinds = _core.ERROR_KINDS
+    assert len(kinds) == len(set(kinds)) >= 10
+    assert set(kinds) == set(EXPECTED), "map every core variant to a class (errors.rs)"
+    public = [getattr(pc, name) for name in pc.__all__]
+    classes = [c for c in public if isinstance(c, type) and issubclass(c, pc.PrefixCacheError)]
+    for kind in kinds:
+        (cls,) = (c for c in classes if c.__dict__.get("kind") == kind)
+        assert cls is EXPECTED[kind], kind
+    assert len({EXPECTED[kind] for kind in kinds}) == len(kinds)
+
+
 def test_every_core_variant_maps_to_its_own_class() -> None:
     samples = _core._error_samples()
-    assert sorted(kind for kind, _ in samples) == sorted(EXPECTED)
+    assert sorted(kind for kind, _ in samples) == sorted(_core.ERROR_KINDS)
     for kind, error in samples:
         assert type(error) is EXPECTED[kind], kind
         assert error.kind == kind
         assert isinstance(error, pc.PrefixCacheError)
         assert str(error)
-    assert len({type(e) for _, e in samples}) == len(EXPECTED)
+    assert len({type(e) for _, e in samples}) == len(_core.ERROR_KINDS)
 
 
 def test_every_class_the_module_registers_has_a_sample() -> None:

@@ -117,7 +117,6 @@ def test_matches_the_reference_encoding(
 
 
 def test_xxh3_matches_the_reference_encoding() -> None:
-    pytest.importorskip("xxhash")
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, 2**32, 1000)]
     for unit in (1, 7, 16, 128):
         assert pc.hash_prefix(tokens, unit=unit, seed=5) == reference(

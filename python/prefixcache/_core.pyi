@@ -4,7 +4,7 @@ Checked against the built module by ``python -m mypy.stubtest prefixcache._core`
 """
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, TypeAlias, final
+from typing import Any, ClassVar, Literal, Protocol, TypeAlias, TypedDict, final
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,7 @@ _Ints: TypeAlias = Sequence[int] | _IntArray | _SupportsArray
 
 __all__ = [
     "ENCODING_VERSION",
+    "ERROR_KINDS",
     "MAX_BATCH_SEQUENCES",
     "MAX_BLOCKS_PER_POOL",
     "MAX_BLOCK_SIZE",
@@ -63,11 +64,15 @@ __all__ = [
     "UnknownSequenceError",
     "__version__",
     "_error_samples",
+    "defaults",
     "hash_prefix",
     "validate_config",
 ]
 __version__: str
 ENCODING_VERSION: int
+# The stable name of every core error variant (`CacheError::KINDS`), each the `kind` of its own
+# exception class.
+ERROR_KINDS: tuple[str, ...]
 # The bounds on every count the API takes (the core's `limits`); beyond one, the call raises
 # `ConfigError` / `InvalidRequestError` naming it.
 MAX_BATCH_SEQUENCES: int  # ids (and budgets, tokens) of one batch call
@@ -645,3 +650,39 @@ def validate_config(config: CacheConfig) -> None:
 
 def _error_samples() -> list[tuple[str, PrefixCacheError]]:
     """One exception of every core error variant, as `(kind, exception)` pairs."""
+
+class _RetentionDefaults(TypedDict):
+    tail: bool
+    interval: int | None
+    junction: bool
+    decode_tail: bool
+
+class _StateGroupDefaults(TypedDict):
+    alignment: int
+    max_checkpoints_per_step: int | None
+    retention: _RetentionDefaults
+    checkpoint_cap: int | None
+    reserve_per_sequence: int
+
+class _HashDefaults(TypedDict):
+    algorithm: Literal["xxh3_128", "sha256"]
+    seed: int
+    unit: int
+    verify_tokens: bool
+
+class _CacheDefaults(TypedDict):
+    finished_cache_bytes: int
+    reuse_live_prefixes: bool
+    recently_evicted_capacity: int
+    enable_events: bool
+    max_pending_events: int
+
+class _Defaults(TypedDict):
+    cache: _CacheDefaults
+    hash: _HashDefaults
+    state_group: _StateGroupDefaults
+    retention: _RetentionDefaults
+
+def defaults() -> _Defaults:
+    """The core's default of every configuration field that has one, keyed by the Python
+    field names (a new dict on every call)."""

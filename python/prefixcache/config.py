@@ -1,7 +1,8 @@
 """Configuration of a :class:`prefixcache.CacheManager`: pools, groups, hashing, retention.
 
-Plain frozen dataclasses that only carry values. Every rule (the hash unit divides each paged
-block size, each state alignment divides the unit, ...) lives in the Rust core: a
+Plain frozen dataclasses that only carry values; their defaults are the core's
+(``prefixcache._core.defaults()``, read once at import). Every rule (the hash unit divides each
+paged block size, each state alignment divides the unit, ...) lives in the Rust core: a
 :class:`CacheConfig` is checked by it when constructed, and a violated rule raises
 :class:`prefixcache.ConfigError` (a ``ValueError``) whose message names the field and what to
 change. A value of the wrong type raises ``TypeError``.
@@ -42,6 +43,14 @@ HashAlgorithm: TypeAlias = Literal["xxh3_128", "sha256"]
 """Name of a hash function: ``"xxh3_128"`` (fast, the default) or ``"sha256"`` (collision
 resistant, for multi-tenant deployments)."""
 
+# The core's default of every field that has one: the dataclasses below take their defaults
+# from it, so that a default is written once, in rust/core/src/config.rs.
+_DEFAULTS = _core.defaults()
+_CACHE = _DEFAULTS["cache"]
+_HASH = _DEFAULTS["hash"]
+_STATE = _DEFAULTS["state_group"]
+_RETENTION = _DEFAULTS["retention"]
+
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
@@ -68,10 +77,10 @@ class Retention:
             snapshotted (kept privately, published by ``finish``).
     """
 
-    tail: bool = True
-    interval: int | None = None
-    junction: bool = True
-    decode_tail: bool = True
+    tail: bool = _RETENTION["tail"]
+    interval: int | None = _RETENTION["interval"]
+    junction: bool = _RETENTION["junction"]
+    decode_tail: bool = _RETENTION["decode_tail"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +149,12 @@ class StateGroup:
     """
 
     kind: ClassVar[str] = "state"
-    alignment: int = 1
-    max_checkpoints_per_step: int | None = None
+    alignment: int = _STATE["alignment"]
+    max_checkpoints_per_step: int | None = _STATE["max_checkpoints_per_step"]
     pool: int = 0
-    retention: Retention = field(default_factory=Retention)
-    checkpoint_cap: int | None = None
-    reserve_per_sequence: int = 2
+    retention: Retention = field(default_factory=lambda: Retention(**_STATE["retention"]))
+    checkpoint_cap: int | None = _STATE["checkpoint_cap"]
+    reserve_per_sequence: int = _STATE["reserve_per_sequence"]
 
     @classmethod
     def from_backend(
@@ -153,8 +162,8 @@ class StateGroup:
         backend: CheckpointBackend,
         pool: int = 0,
         retention: Retention | None = None,
-        checkpoint_cap: int | None = None,
-        reserve_per_sequence: int = 2,
+        checkpoint_cap: int | None = _STATE["checkpoint_cap"],
+        reserve_per_sequence: int = _STATE["reserve_per_sequence"],
     ) -> StateGroup:
         """A state group whose A and C are the backend's ``checkpoint_alignment`` and
         ``max_checkpoints_per_step``: the one source of truth shared with the kernel layer."""
@@ -171,7 +180,7 @@ class StateGroup:
             alignment=backend.checkpoint_alignment,
             max_checkpoints_per_step=backend.max_checkpoints_per_step,
             pool=pool,
-            retention=Retention() if retention is None else retention,
+            retention=Retention(**_STATE["retention"]) if retention is None else retention,
             checkpoint_cap=checkpoint_cap,
             reserve_per_sequence=reserve_per_sequence,
         )
@@ -192,10 +201,10 @@ class HashConfig:
         verify_tokens: a hit also compares the stored tokens (collision-proof, costs memory).
     """
 
-    algorithm: HashAlgorithm = "xxh3_128"
-    seed: int = 0
-    unit: int = 16
-    verify_tokens: bool = False
+    algorithm: HashAlgorithm = _HASH["algorithm"]
+    seed: int = _HASH["seed"]
+    unit: int = _HASH["unit"]
+    verify_tokens: bool = _HASH["verify_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,11 +235,11 @@ class CacheConfig:
     pools: Sequence[PoolConfig]
     groups: Sequence[Group]
     hash: HashConfig = field(default_factory=HashConfig)
-    finished_cache_bytes: int = 64 << 20
-    reuse_live_prefixes: bool = True
-    recently_evicted_capacity: int = 4096
-    enable_events: bool = True
-    max_pending_events: int = 1 << 20
+    finished_cache_bytes: int = _CACHE["finished_cache_bytes"]
+    reuse_live_prefixes: bool = _CACHE["reuse_live_prefixes"]
+    recently_evicted_capacity: int = _CACHE["recently_evicted_capacity"]
+    enable_events: bool = _CACHE["enable_events"]
+    max_pending_events: int = _CACHE["max_pending_events"]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", _as_tuple(self.pools, "pools"))

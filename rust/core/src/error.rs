@@ -81,23 +81,41 @@ impl CacheError {
     pub(crate) fn invariant(message: impl Into<String>) -> Self {
         Self::Invariant { message: message.into() }
     }
-    /// A stable name of the variant, used by the bindings' exhaustive mapping tests.
-    #[must_use]
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Config { .. } => "Config",
-            Self::InvalidRequest { .. } => "InvalidRequest",
-            Self::UnknownSequence { .. } => "UnknownSequence",
-            Self::DuplicateSequence { .. } => "DuplicateSequence",
-            Self::NothingToSchedule { .. } => "NothingToSchedule",
-            Self::Step { .. } => "Step",
-            Self::StalePlan { .. } => "StalePlan",
-            Self::Alignment { .. } => "Alignment",
-            Self::ResetRefused { .. } => "ResetRefused",
-            Self::Invariant { .. } => "Invariant",
-        }
-    }
 }
+
+/// Declares [`CacheError::kind`] and [`CacheError::KINDS`] from one list of the variants:
+/// `kind`'s `match` has no wildcard, so a variant missing from the list does not compile, and
+/// `KINDS` is that same list (the bindings map every entry of it to a Python class and test it).
+macro_rules! error_kinds {
+    ($($variant:ident),+ $(,)?) => {
+        impl CacheError {
+            /// The stable name of every variant (what [`CacheError::kind`] returns), in
+            /// declaration order.
+            pub const KINDS: &'static [&'static str] = &[$(stringify!($variant)),+];
+
+            /// The stable name of the variant, one of [`CacheError::KINDS`].
+            #[must_use]
+            pub fn kind(&self) -> &'static str {
+                match self {
+                    $(Self::$variant { .. } => stringify!($variant),)+
+                }
+            }
+        }
+    };
+}
+
+error_kinds!(
+    Config,
+    InvalidRequest,
+    UnknownSequence,
+    DuplicateSequence,
+    NothingToSchedule,
+    Step,
+    StalePlan,
+    Alignment,
+    ResetRefused,
+    Invariant,
+);
 
 /// Result alias of the core.
 pub type Result<T, E = CacheError> = std::result::Result<T, E>;

@@ -6,10 +6,10 @@
 //! package `prefixcache`, which re-exports what is here with an explicit `__all__`.
 
 use prefixcache_core::limits;
-use prefixcache_core::HashConfig;
+use prefixcache_core::{CacheError, HashConfig};
 use pyo3::exceptions::PyBaseException;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyTuple};
 
 mod buffer;
 mod buffers;
@@ -21,6 +21,7 @@ mod int_sequence;
 mod manager;
 mod plan;
 mod results;
+mod rules;
 
 use convert::{u64_arg, Domain};
 
@@ -101,6 +102,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_RECENTLY_EVICTED", limits::MAX_RECENTLY_EVICTED)?;
     m.add("MAX_SEQUENCE_TOKENS", limits::MAX_SEQUENCE_TOKENS)?;
     m.add("MAX_STEP_TOKENS", limits::MAX_STEP_TOKENS)?;
+    // The stable name of every core error variant (each has its own exception class, whose
+    // `kind` it is).
+    m.add("ERROR_KINDS", PyTuple::new(m.py(), CacheError::KINDS)?)?;
     errors::register(m)?;
     m.add_class::<manager::PyCacheManager>()?;
     m.add_class::<results::PyAdded>()?;
@@ -122,5 +126,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_prefix, m)?)?;
     m.add_function(wrap_pyfunction!(validate_config, m)?)?;
     m.add_function(wrap_pyfunction!(_error_samples, m)?)?;
+    m.add_function(wrap_pyfunction!(rules::defaults, m)?)?;
     Ok(())
 }
