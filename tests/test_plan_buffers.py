@@ -14,8 +14,51 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 
+def members(protocol: type) -> set[str]:
+    """The public attributes and methods a protocol declares."""
+    return {n for n in vars(protocol) if not n.startswith("_")}
+
+
+def step_values(step: pc.StepPlanLike) -> dict[str, object]:
+    """Everything a kernel layer reads of a step, read through `StepPlanLike` alone (the
+    leading rows its docstring names), as plain lists."""
+    rows, tokens, copies = step.num_rows, step.num_tokens, step.num_copies
+    out: dict[str, object] = {
+        "step_id": step.step_id,
+        "counts": step.counts,
+        "seq_ids": step.seq_ids[:rows].tolist(),
+        "query_start_loc": step.query_start_loc[: rows + 1].tolist(),
+        "num_computed": step.num_computed[:rows].tolist(),
+        "num_scheduled": step.num_scheduled[:rows].tolist(),
+        "copies": step.copies[:copies].tolist(),
+    }
+    for part in step.paged:
+        assert isinstance(part, pc.PagedGroupPlanLike)
+        assert step.paged_group(part.group) is part
+        out[f"paged{part.group}"] = (
+            part.appended[: part.num_appended].tolist(),
+            part.replaced[: part.num_replaced].tolist(),
+            part.slot_mapping[:tokens].tolist(),
+        )
+    for part in step.state:
+        assert isinstance(part, pc.StateGroupPlanLike)
+        assert step.state_group(part.group) is part
+        c = part.max_checkpoints
+        out[f"state{part.group}"] = (
+            part.running_slot[:rows].tolist(),
+            part.initial_slot[:rows].tolist(),
+            part.checkpoint_offsets[:rows, :c].tolist(),
+            part.checkpoint_slots[:rows, :c].tolist(),
+            part.snapshots[: part.num_snapshots].tolist(),
+        )
+    return out
+
+
 def assert_same_plan(plan: pc.StepPlan, buffers: pc.PlanBuffers) -> None:
     """Every value of `plan` is in the leading rows of `buffers`."""
+    # Read through the one protocol both satisfy, the same values.
+    assert isinstance(plan, pc.StepPlanLike) and isinstance(buffers, pc.StepPlanLike)
+    assert step_values(plan) == step_values(buffers)
     rows = plan.num_rows
     assert (buffers.step_id, buffers.num_rows, buffers.num_tokens) == (
         plan.step_id,
@@ -404,3 +447,61 @@ def test_an_array_changed_in_place_is_refused_with_what_happened(
     mgr.commit(fresh)
     assert mgr.num_computed(2) == 40
     mgr.check_invariants()
+
+
+def test_both_plan_representations_have_every_member_of_the_protocol() -> None:
+    """`StepPlanLike` (and its group parts) is what a kernel layer may read of a step: every
+    member exists on `StepPlan` and on `PlanBuffers` with the same meaning, including the
+    counts a `StepPlan` could leave to `len` (`num_copies`, `num_appended`, ...)."""
+    assert members(pc.StepPlanLike) >= {
+        "step_id", "num_rows", "num_tokens", "num_copies", "counts", "seq_ids",
+        "query_start_loc", "num_computed", "num_scheduled", "copies", "paged", "state",
+        "paged_group", "state_group",
+    }  # fmt: skip
+    assert members(pc.PagedGroupPlanLike) == {
+        "group", "num_appended", "num_replaced", "appended", "replaced", "slot_mapping",
+    }  # fmt: skip
+    assert members(pc.StateGroupPlanLike) == {
+        "group", "max_checkpoints", "num_snapshots", "running_slot", "initial_slot",
+        "checkpoint_offsets", "checkpoint_slots", "snapshots",
+    }  # fmt: skip
+    for protocol, classes in (
+        (pc.StepPlanLike, (pc.StepPlan, pc.PlanBuffers)),
+        (pc.PagedGroupPlanLike, (pc.PagedGroupPlan, pc.PagedGroupBuffers)),
+        (pc.StateGroupPlanLike, (pc.StateGroupPlan, pc.StateGroupBuffers)),
+    ):
+        for cls in classes:
+            missing = {name for name in members(protocol) if not hasattr(cls, name)}
+            assert not missing, (cls.__name__, missing)
+    # One step of every kind of part, with copies, checkpoints and snapshots, read both ways.
+    twins = [pc.CacheManager(hybrid_config(max_checkpoints_per_step=2)) for _ in range(2)]
+    buffers = pc.PlanBuffers(rows=1)
+    for mgr in twins:
+        run_prompt(mgr, 1, list(range(90)))  # cached: the next prompt hits inside a block
+        mgr.add(2, [*range(90), 5, 6, 7])
+        mgr.add(3, list(range(1000, 1100)))
+        # Sequence 3's chunk ends on its tail (96, a snapshot) with a checkpoint inside (32).
+        assert mgr.schedule_tokens([2, 3], [100, 96]).tolist() == [13, 96]
+        mgr.request_checkpoint(3, 32)
+    plan = twins[0].build_plan()
+    twins[1].build_plan_into(buffers)
+    values = step_values(plan)
+    assert values == step_values(buffers)
+    counts = plan.counts
+    assert counts[:3] == (2, plan.num_tokens, 1)  # the hit inside a block is copied on write
+    assert buffers.num_copies == plan.num_copies == len(plan.copies) == 1
+    (paged,), (state,) = plan.paged, plan.state
+    assert (paged.num_appended, paged.num_replaced) == (len(paged.appended), len(paged.replaced))
+    assert state.max_checkpoints == state.checkpoint_offsets.shape[1] >= 1
+    assert state.num_snapshots == len(state.snapshots) >= 1
+    assert buffers.paged_group(0) is buffers.paged[0]
+    assert buffers.state_group(1) is buffers.state[0]
+    for step in (plan, buffers):
+        with pytest.raises(ValueError, match=r"group 1 is not a paged group of this plan"):
+            step.paged_group(1)
+        with pytest.raises(ValueError, match=r"group 0 is not a state group of this plan"):
+            step.state_group(0)
+    with pytest.raises(ValueError, match=r"group 0 is not a paged group .*paged groups: \[\]"):
+        pc.PlanBuffers().paged_group(0)
+    twins[0].commit(plan)
+    twins[1].commit(buffers)

@@ -13,6 +13,9 @@ protocol::
     mgr.append(seq_id, [sampled_token])
     mgr.finish(seq_id)
 
+The kernel layer reads a step through :class:`StepPlanLike`, which both a :class:`StepPlan`
+(``build_plan``) and :class:`PlanBuffers` (``build_plan_into`` / ``decode_step``) satisfy.
+
 Errors derive from :class:`PrefixCacheError`, one class per failure; argument type problems
 are ``TypeError`` and out-of-range values ``InvalidRequestError`` / ``ConfigError`` (both
 ``ValueError``). Running out of blocks is not an error: ``schedule`` returns ``None``.
@@ -20,7 +23,11 @@ are ``TypeError`` and out-of-range values ``InvalidRequestError`` / ``ConfigErro
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 from prefixcache._core import (
     ENCODING_VERSION,
@@ -86,6 +93,190 @@ from prefixcache.config import (
 Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 """Any event returned by :meth:`CacheManager.drain_events`."""
 
+
+@runtime_checkable
+class PagedGroupPlanLike(Protocol):
+    """One paged group's part of a step: :class:`PagedGroupPlan` or :class:`PagedGroupBuffers`.
+
+    The step's values are the leading rows: ``appended[:num_appended]``,
+    ``replaced[:num_replaced]`` and ``slot_mapping[:num_tokens]`` (``num_tokens`` of the
+    step); rows past them are left from earlier steps in buffers.
+    """
+
+    @property
+    def group(self) -> int:
+        """Index of the group in the configuration."""
+        ...
+
+    @property
+    def num_appended(self) -> int:
+        """Rows of ``appended`` in this step."""
+        ...
+
+    @property
+    def num_replaced(self) -> int:
+        """Rows of ``replaced`` in this step."""
+        ...
+
+    @property
+    def appended(self) -> npt.NDArray[np.int32]:
+        """``int32`` rows ``(row, column, block)`` appended to the sequences' tables."""
+        ...
+
+    @property
+    def replaced(self) -> npt.NDArray[np.int32]:
+        """``int32`` rows ``(row, column, block)`` replaced (a window's release: block 0)."""
+        ...
+
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """``int64`` KV slot ``block * block_size + offset`` of each scheduled token."""
+        ...
+
+
+@runtime_checkable
+class StateGroupPlanLike(Protocol):
+    """One state group's part of a step: :class:`StateGroupPlan` or :class:`StateGroupBuffers`.
+
+    The step's values are the leading rows: ``running_slot[:R]``, ``initial_slot[:R]``,
+    ``checkpoint_offsets[:R, :max_checkpoints]``, ``checkpoint_slots[:R, :max_checkpoints]``
+    and ``snapshots[:num_snapshots]`` (``R`` the step's ``num_rows``).
+    """
+
+    @property
+    def group(self) -> int:
+        """Index of the group in the configuration."""
+        ...
+
+    @property
+    def max_checkpoints(self) -> int:
+        """Cmax, the checkpoint columns in use in this step."""
+        ...
+
+    @property
+    def num_snapshots(self) -> int:
+        """Rows of ``snapshots`` in this step."""
+        ...
+
+    @property
+    def running_slot(self) -> npt.NDArray[np.int32]:
+        """``int32`` the running-state slot each row writes."""
+        ...
+
+    @property
+    def initial_slot(self) -> npt.NDArray[np.int32]:
+        """``int32`` the slot each row reads (-1 = zero state)."""
+        ...
+
+    @property
+    def checkpoint_offsets(self) -> npt.NDArray[np.int32]:
+        """``int32 [R, Cmax]`` interior checkpoint offsets from the row's query start
+        (0 = none)."""
+        ...
+
+    @property
+    def checkpoint_slots(self) -> npt.NDArray[np.int32]:
+        """``int32 [R, Cmax]`` the slot each interior checkpoint goes to (-1 = none)."""
+        ...
+
+    @property
+    def snapshots(self) -> npt.NDArray[np.int32]:
+        """``int32`` rows ``(running slot, checkpoint slot)`` copied after the forward."""
+        ...
+
+
+@runtime_checkable
+class StepPlanLike(Protocol):
+    """One step as the kernel layer reads it: a :class:`StepPlan` or :class:`PlanBuffers`.
+
+    Every array holds the step's values in its leading rows: ``seq_ids[:R]``,
+    ``query_start_loc[:R + 1]``, ``num_computed[:R]``, ``num_scheduled[:R]``,
+    ``copies[:num_copies]`` (``R`` = ``num_rows``), and each group's part as its protocol
+    says. A :class:`StepPlan`'s arrays are exactly that long; a :class:`PlanBuffers`' are at
+    least that long (rows past them are left from earlier steps), so code that slices as
+    above serves both.
+    """
+
+    @property
+    def step_id(self) -> int | None:
+        """The step (``None`` only for buffers no plan was built into)."""
+        ...
+
+    @property
+    def num_rows(self) -> int:
+        """R, the scheduled sequences."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the scheduled tokens."""
+        ...
+
+    @property
+    def num_copies(self) -> int:
+        """K, the copy-on-write copies."""
+        ...
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """``(num_rows, num_tokens, num_copies)``, then ``(num_appended, num_replaced)`` per
+        paged group and ``(max_checkpoints, num_snapshots)`` per state group, in group
+        order."""
+        ...
+
+    @property
+    def seq_ids(self) -> npt.NDArray[np.int64]:
+        """``int64`` the scheduled sequences, in schedule order."""
+        ...
+
+    @property
+    def query_start_loc(self) -> npt.NDArray[np.int32]:
+        """``int32`` where each row's tokens start in the packed batch (R + 1 values)."""
+        ...
+
+    @property
+    def num_computed(self) -> npt.NDArray[np.int32]:
+        """``int32`` tokens of each row computed before this step."""
+        ...
+
+    @property
+    def num_scheduled(self) -> npt.NDArray[np.int32]:
+        """``int32`` tokens of each row scheduled in this step."""
+        ...
+
+    @property
+    def copies(self) -> npt.NDArray[np.int64]:
+        """``int64`` rows ``(group, src_block, dst_block, num_tokens)``: copy-on-write copies
+        to run before the forward."""
+        ...
+
+    @property
+    def paged(self) -> Sequence[PagedGroupPlanLike]:
+        """Per paged group, in group order."""
+        ...
+
+    @property
+    def state(self) -> Sequence[StateGroupPlanLike]:
+        """Per state group, in group order."""
+        ...
+
+    def paged_group(self, group: int) -> PagedGroupPlanLike:
+        """The part of paged group ``group`` (its index in the configuration)."""
+        ...
+
+    def state_group(self, group: int) -> StateGroupPlanLike:
+        """The part of state group ``group`` (its index in the configuration)."""
+        ...
+
+
+if TYPE_CHECKING:
+    # mypy checks here that both plan representations satisfy the protocol.
+    def _both_are_step_plans(
+        plan: StepPlan, buffers: PlanBuffers
+    ) -> tuple[StepPlanLike, StepPlanLike]:
+        return plan, buffers
+
+
 __all__ = [
     "ENCODING_VERSION",
     "MAX_BATCH_SEQUENCES",
@@ -126,6 +317,7 @@ __all__ = [
     "NothingToScheduleError",
     "PagedGroupBuffers",
     "PagedGroupPlan",
+    "PagedGroupPlanLike",
     "PlanBuffers",
     "PoolConfig",
     "PoolUsage",
@@ -138,9 +330,11 @@ __all__ = [
     "StateGroup",
     "StateGroupBuffers",
     "StateGroupPlan",
+    "StateGroupPlanLike",
     "Stats",
     "StepError",
     "StepPlan",
+    "StepPlanLike",
     "UnknownSequenceError",
     "__version__",
     "hash_prefix",

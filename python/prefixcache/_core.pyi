@@ -312,6 +312,12 @@ class PagedGroupPlan:
     @property
     def slot_mapping(self) -> npt.NDArray[np.int64]:
         """`int64 [T]` slot `block * block_size + offset` of each scheduled token."""
+    @property
+    def num_appended(self) -> int:
+        """Rows of `appended`."""
+    @property
+    def num_replaced(self) -> int:
+        """Rows of `replaced`."""
 
 @final
 class StateGroupPlan:
@@ -335,6 +341,12 @@ class StateGroupPlan:
     @property
     def snapshots(self) -> npt.NDArray[np.int32]:
         """`int32 [S, 2]` rows `(running slot, checkpoint slot)` copied after the forward."""
+    @property
+    def max_checkpoints(self) -> int:
+        """Cmax, the columns of `checkpoint_offsets` / `checkpoint_slots`."""
+    @property
+    def num_snapshots(self) -> int:
+        """S, the rows of `snapshots`."""
 
 @final
 class PagedGroupBuffers:
@@ -439,6 +451,10 @@ class PlanBuffers:
     @property
     def state(self) -> tuple[StateGroupBuffers, ...]:
         """Per state group, in group order."""
+    def paged_group(self, group: int) -> PagedGroupBuffers:
+        """The part of paged group `group` (its index in the configuration)."""
+    def state_group(self, group: int) -> StateGroupBuffers:
+        """The part of state group `group` (its index in the configuration)."""
 
 @final
 class StepPlan:
@@ -475,6 +491,13 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         """T, the scheduled tokens."""
+    @property
+    def num_copies(self) -> int:
+        """K, the copy-on-write copies (the rows of `copies`)."""
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """`(num_rows, num_tokens, num_copies)`, then `(num_appended, num_replaced)` per paged
+        group and `(max_checkpoints, num_snapshots)` per state group, in group order."""
     def paged_group(self, group: int) -> PagedGroupPlan:
         """The part of paged group `group` (its index in the configuration)."""
     def state_group(self, group: int) -> StateGroupPlan:

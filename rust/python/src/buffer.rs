@@ -105,7 +105,8 @@ impl<T: Element + Copy> Buffer<T> {
             return Ok(false); // nothing to write, and any array holds no rows
         }
         // A one-dimensional buffer is always written with `columns == 0`; a two-dimensional
-        // one with at most as many columns as it has, or it grows.
+        // one with at most as many columns as it has, or it grows (with `columns == 0` and no
+        // data: only its rows are grown to `rows`).
         let grow = rows > self.rows || columns > self.columns;
         if grow {
             let grown_rows = if rows > self.rows { rows.max(2 * self.rows) } else { self.rows };

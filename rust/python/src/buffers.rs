@@ -19,12 +19,13 @@ use std::sync::{Mutex, Weak};
 
 use prefixcache_core::limits::MAX_BATCH_SEQUENCES;
 use prefixcache_core::{CacheError, CacheManager, StepPlan};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use pyo3::{PyClass, PyRef, PyRefMut};
 
 use crate::buffer::Buffer;
-use crate::convert::{int_in, Domain};
+use crate::convert::{int_in, u32_arg, Domain};
 use crate::errors::to_pyerr;
 use crate::group_buffers::{PyPagedGroupBuffers, PyStateGroupBuffers};
 
@@ -125,6 +126,23 @@ impl PyPlanBuffers {
 
     pub(crate) fn keep_scratch(&mut self, plan: StepPlan) {
         self.scratch = plan;
+    }
+
+    /// The index in `groups` (within `range`) of the group `group` names; a `ValueError`
+    /// naming the groups there otherwise, as `StepPlan`'s lookups.
+    fn find_group(
+        &self,
+        group: &Bound<'_, PyAny>,
+        range: std::ops::Range<usize>,
+        kind: &str,
+    ) -> PyResult<usize> {
+        let wanted = u32_arg(group, "group", Domain::Request)?;
+        let groups = &self.groups[range.clone()];
+        groups.iter().position(|&g| g == wanted).map(|i| range.start + i).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "group {wanted} is not a {kind} group of this plan ({kind} groups: {groups:?})"
+            ))
+        })
     }
 
     /// Writes `plan`, built by the manager `owner`, into the buffers.
@@ -299,6 +317,29 @@ impl PyPlanBuffers {
     #[getter]
     fn state(slf: &Bound<'_, Self>) -> PyResult<Py<PyTuple>> {
         Ok(borrow(slf)?.state_tuple.clone_ref(slf.py()))
+    }
+
+    /// The part of paged group `group` (its index in the configuration), as
+    /// `StepPlan.paged_group`.
+    fn paged_group(
+        slf: &Bound<'_, Self>,
+        group: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyPagedGroupBuffers>> {
+        let this = borrow(slf)?;
+        let at = this.find_group(group, 0..this.paged.len(), "paged")?;
+        Ok(this.paged[at].clone_ref(slf.py()))
+    }
+
+    /// The part of state group `group` (its index in the configuration), as
+    /// `StepPlan.state_group`.
+    fn state_group(
+        slf: &Bound<'_, Self>,
+        group: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyStateGroupBuffers>> {
+        let this = borrow(slf)?;
+        let paged = this.paged.len();
+        let at = this.find_group(group, paged..this.groups.len(), "state")?;
+        Ok(this.state[at - paged].clone_ref(slf.py()))
     }
 
     /// Every count of this step in one tuple, for a loop that reads them all each step:

@@ -125,11 +125,11 @@ impl PyStateGroupBuffers {
         self.num_snapshots = plan.snapshots.len() / 2;
         let mut grew = self.running_slot.write(py, &plan.running_slot, rows, 0)?;
         grew |= self.initial_slot.write(py, &plan.initial_slot, rows, 0)?;
-        if plan.max_checkpoints > 0 {
-            let c = plan.max_checkpoints;
-            grew |= self.checkpoint_offsets.write(py, &plan.checkpoint_offsets, rows, c)?;
-            grew |= self.checkpoint_slots.write(py, &plan.checkpoint_slots, rows, c)?;
-        }
+        // Written (grown to R rows) even when the step has no checkpoint column, so that
+        // `checkpoint_offsets[:R, :0]` has R rows as `StepPlan`'s `[R, 0]` array does.
+        let c = plan.max_checkpoints;
+        grew |= self.checkpoint_offsets.write(py, &plan.checkpoint_offsets, rows, c)?;
+        grew |= self.checkpoint_slots.write(py, &plan.checkpoint_slots, rows, c)?;
         grew |= self.snapshots.write(py, &plan.snapshots, self.num_snapshots, 2)?;
         Ok(grew)
     }

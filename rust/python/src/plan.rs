@@ -18,6 +18,7 @@ use numpy::{PyArray1, PyArray2};
 use prefixcache_core::{CacheError, PagedGroupPlan, StateGroupPlan, StepPlan};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use crate::convert::{u32_arg, Domain};
 use crate::errors::to_pyerr;
@@ -177,6 +178,18 @@ impl PyPagedGroupPlan {
         self.slot_mapping.get(py)
     }
 
+    /// Rows of `appended` (as `PagedGroupBuffers.num_appended`).
+    #[getter]
+    fn num_appended(&self) -> usize {
+        self.appended.len()
+    }
+
+    /// Rows of `replaced` (as `PagedGroupBuffers.num_replaced`).
+    #[getter]
+    fn num_replaced(&self) -> usize {
+        self.replaced.len()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "PagedGroupPlan(group={}, appended={}, replaced={}, tokens={})",
@@ -252,6 +265,19 @@ impl PyStateGroupPlan {
     #[getter]
     fn snapshots(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         self.snapshots.get(py)
+    }
+
+    /// Cmax, the columns of `checkpoint_offsets` / `checkpoint_slots` (as
+    /// `StateGroupBuffers.max_checkpoints`).
+    #[getter]
+    fn max_checkpoints(&self) -> usize {
+        self.checkpoint_offsets.width()
+    }
+
+    /// S, the rows of `snapshots` (as `StateGroupBuffers.num_snapshots`).
+    #[getter]
+    fn num_snapshots(&self) -> usize {
+        self.snapshots.len()
     }
 
     fn __repr__(&self) -> String {
@@ -377,6 +403,29 @@ impl PyStepPlan {
     #[getter]
     fn num_tokens(&self) -> usize {
         self.num_tokens
+    }
+
+    /// K, the copy-on-write copies (the rows of `copies`).
+    #[getter]
+    fn num_copies(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// Every count of the step in one tuple, as `PlanBuffers.counts`: `(num_rows, num_tokens,
+    /// num_copies)`, then `(num_appended, num_replaced)` per paged group and
+    /// `(max_checkpoints, num_snapshots)` per state group, in group order.
+    #[getter]
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let mut counts = vec![self.num_rows(), self.num_tokens, self.copies.len()];
+        for part in &self.paged {
+            let part = part.get();
+            counts.extend([part.appended.len(), part.replaced.len()]);
+        }
+        for part in &self.state {
+            let part = part.get();
+            counts.extend([part.checkpoint_offsets.width(), part.snapshots.len()]);
+        }
+        PyTuple::new(py, counts)
     }
 
     /// The part of paged group `group` (its index in the configuration).
