@@ -40,6 +40,52 @@ impl Default for Retention {
     }
 }
 
+impl Retention {
+    /// The positions this policy retains for one sequence whose prefill was scheduled with
+    /// `target` tokens known and whose lookup found `junction`: the one statement of the
+    /// retention candidates (the planner and `suggest_chunk` both read it).
+    #[must_use]
+    pub(crate) fn retained(&self, unit: u32, target: u32, junction: Option<u32>) -> Retained {
+        Retained {
+            tail: (self.tail && target > 0).then(|| (target - 1) / unit * unit),
+            junction: junction.filter(|_| self.junction),
+            interval: self.interval,
+        }
+    }
+}
+
+/// A sequence's retained positions under a [`Retention`] (see `Retention::retained`): the tail
+/// (the last unit boundary before the prefill's end), the junction, and every multiple of the
+/// interval. Decode-tail snapshots are the planner's own rule (they depend on the step).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Retained {
+    tail: Option<u32>,
+    junction: Option<u32>,
+    interval: Option<u32>,
+}
+
+impl Retained {
+    /// The explicit positions in priority order: the tail, then the junction (either may be
+    /// outside a given chunk; the two may coincide).
+    pub(crate) fn explicit(self) -> impl Iterator<Item = u32> {
+        self.tail.into_iter().chain(self.junction)
+    }
+
+    /// The interval positions in `(start, end]`, latest first: generated, never collected, so
+    /// a long chunk with a small interval costs time in proportion to its length, not memory.
+    pub(crate) fn intervals(self, start: u32, end: u32) -> impl DoubleEndedIterator<Item = u32> {
+        self.interval
+            .into_iter()
+            .flat_map(move |k| ((start / k + 1)..=(end / k)).rev().map(move |i| i * k))
+    }
+
+    /// The earliest retained position in `(start, end]`, if any.
+    pub(crate) fn earliest_in(self, start: u32, end: u32) -> Option<u32> {
+        let inside = |p: &u32| *p > start && *p <= end;
+        self.explicit().filter(inside).chain(self.intervals(start, end).next_back()).min()
+    }
+}
+
 /// A recurrent-state group: one state snapshot per block.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StateGroupConfig {
@@ -144,6 +190,137 @@ fn gcd(a: u32, b: u32) -> u32 {
     }
 }
 
+/// The least common multiple of two positive numbers, `None` beyond `u32`.
+fn lcm(a: u32, b: u32) -> Option<u32> {
+    (a / gcd(a, b)).checked_mul(b)
+}
+
+/// The checkpoint-offset rule: whether a kernel with checkpoint alignment `alignment` can write
+/// an interior checkpoint at chunk-relative `offset` of a query of `query_len` tokens. It can
+/// iff `0 < offset < query_len` and `offset % alignment == 0`; an alignment of 0 allows none.
+/// (The chunk end, `offset == query_len`, is no interior checkpoint: a snapshot after the step
+/// serves it, whatever the alignment.)
+#[must_use]
+#[inline]
+pub fn is_exportable_offset(offset: u32, alignment: u32, query_len: u32) -> bool {
+    alignment > 0 && offset > 0 && offset < query_len && offset % alignment == 0
+}
+
+/// The exportable offsets (see [`is_exportable_offset`]) nearest to `offset`: the largest one
+/// at or below it and the smallest one above it, each where it exists, in ascending order.
+/// Empty when the query has no exportable offset (`query_len <= alignment`, or alignment 0).
+#[must_use]
+pub fn nearest_exportable_offsets(offset: u32, alignment: u32, query_len: u32) -> Vec<u32> {
+    if alignment == 0 || query_len == 0 {
+        return Vec::new();
+    }
+    let last = (query_len - 1) / alignment * alignment;
+    let below = offset.min(last) / alignment * alignment;
+    let above = (u64::from(offset) / u64::from(alignment) + 1) * u64::from(alignment);
+    let mut out = Vec::with_capacity(2);
+    if is_exportable_offset(below, alignment, query_len) {
+        out.push(below);
+    }
+    if above < u64::from(query_len) {
+        out.push(above as u32);
+    }
+    out
+}
+
+/// The smallest geometry the manager accepts for a kernel of checkpoint alignment `alignment`,
+/// starting from hash unit `unit` and paged block size `block_size`: `(U', B')` with `U'` the
+/// least common multiple of `unit` and `alignment` (the alignment must divide the unit) and
+/// `B'` that of `block_size` and `U'` (the unit must divide the block size). Unchanged when
+/// the alignment already divides the unit and the unit the block size. A zero argument, or a
+/// result beyond `u32` or the limits (`MAX_HASH_UNIT`, `MAX_BLOCK_SIZE`), is a config error.
+pub fn aligned_geometry(unit: u32, block_size: u32, alignment: u32) -> Result<(u32, u32)> {
+    for (name, value) in [("hash unit", unit), ("block size", block_size), ("alignment", alignment)]
+    {
+        if value == 0 {
+            return Err(CacheError::config(format!("{name} must be at least 1, got 0")));
+        }
+    }
+    let aligned_unit = lcm(unit, alignment).filter(|&u| u <= MAX_HASH_UNIT).ok_or_else(|| {
+        CacheError::config(format!(
+            "the hash unit aligned to the checkpoint alignment, lcm({unit}, {alignment}), is \
+             larger than the supported {MAX_HASH_UNIT} tokens"
+        ))
+    })?;
+    let aligned_block =
+        lcm(block_size, aligned_unit).filter(|&b| b <= MAX_BLOCK_SIZE).ok_or_else(|| {
+            CacheError::config(format!(
+                "the block size aligned to the hash unit, lcm({block_size}, {aligned_unit}), is \
+                 larger than the supported {MAX_BLOCK_SIZE} tokens"
+            ))
+        })?;
+    Ok((aligned_unit, aligned_block))
+}
+
+/// The alignment grid of a configuration: where non-final prefill chunks end and where a
+/// checkpoint may be asked for in a chunk. The one statement of both rules; `alignment` is the
+/// chunk alignment (the least common multiple of the state groups' alignments, which divides
+/// the hash unit once the configuration is valid).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CheckpointGrid {
+    /// The hash unit U: checkpoints sit on its multiples.
+    pub unit: u32,
+    /// The chunk alignment A.
+    pub alignment: u32,
+}
+
+impl CheckpointGrid {
+    /// Where a chunk that would end at `end` of a sequence of `total` tokens ends: a non-final
+    /// chunk is trimmed down to an absolute multiple of the alignment (possibly its start, when
+    /// the budget is below the grid step); the final chunk is not trimmed.
+    #[must_use]
+    #[inline]
+    pub fn trim_chunk_end(&self, end: u32, total: u32) -> u32 {
+        if end < total {
+            end / self.alignment * self.alignment
+        } else {
+            end
+        }
+    }
+
+    /// Whether a checkpoint may be asked for at `position` in the chunk `[start, end)`: on a
+    /// unit boundary, and either the chunk end (a snapshot after the step) or at an offset from
+    /// the chunk start the kernel can export (`is_exportable_offset`).
+    #[must_use]
+    pub fn accepts(&self, position: u32, start: u32, end: u32) -> bool {
+        position > start
+            && position <= end
+            && position % self.unit == 0
+            && (position == end
+                || is_exportable_offset(position - start, self.alignment, end - start))
+    }
+
+    /// The positions of chunk `[start, end)` that `accepts`, described without listing them (a
+    /// chunk may span millions of units): their number, and those nearest to `position` (the
+    /// largest at or below it and the smallest above it, where they exist). The alignment
+    /// divides the unit, so either every unit boundary of the chunk is on the grid (the chunk
+    /// starts on an alignment multiple) or only its end is (when the end is a unit boundary).
+    #[must_use]
+    pub fn nearest_positions(&self, position: u32, start: u32, end: u32) -> (u32, Vec<u32>) {
+        let unit = self.unit;
+        let every_boundary = start % self.alignment == 0;
+        let end_valid = end % unit == 0 && end > start;
+        let count = if every_boundary { end / unit - start / unit } else { u32::from(end_valid) };
+        let below = if every_boundary {
+            let q = position.min(end) / unit * unit;
+            (q > start).then_some(q)
+        } else {
+            (end_valid && end <= position).then_some(end)
+        };
+        let above = if every_boundary {
+            let q = (u64::from(position.max(start)) / u64::from(unit) + 1) * u64::from(unit);
+            (q <= u64::from(end)).then_some(q as u32)
+        } else {
+            (end_valid && end > position).then_some(end)
+        };
+        (count, below.into_iter().chain(above).collect())
+    }
+}
+
 impl CacheConfig {
     /// The least common multiple of the state groups' alignments (1 without state groups):
     /// non-final prefill chunks are trimmed to end on a multiple of it.
@@ -152,6 +329,97 @@ impl CacheConfig {
         self.groups.iter().fold(1, |acc, g| match &g.kind {
             GroupKind::State(s) if s.alignment > 0 => acc / gcd(acc, s.alignment) * s.alignment,
             _ => acc,
+        })
+    }
+
+    /// The alignment grid of this configuration (its hash unit and chunk alignment).
+    #[must_use]
+    pub fn checkpoint_grid(&self) -> CheckpointGrid {
+        CheckpointGrid { unit: self.hash.unit, alignment: self.chunk_alignment() }
+    }
+
+    /// The smallest per-step token budget under which a non-final prefill chunk can be
+    /// scheduled (without `exact`): below it, trimming to the chunk grid leaves nothing.
+    #[must_use]
+    pub fn min_token_budget(&self) -> u32 {
+        self.chunk_alignment()
+    }
+
+    /// The most blocks group `group` holds for one running sequence of `tokens` tokens (prompt
+    /// and outputs, no lookahead) at any point of its life, scheduled in chunks of any size:
+    /// what a pool must hold per sequence for that sequence never to be refused for its own
+    /// blocks. See [`CacheConfig::blocks_for_chunked_sequence`], of which this is the case
+    /// `max_chunk = tokens`.
+    pub fn blocks_for_sequence(&self, group: usize, tokens: u32) -> Result<u32> {
+        self.blocks_for_chunked_sequence(group, tokens, tokens)
+    }
+
+    /// `blocks_for_sequence` for a sequence whose chunks never exceed `max_chunk` tokens (the
+    /// engine's per-step token budget); only a sliding window and the checkpoints a state
+    /// group plans depend on it. What the manager allocates, group by group (blocks the
+    /// sequence holds, its own or cached ones it pins):
+    /// - full attention: its table, `ceil(tokens / B)`, plus the copy-on-write source pinned
+    ///   during its first step when a hit may end inside a block (`U < B`; the destination is
+    ///   a table entry);
+    /// - sliding window: the table entries the window still reads while a chunk is scheduled,
+    ///   `ceil((W + chunk + B - 1) / B)` at most (the window's blocks plus one for a decode
+    ///   step), never more than the table, plus the copy-on-write source as above;
+    /// - state: the two running buffers, plus either the checkpoint resumed from (pinned until
+    ///   the first commit) or the private decode-tail snapshot (held from a decode step on),
+    ///   plus what one step plans before its commit: at most C interior checkpoints (bounded
+    ///   by the unit boundaries inside a chunk) and one snapshot at the chunk end; the
+    ///   checkpoint cap bounds every checkpoint block of the group, so these together.
+    ///
+    /// A sequence of 0 tokens holds nothing. `group` out of range, or a count beyond `u32`,
+    /// is an `InvalidRequest`.
+    pub fn blocks_for_chunked_sequence(
+        &self,
+        group: usize,
+        tokens: u32,
+        max_chunk: u32,
+    ) -> Result<u32> {
+        let Some(config) = self.groups.get(group) else {
+            return Err(CacheError::invalid(format!(
+                "group {group} does not exist (there are {} groups)",
+                self.groups.len()
+            )));
+        };
+        if tokens == 0 {
+            return Ok(0);
+        }
+        let unit = u64::from(self.hash.unit.max(1));
+        let (tokens, chunk) = (u64::from(tokens), u64::from(max_chunk.clamp(1, tokens)));
+        // A hit ends inside a block only when units are smaller than blocks and the sequence
+        // has a unit boundary before its last token.
+        let cow_source = |block: u64| u64::from(unit < block && tokens > unit);
+        let blocks = match &config.kind {
+            GroupKind::FullAttention { block_size } => {
+                let block = u64::from(*block_size);
+                tokens.div_ceil(block) + cow_source(block)
+            }
+            GroupKind::SlidingWindow { block_size, window } => {
+                let block = u64::from(*block_size);
+                let read = (u64::from(*window) + chunk + block - 1).div_ceil(block);
+                tokens.div_ceil(block).min(read) + cow_source(block)
+            }
+            GroupKind::State(state) => {
+                // Unit boundaries strictly inside a chunk, and whether one can end a chunk.
+                let inside = (chunk - 1).div_ceil(unit).min((tokens - 1) / unit);
+                let interior =
+                    state.max_checkpoints_per_step.map_or(inside, |c| inside.min(u64::from(c)));
+                let planned = if tokens >= unit { interior + 1 } else { 0 };
+                // A hit (hence a resume pin) is a unit boundary below the last token.
+                let resume = u64::from(tokens > unit);
+                let decode_tail = u64::from(state.retention.decode_tail && tokens >= unit);
+                // Every checkpoint block of the group, held or cached, counts against its cap.
+                let capped = |n: u64| state.checkpoint_cap.map_or(n, |cap| n.min(u64::from(cap)));
+                2 + capped(resume + planned).max(capped(decode_tail + planned))
+            }
+        };
+        u32::try_from(blocks).map_err(|_| {
+            CacheError::invalid(format!(
+                "group {group} would need {blocks} blocks for one sequence: more than a pool holds"
+            ))
         })
     }
 
@@ -291,4 +559,30 @@ fn check_state(group: usize, state: &StateGroupConfig, unit: u32) -> Result<()> 
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Retention;
+
+    #[test]
+    fn retained_positions_are_the_tail_the_junction_and_the_interval_multiples() {
+        let r = Retention { tail: true, interval: Some(8), junction: true, decode_tail: true };
+        let retained = r.retained(4, 41, Some(20));
+        assert_eq!(retained.explicit().collect::<Vec<_>>(), vec![40, 20]);
+        assert_eq!(retained.intervals(8, 33).collect::<Vec<_>>(), vec![32, 24, 16]);
+        assert_eq!(retained.earliest_in(8, 33), Some(16));
+        assert_eq!(retained.earliest_in(16, 23), Some(20), "the junction before an interval");
+        assert_eq!(retained.earliest_in(40, 47), None, "(40, 47] holds none");
+        let off = Retention { tail: false, interval: None, junction: false, decode_tail: true };
+        let none = off.retained(4, 41, Some(20));
+        assert_eq!((none.explicit().count(), none.earliest_in(0, 100)), (0, None));
+        for start in 0..50 {
+            for end in start..60 {
+                let all = retained.explicit().chain(retained.intervals(start, end));
+                let brute = all.filter(|&p| p > start && p <= end).min();
+                assert_eq!(retained.earliest_in(start, end), brute, "({start}, {end}]");
+            }
+        }
+    }
 }

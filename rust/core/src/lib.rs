@@ -22,7 +22,10 @@ mod schedule;
 mod sequence;
 pub mod stats;
 
-pub use config::{CacheConfig, GroupConfig, GroupKind, PoolConfig, Retention, StateGroupConfig};
+pub use config::{
+    aligned_geometry, is_exportable_offset, nearest_exportable_offsets, CacheConfig,
+    CheckpointGrid, GroupConfig, GroupKind, PoolConfig, Retention, StateGroupConfig,
+};
 pub use error::{CacheError, Result};
 pub use events::{CacheEvent, EventRecord};
 pub use hashing::{

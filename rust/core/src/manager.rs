@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustc_hash::FxHashMap;
 
-use crate::config::{CacheConfig, GroupKind, StateGroupConfig};
+use crate::config::{CacheConfig, CheckpointGrid, GroupKind, StateGroupConfig};
 use crate::error::{CacheError, Result};
 use crate::events::{CacheEvent, EventLog, EventRecord};
 use crate::hashing::{validate_sequence, Digest, ExtraKeys, Hasher};
@@ -112,7 +112,8 @@ pub struct CacheManager {
     /// Unique in the process: the plans this manager builds carry it.
     pub(crate) manager_id: u64,
     pub(crate) unit: u32,
-    pub(crate) chunk_alignment: u32,
+    /// Where non-final chunks end and checkpoints may be requested.
+    pub(crate) grid: CheckpointGrid,
     pub(crate) groups: Vec<GroupRuntime>,
     pub(crate) pools: Vec<BlockPool>,
     pub(crate) index: HashIndex,
@@ -178,7 +179,7 @@ impl CacheManager {
         Ok(Self {
             manager_id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             unit: config.hash.unit,
-            chunk_alignment: config.chunk_alignment(),
+            grid: config.checkpoint_grid(),
             pools,
             index: HashIndex::new(
                 config.recently_evicted_capacity,
@@ -220,7 +221,14 @@ impl CacheManager {
     /// The grid non-final prefill chunks end on (lcm of the state groups' alignments).
     #[must_use]
     pub fn chunk_alignment(&self) -> u32 {
-        self.chunk_alignment
+        self.grid.alignment
+    }
+
+    /// This manager's id, unique in the process: every plan it builds carries it
+    /// (`StepPlan::manager`), and `commit`, `abort` and `decode_step` tell its plans by it.
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        self.manager_id
     }
 
     pub(crate) fn slot(&self, seq_id: u64) -> Result<usize> {

@@ -87,23 +87,26 @@ impl CacheManager {
             .collect())
     }
 
-    /// An engine's decode step in one call: commits step `commit` (the plan in flight, when
-    /// given), appends `tokens[i]` to `seq_ids[i]`, schedules one token of each and builds the
-    /// plan of everything scheduled into `plan` (see `build_plan_into`). Results are in input
-    /// order (`None`: the pools could not supply the sequence's block; it is not in the plan).
+    /// An engine's decode step in one call: commits the step `plan` holds when it is this
+    /// manager's plan in flight, appends `tokens[i]` to `seq_ids[i]`, schedules one token of
+    /// each and builds the plan of everything scheduled into `plan` (see `build_plan_into`).
+    /// Results are in input order (`None`: the pools could not supply the sequence's block; it
+    /// is not in the plan).
     ///
-    /// The commit happens first and stands even if the rest is refused; the rest is checked
-    /// before any of it changes anything (lengths, known and distinct ids, none already
-    /// scheduled, the token limit).
+    /// A `plan` holding another step (already committed or aborted, another manager's, or a
+    /// fresh one) commits nothing; a plan in flight other than the one `plan` holds is refused
+    /// (`Step`), as every call that schedules is while a plan is in flight. The commit happens
+    /// first and stands even if the rest is refused; the rest is checked before any of it
+    /// changes anything (lengths, known and distinct ids, none already scheduled, the token
+    /// limit).
     pub fn decode_step(
         &mut self,
-        commit: Option<u64>,
         seq_ids: &[u64],
         tokens: &[u32],
         plan: &mut StepPlan,
     ) -> Result<Vec<Option<Scheduled>>> {
-        if let Some(step_id) = commit {
-            self.commit_step(step_id)?;
+        if plan.manager == self.manager_id && self.plan_in_flight() == Some(plan.step_id) {
+            self.commit_step(plan.step_id)?;
         }
         self.refuse_in_flight("decode_step")?;
         if seq_ids.len() != tokens.len() {
@@ -321,10 +324,10 @@ impl CacheManager {
     fn chunk_end(&self, start: u32, max_tokens: u32, total: u32, exact: bool) -> u32 {
         let room = MAX_STEP_TOKENS - self.scheduled_tokens;
         let end = start.saturating_add(max_tokens.min(room)).min(total);
-        if end < total && !exact {
-            end / self.chunk_alignment * self.chunk_alignment
-        } else {
+        if exact {
             end
+        } else {
+            self.grid.trim_chunk_end(end, total)
         }
     }
 
@@ -533,19 +536,9 @@ impl CacheManager {
             if config.max_checkpoints_per_step != Some(0) {
                 continue;
             }
-            let r = &config.retention;
-            let mut candidates = Vec::new();
-            if r.tail && target > 0 {
-                candidates.push((target - 1) / self.unit * self.unit);
-            }
-            if r.junction {
-                candidates.extend(junction);
-            }
-            if let Some(k) = r.interval {
-                candidates.push((start / k + 1) * k);
-            }
-            for p in candidates {
-                if p > start && p <= reach && best.is_none_or(|b| p < b) {
+            let retained = config.retention.retained(self.unit, target, junction);
+            if let Some(p) = retained.earliest_in(start, reach) {
+                if best.is_none_or(|b| p < b) {
                     best = Some(p);
                 }
             }

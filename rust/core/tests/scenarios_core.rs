@@ -1257,17 +1257,13 @@ fn decode_step_equals_commit_append_schedule_and_plan() {
         explicit.call(|m| m.append_batch(&ids, &sampled)).expect("append");
         let expected = explicit.call(|m| m.schedule_batch(&ids, &[1; 3], false)).expect("schedule");
         plan = explicit.plan();
-        let step_id = kept.step_id;
-        let got = fused
-            .call(|m| m.decode_step(Some(step_id), &ids, &sampled, &mut kept))
-            .expect("decode_step");
+        let got = fused.call(|m| m.decode_step(&ids, &sampled, &mut kept)).expect("decode_step");
         assert_eq!(got, expected);
         assert!(same(&plan, &kept), "step {step}: {plan:?} != {kept:?}");
     }
     // Refused before anything changes (after the commit, which stands).
-    let step_id = kept.step_id;
     let before = fused.m.num_tokens(1);
-    let twice = fused.call(|m| m.decode_step(Some(step_id), &[1, 1], &[5, 6], &mut kept));
+    let twice = fused.call(|m| m.decode_step(&[1, 1], &[5, 6], &mut kept));
     assert!(matches!(twice, Err(CacheError::Step { .. })), "{twice:?}");
     assert_eq!((fused.m.plan_in_flight(), fused.m.num_tokens(1)), (None, before));
 }

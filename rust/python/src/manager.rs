@@ -405,10 +405,11 @@ impl PyCacheManager {
         let held = target.step_id().filter(|_| target.owner().is_some_and(|o| o.id == this.id));
         // The step to commit may be a long prefill chunk: its tokens count as work too.
         let work = ids.len() + held.map_or(0, |_| target.scheduled_tokens());
+        // The scratch plan is the step the buffers hold: the core commits it iff it is this
+        // manager's plan in flight.
         let mut scratch = target.take_scratch();
         let (scheduled, plan) = this.run_sized(py, work, move |m| {
-            let commit = held.filter(|&step| m.plan_in_flight() == Some(step));
-            let scheduled = m.decode_step(commit, &ids, &tokens, &mut scratch)?;
+            let scheduled = m.decode_step(&ids, &tokens, &mut scratch)?;
             Ok((scheduled, scratch))
         })?;
         Self::deliver(slf, &mut target, plan)?;

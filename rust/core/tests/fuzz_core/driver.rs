@@ -323,8 +323,7 @@ impl Fuzz {
             FuzzOp::DecodeStep { commit, everyone } => {
                 let ids =
                     if *everyone { self.seqs.keys().copied().collect() } else { self.decoding() };
-                let commit = commit.then(|| self.in_flight.as_ref().map_or(0, |p| p.step_id));
-                self.decode_step(commit, &ids)?;
+                self.decode_step(*commit, &ids)?;
             }
             FuzzOp::Finish(id) => {
                 let id = self.id(*id);
@@ -396,7 +395,7 @@ impl Fuzz {
                     1 => self.m.append_batch(&ids, &small),
                     2 => {
                         let mut plan = StepPlan::default();
-                        self.m.decode_step(None, &ids, &small, &mut plan).map(|_| ())
+                        self.m.decode_step(&ids, &small, &mut plan).map(|_| ())
                     }
                     _ => self.m.block_table(0, &ids).map(|_| ()),
                 };
@@ -420,7 +419,7 @@ impl Fuzz {
                         break;
                     }
                     if *fused {
-                        self.decode_step(None, &ids)?;
+                        self.decode_step(false, &ids)?;
                     } else {
                         let tokens = self.fresh(ids.len());
                         self.append(&ids, &tokens, true)?;
@@ -966,14 +965,24 @@ impl Fuzz {
         self.absorb(&Stores::None)
     }
 
-    fn decode_step(&mut self, commit: Option<u64>, ids: &[u64]) -> Result<(), String> {
+    /// `decode_step` with the plan the last one built, made to hold the plan in flight when
+    /// `commit` (as an engine's buffers do); otherwise it may hold that plan, an older one or
+    /// none.
+    fn decode_step(&mut self, commit: bool, ids: &[u64]) -> Result<(), String> {
         let tokens = self.fresh(ids.len());
         let before = self.outside();
-        let commits =
-            commit.is_some_and(|c| self.in_flight.as_ref().is_some_and(|p| p.step_id == c));
         let mut plan = std::mem::take(&mut self.reused);
+        if let Some(own) = self.in_flight.as_ref().filter(|_| commit) {
+            (plan.manager, plan.step_id) = (own.manager, own.step_id);
+        }
+        // The step is committed iff the plan holds the one in flight.
+        let commits = self
+            .in_flight
+            .as_ref()
+            .is_some_and(|p| (p.manager, p.step_id) == (plan.manager, plan.step_id));
+        let held = plan.step_id;
         self.calls += 1;
-        let r = self.m.decode_step(commit, ids, &tokens, &mut plan);
+        let r = self.m.decode_step(ids, &tokens, &mut plan);
         not_invariant("decode_step", &r)?;
         let mut stores = HashSet::new();
         if commits {
@@ -981,12 +990,16 @@ impl Fuzz {
             let own = self.in_flight.take().ok_or("no plan in flight")?;
             self.run_plan(&own, true)?;
             stores = self.computed_by(&own);
-        } else if commit.is_some() {
+        } else if let Some(own) = &self.in_flight {
+            // Another plan in flight than the one the plan holds: refused, nothing committed.
             ensure!(
-                matches!(r, Err(CacheError::StalePlan { .. })),
-                "decode_step committing step {commit:?} (in flight {:?}): {r:?}",
-                self.in_flight.as_ref().map(|p| p.step_id)
+                matches!(r, Err(CacheError::Step { .. })),
+                "decode_step with a plan of step {held} while step {} is in flight: {r:?}",
+                own.step_id
             );
+            self.saw("decode_step refused: another plan in flight");
+        } else if commit {
+            self.saw("decode_step with nothing in flight to commit");
         }
         let results = match r {
             Err(e) => {

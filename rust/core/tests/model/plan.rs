@@ -12,7 +12,7 @@ use prefixcache_core::{
     CacheError, CacheEvent, PoolUsage, SkipReason, StateGroupConfig, Stats, StepPlan,
 };
 
-use crate::reference::{boundaries, Model, SeqModel, StepModel};
+use crate::reference::{boundaries, Model, Retained, SeqModel, StepModel};
 
 /// Counter names of the skip reasons, in `SkipReason::index` order.
 const SKIPS: [&str; 5] =
@@ -186,20 +186,15 @@ impl Model {
                 }
             }
         } else {
+            // DESIGN 4, "What a step exports": the retained positions of `(qs, qe]`, requests
+            // first, then tail, junction, intervals latest first; each unit boundary is tested
+            // against the retention predicate (the core generates them instead).
+            let retained = Retained::of(retention, unit, seq.prefill_target, seq.junction);
             let mut candidates = step.requested.clone();
-            if retention.tail && seq.prefill_target > 0 {
-                candidates.push((seq.prefill_target - 1) / unit * unit);
-            }
-            if retention.junction {
-                candidates.extend(seq.junction);
-            }
-            if let Some(k) = retention.interval {
-                let mut p = end / k * k;
-                while p > start {
-                    candidates.push(p);
-                    p -= k;
-                }
-            }
+            candidates.extend(retained.tail);
+            candidates.extend(retained.junction);
+            candidates
+                .extend(boundaries(unit, start, end).filter(|&p| retained.on_interval(p)).rev());
             for p in candidates {
                 if p > start && p <= end && !wanted.iter().any(|w| w.0 == p) {
                     wanted.push((p, false));

@@ -9,7 +9,9 @@ use prefixcache_core::{CacheError, CacheEvent, ExtraKeys, PoolUsage, Scheduled};
 
 use crate::extra;
 use crate::ops::{AddOp, Op};
-use crate::reference::{boundaries, sorted, Model, SeqModel, StepModel, Stored, UNKNOWN_ID};
+use crate::reference::{
+    boundaries, sorted, Model, Retained, SeqModel, StepModel, Stored, UNKNOWN_ID,
+};
 use crate::setup::Kind;
 
 /// Block accounting across the sequences of one `schedule_batch`, per pool.
@@ -704,21 +706,12 @@ impl Model {
             else {
                 continue;
             };
-            let r = &state.retention;
-            let mut candidates = Vec::new();
-            if r.tail && target > 0 {
-                candidates.push((target - 1) / self.unit * self.unit);
-            }
-            if r.junction {
-                candidates.extend(junction);
-            }
-            if let Some(k) = r.interval {
-                candidates.push((start / k + 1) * k);
-            }
-            for p in candidates {
-                if p > start && p <= start + budget && best.is_none_or(|b| p < b) {
-                    best = Some(p);
-                }
+            // DESIGN 4, "Chunking with C = 0": the next retained position within the budget,
+            // found by walking the unit boundaries (every retained position is one).
+            let retained = Retained::of(&state.retention, self.unit, target, junction);
+            let next = boundaries(self.unit, start, start + budget).find(|&p| retained.holds(p));
+            if let Some(p) = next.filter(|&p| best.is_none_or(|b| p < b)) {
+                best = Some(p);
             }
         }
         best.map_or(budget, |p| p - start)

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use prefixcache_core::{
     hash_prefix, CacheError, CacheEvent, CacheManager, Digest, ExtraKeys, GroupHit, GroupStats,
-    Hit, MissReason, Stats, StepPlan,
+    Hit, MissReason, Retention, Stats, StepPlan,
 };
 
 use crate::ident::Idents;
@@ -137,7 +137,34 @@ impl SeqModel {
 }
 
 /// Unit boundaries q with `from < q <= to`.
-pub(crate) fn boundaries(unit: u32, from: u32, to: u32) -> impl Iterator<Item = u32> {
+/// A sequence's retained positions (DESIGN 4, "Checkpoints"), stated as a predicate on unit
+/// boundaries: the tail `((N - 1) // U) * U` of the tokens N known at the prefill's schedule,
+/// the junction of its lookup, and every multiple of the interval K.
+pub(crate) struct Retained {
+    pub(crate) tail: Option<u32>,
+    pub(crate) junction: Option<u32>,
+    interval: Option<u32>,
+}
+
+impl Retained {
+    pub(crate) fn of(r: &Retention, unit: u32, known: u32, junction: Option<u32>) -> Self {
+        Self {
+            tail: if r.tail && known >= 1 { Some((known - 1) / unit * unit) } else { None },
+            junction: if r.junction { junction } else { None },
+            interval: r.interval,
+        }
+    }
+
+    pub(crate) fn on_interval(&self, p: u32) -> bool {
+        self.interval.is_some_and(|k| p % k == 0)
+    }
+
+    pub(crate) fn holds(&self, p: u32) -> bool {
+        self.tail == Some(p) || self.junction == Some(p) || self.on_interval(p)
+    }
+}
+
+pub(crate) fn boundaries(unit: u32, from: u32, to: u32) -> impl DoubleEndedIterator<Item = u32> {
     (from / unit + 1..=to / unit).map(move |i| i * unit)
 }
 
