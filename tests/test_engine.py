@@ -43,7 +43,8 @@ from prefixcache.engine.workloads import (
     TraceSpec,
     WorkloadSpec,
 )
-from prefixcache.models import HybridModel, ModelCaches, StepInputs
+from prefixcache.kernels import Step
+from prefixcache.models import HybridModel, ModelCaches
 
 GROWING = GrowingPrefixSpec(streams=3, first_prompt=150, growth=70, rounds=4, output_len=4)
 AGENTIC = AgenticSpec(conversations=2, turns=3, first_prompt=100, user_turn=20, output_len=10)
@@ -164,28 +165,79 @@ def test_small_pools_preempt_and_evict_without_changing_outputs(
     assert (result.hit_tokens > 0) == (policy != "none")
 
 
+def test_decode_only_steps_take_the_fast_path(
+    model: HybridModel, reference: dict[str, RunResult]
+) -> None:
+    # Once every running sequence decodes and nobody waits, each step is one decode_step
+    # (commit, append, schedule, plan); the outputs stay the no-cache run's.
+    result = run(model, AGENTIC, "fine")
+    assert result.decode_steps > result.steps // 2
+    assert result.decode_fallbacks == 0
+    assert_matches(result, reference["agentic"])
+
+
+@pytest.mark.parametrize("policy", ["none", "block", "fine"])
+def test_a_decode_step_out_of_blocks_falls_back_to_preemption(
+    model: HybridModel, policy: str
+) -> None:
+    # Three 50-token prompts decoding 30 tokens in 8 blocks of 32: a decode crosses into a
+    # block the pool cannot supply, so decode_step reports -1; the engine aborts that plan and
+    # schedules the step the general way, which preempts the newest sequence.
+    prompts = np.random.default_rng(0).integers(0, 1000, size=(3, 50))
+    spec = TraceSpec(
+        path=Path("inline"),
+        requests=tuple(Request(i, prompts[i], output_len=30, arrival_s=0.0) for i in range(3)),
+    )
+    expected = run(model, spec, "none")
+    config = EngineConfig(
+        token_budget=96, max_running=3, paged_blocks=8, state_blocks=16, check=True
+    )
+    result = run(model, spec, policy, config=config)
+    assert result.decode_fallbacks > 0
+    assert result.preemptions > 0
+    assert result.aborted_steps == 0
+    assert result.manager_stats["aborts"] == result.decode_fallbacks
+    assert_matches(result, expected)
+
+
 def poisoning_forward(model: HybridModel, fail_every: int) -> tuple[ForwardFn, list[int]]:
-    """A forward that, on every ``fail_every``-th call, runs the real forward (writing the
-    caches), overwrites everything it wrote with NaN, then raises."""
+    """A forward that, on every ``fail_every``-th call, executes the real step (writing the
+    caches: copies, layers, snapshots), overwrites everything it wrote with NaN, then raises."""
     failures: list[int] = []
     calls = 0
 
-    def forward(inputs: StepInputs, caches: ModelCaches) -> torch.Tensor:
+    def forward(
+        step: Step, token_ids: torch.Tensor, caches: ModelCaches, logits_indices: np.ndarray
+    ) -> torch.Tensor:
         nonlocal calls
         calls += 1
-        logits = model.forward(inputs, caches)
+        logits = model.execute(step, token_ids, caches, logits_indices)
         if calls % fail_every:
             return logits
-        written = [int(s) for s in (*inputs.running_slot, *inputs.checkpoint_slots.reshape(-1))]
+        state = step.state_group(caches.state_group)
+        written = [
+            int(s)
+            for s in (
+                *state.running_slot,
+                *state.checkpoint_slots.reshape(-1),
+                *state.snapshots[:, 1],
+            )
+        ]
         for cache in caches.states:
             for slot in written:
                 if slot >= 0:
                     cache.recurrent[slot] = float("nan")
                     cache.conv[slot] = float("nan")
-        slots = torch.from_numpy(inputs.slot_mapping)
+        slots = torch.from_numpy(
+            np.ascontiguousarray(step.paged_group(caches.paged_group).slot_mapping)
+        )
+        copied = [int(dst) for group, _, dst, _ in step.copies if group == caches.paged_group]
         for kv in caches.kv:
             kv.key.view(-1, kv.num_kv_heads, kv.head_dim)[slots] = float("nan")
             kv.value.view(-1, kv.num_kv_heads, kv.head_dim)[slots] = float("nan")
+            for block in copied:
+                kv.key[block] = float("nan")
+                kv.value[block] = float("nan")
         failures.append(calls)
         raise RuntimeError(f"injected failure at forward call {calls}")
 
@@ -211,7 +263,9 @@ def test_a_failed_forward_is_aborted_and_nothing_it_wrote_is_ever_hit(
 def test_a_forward_that_keeps_failing_propagates_after_the_retries(model: HybridModel) -> None:
     calls = 0
 
-    def forward(inputs: StepInputs, caches: ModelCaches) -> torch.Tensor:
+    def forward(
+        step: Step, token_ids: torch.Tensor, caches: ModelCaches, logits_indices: np.ndarray
+    ) -> torch.Tensor:
         nonlocal calls
         calls += 1
         raise RuntimeError("device lost")

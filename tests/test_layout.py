@@ -57,15 +57,15 @@ def part_of(module: str) -> str | None:
     names = module.split(".")
     if names[0] != "prefixcache":
         return None
-    if len(names) == 1 or names[1] == "config":
-        return "api"
-    if names[1] == "_core":
-        return "core"
-    if names[1] == "__main__":
-        return "engine"
-    if names[1] in ("kernels", "models", "engine"):
+    if len(names) > 1 and names[1] in ("kernels", "models", "engine"):
         return names[1]
-    raise AssertionError(f"module {module} belongs to no part")
+    if len(names) > 1 and names[1] == "_core":
+        return "core"
+    if len(names) > 1 and names[1] == "__main__":
+        return "engine"
+    # The root package, prefixcache.config, or a name imported from the root
+    # (``from prefixcache import PlanBuffers``).
+    return "api"
 
 
 def imported_modules(path: Path, package_dir: Path = PACKAGE) -> list[tuple[int, str]]:

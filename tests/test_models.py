@@ -19,13 +19,20 @@ import torch
 pytest.importorskip("prefixcache._core")
 
 from prefixcache.engine import relative_difference
-from prefixcache.kernels import KernelPlanError, PagedKVCache, TorchBackend, paged_attention
+from prefixcache.kernels import (
+    KernelPlanError,
+    PagedKVCache,
+    PagedStep,
+    StateStep,
+    Step,
+    TorchBackend,
+    paged_attention,
+)
 from prefixcache.models import (
     HybridModel,
     KernelTimer,
     ModelCaches,
     ModelConfig,
-    StepInputs,
     paged_causal_attention,
 )
 
@@ -54,8 +61,12 @@ class Row:
     checkpoints: Sequence[tuple[int, int]] = ()  # (offset from start, slot)
 
 
-def inputs(rows: Sequence[Row]) -> StepInputs:
-    """The StepInputs of one step over ``rows`` (logits of every row's last token)."""
+def inputs(
+    rows: Sequence[Row],
+    copies: Sequence[tuple[int, int, int, int]] = (),
+    snapshots: Sequence[tuple[int, int]] = (),
+) -> tuple[Step, torch.Tensor]:
+    """The step over ``rows`` (paged group 0, state group 1) and its token ids."""
     lengths = [row.end - row.start for row in rows]
     loc = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     width = max(len(row.table) for row in rows)
@@ -72,18 +83,28 @@ def inputs(rows: Sequence[Row]) -> StepInputs:
     for r, row in enumerate(rows):
         for c, (offset, slot) in enumerate(row.checkpoints):
             offsets[r, c], checkpoint_slots[r, c] = offset, slot
-    return StepInputs(
-        token_ids=torch.tensor(ids, dtype=torch.int64),
+    step = Step(
         query_start_loc=loc,
         seq_lens=np.array([row.end for row in rows], dtype=np.int64),
-        slot_mapping=np.array(slots, dtype=np.int64),
-        block_tables=tables,
-        initial_slot=np.array([row.initial for row in rows], dtype=np.int32),
-        running_slot=np.array([row.running for row in rows], dtype=np.int32),
-        checkpoint_offsets=offsets,
-        checkpoint_slots=checkpoint_slots,
-        logits_indices=loc[1:].astype(np.int64) - 1,
+        copies=np.array(copies, dtype=np.int64).reshape(-1, 4),
+        paged=(PagedStep(0, np.array(slots, dtype=np.int64), tables),),
+        state=(
+            StateStep(
+                1,
+                initial_slot=np.array([row.initial for row in rows], dtype=np.int32),
+                running_slot=np.array([row.running for row in rows], dtype=np.int32),
+                checkpoint_offsets=offsets,
+                checkpoint_slots=checkpoint_slots,
+                snapshots=np.array(snapshots, dtype=np.int32).reshape(-1, 2),
+            ),
+        ),
     )
+    return step, torch.tensor(ids, dtype=torch.int64)
+
+
+def execute(model: HybridModel, rows: Sequence[Row], caches: ModelCaches) -> torch.Tensor:
+    """Logits of every row's last token after executing the step over ``rows``."""
+    return model.execute(*inputs(rows), caches)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +132,7 @@ def test_model_shapes_follow_the_config(model: HybridModel) -> None:
     assert caches.states[0].recurrent.shape == (12, 4, 16, 16)
     assert caches.kv[0].key.shape == (32, BLOCK, 2, 16)
     seq = tokens(20)
-    logits = model.forward(inputs([Row(seq, 0, 20, [1, 2], -1, 1)]), caches)
+    logits = execute(model, [Row(seq, 0, 20, [1, 2], -1, 1)], caches)
     assert logits.shape == (1, 1000) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
 
@@ -119,10 +140,10 @@ def test_model_shapes_follow_the_config(model: HybridModel) -> None:
 def test_a_prefill_split_in_two_steps_equals_one_step(model: HybridModel) -> None:
     seq = tokens(100)
     table = [3, 5, 7, 9, 11, 13, 15]
-    whole = model.forward(inputs([Row(seq, 0, 100, table, -1, 1)]), fresh(model))
+    whole = execute(model, [Row(seq, 0, 100, table, -1, 1)], fresh(model))
     caches = fresh(model)
-    model.forward(inputs([Row(seq, 0, 40, table[:3], -1, 1)]), caches)
-    split = model.forward(inputs([Row(seq, 40, 100, table, 1, 2)]), caches)
+    execute(model, [Row(seq, 0, 40, table[:3], -1, 1)], caches)
+    split = execute(model, [Row(seq, 40, 100, table, 1, 2)], caches)
     assert relative_difference(split.numpy(), whole.numpy()) <= RTOL
 
 
@@ -130,49 +151,95 @@ def test_resuming_from_an_interior_checkpoint_equals_the_unsplit_run(model: Hybr
     seq = tokens(100, seed=1)
     table = [1, 2, 3, 4, 5, 6, 7]
     caches = fresh(model)
-    whole = model.forward(inputs([Row(seq, 0, 100, table, -1, 1, checkpoints=[(48, 3)])]), caches)
+    whole = execute(model, [Row(seq, 0, 100, table, -1, 1, checkpoints=[(48, 3)])], caches)
     # A second sequence with the same first 48 tokens shares blocks 1-3 and resumes from slot 3.
     other = [1, 2, 3, 20, 21, 22, 23]
-    resumed = model.forward(inputs([Row(seq, 48, 100, other, 3, 4)]), caches)
+    resumed = execute(model, [Row(seq, 48, 100, other, 3, 4)], caches)
     assert relative_difference(resumed.numpy(), whole.numpy()) <= RTOL
     # The checkpoint matters: resuming from the state after all 100 tokens is different.
-    wrong = model.forward(inputs([Row(seq, 48, 100, other, 1, 5)]), caches)
+    wrong = execute(model, [Row(seq, 48, 100, other, 1, 5)], caches)
     assert relative_difference(wrong.numpy(), whole.numpy()) > 1e-3
 
 
 def test_attention_reads_keys_and_values_through_the_block_table(model: HybridModel) -> None:
     seq = tokens(64, seed=2)
-    first = model.forward(inputs([Row(seq, 0, 64, [1, 2, 3, 4], -1, 1)]), fresh(model))
-    moved = model.forward(inputs([Row(seq, 0, 64, [30, 7, 19, 2], -1, 1)]), fresh(model))
+    first = execute(model, [Row(seq, 0, 64, [1, 2, 3, 4], -1, 1)], fresh(model))
+    moved = execute(model, [Row(seq, 0, 64, [30, 7, 19, 2], -1, 1)], fresh(model))
     assert torch.equal(first, moved)
     # Decoding one more token with a table entry pointing at another block reads the wrong
     # context (swapping entries would not show: attention without positions is order-blind).
     caches = fresh(model)
-    model.forward(inputs([Row(seq, 0, 64, [1, 2, 3, 4], -1, 1)]), caches)
+    execute(model, [Row(seq, 0, 64, [1, 2, 3, 4], -1, 1)], caches)
     longer = [*seq, 5]
-    right = model.forward(inputs([Row(longer, 64, 65, [1, 2, 3, 4, 6], 1, 2)]), caches)
-    wrong = model.forward(inputs([Row(longer, 64, 65, [1, 2, 3, 12, 6], 1, 3)]), caches)
+    right = execute(model, [Row(longer, 64, 65, [1, 2, 3, 4, 6], 1, 2)], caches)
+    wrong = execute(model, [Row(longer, 64, 65, [1, 2, 3, 12, 6], 1, 3)], caches)
     assert relative_difference(wrong.numpy(), right.numpy()) > 1e-4
 
 
 def test_decode_equals_prefill(model: HybridModel) -> None:
     seq = tokens(61, seed=4)
     table = [1, 2, 3, 4]
-    whole = model.forward(inputs([Row(seq, 0, 61, table, -1, 1)]), fresh(model))
+    whole = execute(model, [Row(seq, 0, 61, table, -1, 1)], fresh(model))
     caches = fresh(model)
-    model.forward(inputs([Row(seq, 0, 60, table, -1, 1)]), caches)
-    decoded = model.forward(inputs([Row(seq, 60, 61, table, 1, 2)]), caches)
+    execute(model, [Row(seq, 0, 60, table, -1, 1)], caches)
+    decoded = execute(model, [Row(seq, 60, 61, table, 1, 2)], caches)
     assert relative_difference(decoded.numpy(), whole.numpy()) <= RTOL
 
 
 def test_packing_sequences_in_one_step_changes_nothing(model: HybridModel) -> None:
     a, b = tokens(50, seed=5), tokens(33, seed=6)
     rows = [Row(a, 0, 50, [1, 2, 3, 4], -1, 1), Row(b, 0, 33, [5, 6, 7], -1, 2)]
-    together = model.forward(inputs(rows), fresh(model))
-    alone_a = model.forward(inputs(rows[:1]), fresh(model))
-    alone_b = model.forward(inputs(rows[1:]), fresh(model))
+    together = execute(model, rows, fresh(model))
+    alone_a = execute(model, rows[:1], fresh(model))
+    alone_b = execute(model, rows[1:], fresh(model))
     assert relative_difference(together[0].numpy(), alone_a[0].numpy()) <= RTOL
     assert relative_difference(together[1].numpy(), alone_b[0].numpy()) <= RTOL
+
+
+def test_a_step_runs_its_copies_before_and_its_snapshots_after_the_layers(
+    model: HybridModel,
+) -> None:
+    # Step 1 prefills 40 tokens (blocks 1, 2 and 8 tokens of 3) and snapshots its running
+    # state 1 into slot 5. Step 2 continues in a copy: block 3's 8 tokens copied on write into
+    # block 4 before the layers, the state read from the snapshot. It must equal continuing in
+    # the original blocks from the running state.
+    seq = tokens(60, seed=9)
+    caches = fresh(model)
+    model.execute(*inputs([Row(seq, 0, 40, [1, 2, 3], -1, 1)], snapshots=[(1, 5)]), caches)
+    for cache in caches.states:
+        assert torch.equal(cache.recurrent[5], cache.recurrent[1])
+        assert torch.equal(cache.conv[5], cache.conv[1])
+    copied = model.execute(
+        *inputs([Row(seq, 40, 60, [1, 2, 4, 6], 5, 7)], copies=[(0, 3, 4, 8)]), caches
+    )
+    original = execute(model, [Row(seq, 40, 60, [1, 2, 3, 9], 1, 2)], caches)
+    assert torch.equal(caches.kv[0].key[4, :8], caches.kv[0].key[3, :8])
+    assert relative_difference(copied.numpy(), original.numpy()) <= RTOL
+
+
+@pytest.mark.parametrize(
+    ("copies", "snapshots", "message"),
+    [
+        ([(0, 1, 2, 4)], [(1, 99)], "snapshot 0: destination slot 99"),
+        ([(0, 1, 40, 4)], [(1, 5)], "copy 0: destination block 40"),
+        ([(3, 1, 2, 4)], [(1, 5)], "group 3 has no paged KV cache"),
+    ],
+)
+def test_a_bad_copy_or_snapshot_is_refused_before_anything_is_written(
+    model: HybridModel,
+    copies: list[tuple[int, int, int, int]],
+    snapshots: list[tuple[int, int]],
+    message: str,
+) -> None:
+    caches = fresh(model)
+    caches.kv[0].key[1] = 1.0
+    keys = caches.kv[0].key.clone()
+    states = [cache.recurrent.clone() for cache in caches.states]
+    step = inputs([Row(tokens(20), 0, 20, [5, 6], -1, 1)], copies=copies, snapshots=snapshots)
+    with pytest.raises(KernelPlanError, match=message):
+        model.execute(*step, caches)
+    assert torch.equal(caches.kv[0].key, keys)
+    assert all(torch.equal(b, c.recurrent) for b, c in zip(states, caches.states, strict=True))
 
 
 def test_a_plan_the_backend_refuses_writes_nothing() -> None:
@@ -181,7 +248,7 @@ def test_a_plan_the_backend_refuses_writes_nothing() -> None:
     before = [cache.recurrent.clone() for cache in caches.states]
     seq = tokens(40)
     with pytest.raises(KernelPlanError, match="alignment 16"):
-        model.forward(inputs([Row(seq, 0, 40, [1, 2, 3], -1, 1, [(20, 2)])]), caches)
+        execute(model, [Row(seq, 0, 40, [1, 2, 3], -1, 1, [(20, 2)])], caches)
     assert all(torch.equal(b, c.recurrent) for b, c in zip(before, caches.states, strict=True))
     assert not caches.kv[0].key.any()
 
@@ -192,7 +259,7 @@ def test_the_seed_fixes_the_weights() -> None:
     logits = []
     for seed in (0, 0, 1):
         model = HybridModel(ModelConfig.tiny(seed=seed), TorchBackend())
-        logits.append(model.forward(step, fresh(model)))
+        logits.append(model.execute(*step, fresh(model)))
     assert torch.equal(logits[0], logits[1])
     assert not torch.allclose(logits[0], logits[2])
 

@@ -12,18 +12,27 @@ One :class:`Engine` runs one caching policy over one workload with one model; ea
    sequence is preempted (its blocks released; it is recomputed from a fresh lookup later) and
    the schedule retried, and nothing new is admitted in that step; a waiting sequence that
    does not fit simply waits.
-3. ``build_plan`` -> copy-on-write copies -> model forward -> snapshots -> ``commit``. If any of
-   these raises, the step is aborted (``abort``: nothing is published, every sequence is back at
-   its pre-step position) and the engine's own bookkeeping is rolled back, then the loop goes on
-   and schedules the same sequences again (up to ``max_step_retries`` consecutive failures).
-4. After the commit: each sequence whose known tokens are all computed gets a greedy token
-   (``append``), the first one fixing its time to first token; a sequence with all its output
-   tokens is finished (``finish``), and the workload may release follow-up requests.
+3. The plan is written into one :class:`prefixcache.PlanBuffers` reused by every step
+   (``build_plan_into``); the block tables (:class:`prefixcache.kernels.BlockTables`) apply its
+   ``appended`` / ``replaced`` entries, and the model executes the whole
+   :class:`prefixcache.kernels.Step` (copy-on-write copies, layers, snapshots). If any of this
+   raises, the step is aborted (``abort``: nothing is published, every sequence is back at its
+   pre-step position) and the block tables are rolled back, then the loop goes on and
+   schedules the same sequences again (up to ``max_step_retries`` consecutive failures).
+4. After the forward: each sequence whose known tokens are all computed gets a greedy token,
+   the first one fixing its time to first token; the step is committed and the tokens
+   appended; a sequence with all its output tokens is finished (``finish``), and the workload
+   may release follow-up requests.
 
-The engine keeps its own block table per sequence, updated from the plan's ``appended`` /
-``replaced`` entries (undone on abort), and reads the KDA slots and checkpoints from the plan's
-state group. Time is the wall clock, except that an idle engine jumps to the next arrival
-instead of sleeping.
+Decode-only steps take the fast path: when every running sequence got a token, none finished
+and the next step would admit nobody, the commit is deferred to the next step's
+``decode_step``, which commits, appends the tokens, schedules one token of each and plans, in
+one call. If the pools cannot supply a block there (a ``-1``), that plan is aborted and the
+step is scheduled the general way, with preemption.
+
+The engine keeps no copy of the manager's progress: positions come from the plan and from
+``manager.num_computed``, block tables from ``BlockTables``. Time is the wall clock, except
+that an idle engine jumps to the next arrival instead of sleeping.
 """
 
 from __future__ import annotations
@@ -41,8 +50,8 @@ import torch
 
 import prefixcache as pc
 
-from ..kernels import apply_copies, apply_snapshots
-from ..models import HybridModel, ModelCaches, StepInputs
+from ..kernels import BlockTables, Step
+from ..models import HybridModel, ModelCaches
 from .policy import PAGED_GROUP, STATE_GROUP, Policy
 from .results import RequestResult, RunResult
 from .workloads import Request, Workload
@@ -51,7 +60,8 @@ __all__ = ["Engine", "EngineConfig", "EngineError", "ForwardFn", "PoolTooSmallEr
 
 logger = logging.getLogger("prefixcache.engine")
 
-ForwardFn = Callable[[StepInputs, ModelCaches], torch.Tensor]
+ForwardFn = Callable[[Step, torch.Tensor, ModelCaches, np.ndarray], torch.Tensor]
+"""``(step, token_ids, caches, logits_indices) -> logits``: ``HybridModel.execute``'s shape."""
 
 
 class EngineError(RuntimeError):
@@ -73,8 +83,8 @@ class EngineConfig:
         state_blocks: KDA state slots (running buffers and checkpoints; slot 0 unused).
         checkpoint_cap: at most this many state slots hold checkpoints (``None``: no cap).
         max_step_retries: consecutive failed forwards tolerated before the error propagates.
-        check: after every commit, compare the engine's block tables with the manager's and
-            run the manager's invariant checks (slow; for tests).
+        check: after every plan (and every abort), compare the engine's block tables with the
+            manager's and run the manager's invariant checks (slow; for tests).
     """
 
     token_budget: int
@@ -96,16 +106,13 @@ class EngineConfig:
 
 @dataclass(eq=False)
 class _Sequence:
-    """The engine's view of one request while it is live."""
+    """The engine's view of one request while it is live (its progress is the manager's)."""
 
     request: Request
     tokens: list[int]
     arrival: float
     outputs: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    started: bool = False
-    prefilling: bool = True
-    table: list[int] = field(default_factory=list)
+    prefilling: bool = True  # no token sampled since the sequence was (re)started
     hit_tokens: int | None = None
     computed_prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -118,20 +125,6 @@ class _Sequence:
     @property
     def seq_id(self) -> int:
         return self.request.request_id
-
-
-@dataclass
-class _TableUndo:
-    """How to take back one step's block-table updates."""
-
-    entries: list[tuple[_Sequence, int, int]] = field(default_factory=list)  # seq, column, old
-    lengths: list[tuple[_Sequence, int]] = field(default_factory=list)  # seq, length before
-
-    def rollback(self) -> None:
-        for seq, length in self.lengths:
-            del seq.table[length:]
-        for seq, column, old in reversed(self.entries):
-            seq.table[column] = old
 
 
 def _margin(logits: np.ndarray) -> float:
@@ -166,7 +159,7 @@ class Engine:
         model: the model (its backend configures the manager's state group).
         policy: the caching policy.
         config: scheduler and memory settings.
-        forward: the step function, ``model.forward`` by default (tests wrap it to inject
+        forward: the step function, ``model.execute`` by default (tests wrap it to inject
             failures).
     """
 
@@ -188,7 +181,7 @@ class Engine:
         self.model = model
         self.policy = policy
         self.config = config
-        self.forward: ForwardFn = model.forward if forward is None else forward
+        self.forward: ForwardFn = model.execute if forward is None else forward
 
     def manager_config(self) -> pc.CacheConfig:
         """The cache manager's configuration for this engine."""
@@ -226,17 +219,25 @@ class _Loop:
         self.on_finished = on_finished
         self.manager = pc.CacheManager(engine.manager_config())
         block_size = engine.policy.block_size
-        self.caches = self.model.allocate_caches(
+        self.caches: ModelCaches = self.model.allocate_caches(
             paged_blocks=self.config.paged_blocks,
             block_size=block_size,
             state_blocks=self.config.state_blocks,
+            paged_group=PAGED_GROUP,
+            state_group=STATE_GROUP,
         )
         self.block_size = block_size
+        self.buffers = pc.PlanBuffers(rows=self.config.max_running)
+        self.tables = BlockTables(PAGED_GROUP, rows=self.config.max_running)
         self.result = RunResult(policy=engine.policy.name)
         self.pending: list[tuple[float, int, Request]] = []
         self.handed: list[Request] = []  # follow-ups arriving "now"
+        self.live: dict[int, _Sequence] = {}
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
+        # The tokens of a step whose forward ran and whose commit waits for the next step's
+        # ``decode_step`` (every running sequence decodes, in running order).
+        self.deferred: dict[int, int] | None = None
         self.start = time.perf_counter()
         self.skipped = 0.0
         self.failures = 0
@@ -265,7 +266,9 @@ class _Loop:
                 request.request_id, request.prompt.astype(np.uint32), extends=request.extends
             )
             tokens: list[int] = request.prompt.tolist()
-            self.waiting.append(_Sequence(request=request, tokens=tokens, arrival=arrival))
+            seq = _Sequence(request=request, tokens=tokens, arrival=arrival)
+            self.live[seq.seq_id] = seq
+            self.waiting.append(seq)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -298,6 +301,35 @@ class _Loop:
         self.result.manager_stats = _stats_dict(self.manager.stats())
         return self.result
 
+    def would_admit(self) -> bool:
+        """Whether scheduling now would try to admit a waiting sequence after the decodes."""
+        budget = self.config.token_budget - len(self.running)
+        return bool(self.waiting) and budget > 0 and len(self.running) < self.config.max_running
+
+    def step(self) -> bool:
+        """One engine step; returns whether anything was scheduled."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            ids = np.fromiter((seq.seq_id for seq in self.running), dtype=np.uint64)
+            tokens = np.fromiter((deferred[int(i)] for i in ids), dtype=np.uint32)
+            if len(self.running) <= self.config.token_budget and not self.would_admit():
+                scheduled = self.manager.decode_step(self.buffers, ids, tokens)
+                if bool((scheduled == 1).all()):
+                    self.result.decode_steps += 1
+                    return self.execute()
+                # Out of blocks for some sequence: schedule the general way (with preemption).
+                self.manager.abort(self.buffers)
+                self.result.decode_fallbacks += 1
+            else:
+                self.manager.commit(self.buffers)
+                self.manager.append_batch(ids, tokens)
+                if self.config.check:
+                    self.check(self.running)
+        if not self.schedule():
+            return False
+        self.manager.build_plan_into(self.buffers)
+        return self.execute()
+
     def schedule(self) -> list[_Sequence]:
         """Schedule this step's sequences; returns them in schedule order."""
         manager = self.manager
@@ -307,7 +339,7 @@ class _Loop:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            remaining = len(seq.tokens) - seq.num_computed
+            remaining = len(seq.tokens) - manager.num_computed(seq.seq_id)
             result = manager.schedule(seq.seq_id, min(remaining, budget))
             while result is None:
                 victim = self.running[-1]
@@ -326,6 +358,10 @@ class _Loop:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
             hit = manager.lookup(seq.seq_id)
+            if hit.tokens and not self.engine.policy.caches_prefixes:
+                raise EngineError(
+                    f"sequence {seq.seq_id} hit {hit.tokens} tokens under policy 'none'"
+                )
             remaining = len(seq.tokens) - int(hit.tokens)
             result = manager.schedule(seq.seq_id, min(remaining, budget))
             if result is None or result.num_tokens == 0:
@@ -339,143 +375,106 @@ class _Loop:
     def preempt(self, seq: _Sequence) -> None:
         """Release a running sequence's blocks; it is recomputed from a fresh lookup later."""
         self.manager.preempt(seq.seq_id)
+        self.tables.release(seq.seq_id)
         self.running.remove(seq)
-        seq.num_computed = 0
-        seq.started = False
         seq.prefilling = True
-        seq.table = []
         seq.preemptions += 1
         self.result.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def step(self) -> bool:
-        """One engine step; returns whether anything was scheduled."""
-        scheduled = self.schedule()
-        if not scheduled:
-            return False
-        by_id = {seq.seq_id: seq for seq in scheduled}
-        plan = self.manager.build_plan()
-        rows = [by_id[int(seq_id)] for seq_id in plan.seq_ids]
-        undo = _TableUndo()
+    def execute(self) -> bool:
+        """Execute the step the buffers hold; commit it (or defer the commit) or abort it."""
+        buffers = self.buffers
+        rows = [self.live[seq_id] for seq_id in buffers.seq_ids[: buffers.num_rows].tolist()]
         kda_timer = self.model.kda_timer
         # Only prefill rows are charged KDA time: a decode-only step runs untimed.
         kda_timer.enabled = any(seq.prefilling for seq in rows)
         underruns = kda_timer.underruns
+        applied = False
         try:
-            inputs = self.prepare(plan, rows, undo)
+            self.tables.apply_plan(buffers)
+            applied = True
+            if self.config.check:
+                self.check(rows)
+            step = Step.from_buffers(buffers, [self.tables])
+            token_ids, logits_indices = self.inputs(rows)
             kda_timer.take()
             started = time.perf_counter()
-            apply_copies(plan.copies, {PAGED_GROUP: self.caches.kv})
-            logits = self.engine.forward(inputs, self.caches)
-            apply_snapshots(self.caches.states, plan.state_group(STATE_GROUP).snapshots)
+            logits = self.engine.forward(step, token_ids, self.caches, logits_indices)
             sampled = self.model.sample(logits)
             logits_host = logits.detach().to("cpu", torch.float32).numpy()
         except Exception as error:
-            self.manager.abort(plan)
-            undo.rollback()
+            step_id = buffers.step_id
+            self.manager.abort(buffers)
+            if applied:
+                self.tables.rollback()
+            if self.config.check:
+                self.check(rows)
             self.result.aborted_steps += 1
             self.failures += 1
             if self.failures > self.config.max_step_retries:
                 raise
             logger.warning(
-                "step %d failed (%s: %s); aborted, the %d sequence(s) will be rescheduled",
-                plan.step_id,
+                "step %s failed (%s: %s); aborted, the %d sequence(s) will be rescheduled",
+                step_id,
                 type(error).__name__,
                 error,
                 len(rows),
             )
             return True
-        self.manager.commit(plan)
         self.failures = 0
         seconds = time.perf_counter() - started
         kda_seconds = kda_timer.take()
         self.result.kda_timing_underruns += kda_timer.underruns - underruns
         self.result.steps += 1
-        self.after_commit(plan, rows, sampled, logits_host, seconds, kda_seconds)
+        self.after_forward(rows, sampled, logits_host, seconds, kda_seconds)
         return True
 
-    def prepare(self, plan: pc.StepPlan, rows: list[_Sequence], undo: _TableUndo) -> StepInputs:
-        """Block tables updated from the plan (undoably) and the model's step inputs."""
-        num_computed = np.asarray(plan.num_computed, dtype=np.int64)
-        num_scheduled = np.asarray(plan.num_scheduled, dtype=np.int64)
-        for row, seq in enumerate(rows):
-            if seq.started and int(num_computed[row]) != seq.num_computed:
-                raise EngineError(
-                    f"sequence {seq.seq_id}: the plan resumes at {int(num_computed[row])} but "
-                    f"the engine computed {seq.num_computed} tokens"
-                )
-        undo.lengths = [(seq, len(seq.table)) for seq in rows]
-        lengths_before = [len(seq.table) for seq in rows]
-        paged = plan.paged_group(PAGED_GROUP)
-        for updates in (paged.appended, paged.replaced):
-            for row, column, block in np.asarray(updates, dtype=np.int64).reshape(-1, 3).tolist():
-                seq = rows[row]
-                if column < lengths_before[row]:
-                    undo.entries.append((seq, column, seq.table[column]))
-                elif column >= len(seq.table):
-                    seq.table.extend([0] * (column + 1 - len(seq.table)))
-                seq.table[column] = block
-        seq_lens = num_computed + num_scheduled
-        width = max(len(seq.table) for seq in rows)
-        block_tables = np.zeros((len(rows), width), dtype=np.int32)
+    def inputs(self, rows: list[_Sequence]) -> tuple[torch.Tensor, np.ndarray]:
+        """The step's token ids (on the model's device) and the indices of the tokens sampled."""
+        buffers = self.buffers
+        count = len(rows)
+        starts = buffers.num_computed[:count].tolist()
+        ends = (buffers.num_computed[:count] + buffers.num_scheduled[:count]).tolist()
+        query_end = buffers.query_start_loc[1 : count + 1].tolist()
         token_ids: list[int] = []
         logits_indices: list[int] = []
-        query_start_loc = np.asarray(plan.query_start_loc)
-        for row, seq in enumerate(rows):
-            block_tables[row, : len(seq.table)] = seq.table
-            start, end = int(num_computed[row]), int(seq_lens[row])
+        for seq, start, end, last in zip(rows, starts, ends, query_end, strict=True):
             token_ids.extend(seq.tokens[start:end])
             if end == len(seq.tokens):
-                logits_indices.append(int(query_start_loc[row + 1]) - 1)
-        state = plan.state_group(STATE_GROUP)
-        return StepInputs(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.model.device),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            slot_mapping=np.asarray(paged.slot_mapping),
-            block_tables=block_tables,
-            initial_slot=np.asarray(state.initial_slot),
-            running_slot=np.asarray(state.running_slot),
-            checkpoint_offsets=np.asarray(state.checkpoint_offsets),
-            checkpoint_slots=np.asarray(state.checkpoint_slots),
-            logits_indices=np.asarray(logits_indices, dtype=np.int64),
+                logits_indices.append(last - 1)
+        return (
+            torch.tensor(token_ids, dtype=torch.int64, device=self.model.device),
+            np.asarray(logits_indices, dtype=np.int64),
         )
 
-    def after_commit(
+    def after_forward(
         self,
-        plan: pc.StepPlan,
         rows: list[_Sequence],
         sampled: list[int],
         logits: np.ndarray,
         seconds: float,
         kda_seconds: float,
     ) -> None:
-        """Advance the sequences, sample, append, finish (the step is committed)."""
-        num_computed = np.asarray(plan.num_computed).tolist()
-        num_scheduled = np.asarray(plan.num_scheduled).tolist()
+        """Account the step, take the sampled tokens; commit, append and finish, or defer."""
+        buffers = self.buffers
+        count = len(rows)
+        num_computed = buffers.num_computed[:count].tolist()
+        num_scheduled = buffers.num_scheduled[:count].tolist()
         total_tokens = max(1, sum(num_scheduled))
         now = self.now()
-        appended_ids: list[int] = []
-        appended_tokens: list[int] = []
+        appended: list[tuple[_Sequence, int]] = []
         finished: list[_Sequence] = []
         sample_index = 0
-        for row, seq in enumerate(rows):
-            start, count = int(num_computed[row]), int(num_scheduled[row])
-            if not seq.started:
-                seq.started = True
-                if seq.hit_tokens is None:
-                    seq.hit_tokens = start
-                if start and not self.engine.policy.caches_prefixes:
-                    raise EngineError(
-                        f"sequence {seq.seq_id} hit {start} tokens under policy 'none'"
-                    )
+        for seq, start, count_ in zip(rows, num_computed, num_scheduled, strict=True):
+            if seq.hit_tokens is None:
+                seq.hit_tokens = start
             if seq.prefilling:
-                share = count / total_tokens
-                seq.computed_prefill_tokens += count
+                share = count_ / total_tokens
+                seq.computed_prefill_tokens += count_
                 seq.prefill_seconds += seconds * share
                 seq.kda_prefill_seconds += kda_seconds * share
-            seq.num_computed = start + count
-            if seq.num_computed < len(seq.tokens):
+            if start + count_ < len(seq.tokens):
                 continue
             token = sampled[sample_index]
             seq.final_logits = logits[sample_index]
@@ -489,12 +488,16 @@ class _Loop:
             if len(seq.outputs) >= seq.request.output_len:
                 finished.append(seq)
             else:
-                appended_ids.append(seq.seq_id)
-                appended_tokens.append(token)
-        if appended_ids:
+                appended.append((seq, token))
+        if not finished and len(appended) == len(self.running) == count:
+            # Every running sequence decodes next: the next step's decode_step commits this one.
+            self.deferred = {seq.seq_id: token for seq, token in appended}
+            return
+        self.manager.commit(buffers)
+        if appended:
             self.manager.append_batch(
-                np.asarray(appended_ids, dtype=np.uint64),
-                np.asarray(appended_tokens, dtype=np.uint32),
+                np.asarray([seq.seq_id for seq, _ in appended], dtype=np.uint64),
+                np.asarray([token for _, token in appended], dtype=np.uint32),
             )
         for seq in finished:
             self.finish(seq)
@@ -505,7 +508,9 @@ class _Loop:
         """Finish a sequence (its last token appended first, so ``extends`` sees it)."""
         self.manager.append(seq.seq_id, np.asarray(seq.outputs[-1:], dtype=np.uint32))
         self.manager.finish(seq.seq_id)
+        self.tables.release(seq.seq_id)
         self.running.remove(seq)
+        del self.live[seq.seq_id]
         assert seq.first_token_time is not None and seq.final_logits is not None
         result = RequestResult(
             request_id=seq.seq_id,
@@ -527,17 +532,17 @@ class _Loop:
         self.submit(self.workload.on_finished(seq.request, result.output_ids))
 
     def check(self, rows: list[_Sequence]) -> None:
-        """Compare the engine's block tables with the manager's; run its invariant checks."""
-        live = [seq for seq in rows if seq in self.running]
-        if live:
-            tables = np.asarray(self.manager.block_table(PAGED_GROUP, [seq.seq_id for seq in live]))
-            for row, seq in enumerate(live):
-                expected = [int(b) for b in tables[row]]
-                while expected and expected[-1] == 0:  # null padding of shorter rows
-                    expected.pop()
-                if expected != seq.table:
+        """Compare the block tables of ``rows`` still live with the manager's; run its
+        invariant checks."""
+        ids = [seq.seq_id for seq in rows if seq.seq_id in self.live]
+        if ids:
+            expected = np.asarray(self.manager.block_table(PAGED_GROUP, ids))
+            for row, seq_id in enumerate(ids):
+                theirs = np.trim_zeros(expected[row], "b").tolist()
+                ours = np.trim_zeros(np.asarray(self.tables.row(seq_id), dtype=np.int32), "b")
+                if ours.tolist() != theirs:
                     raise EngineError(
-                        f"sequence {seq.seq_id}: engine block table {seq.table} differs from "
-                        f"the manager's {expected}"
+                        f"sequence {seq_id}: engine block table {ours.tolist()} differs from "
+                        f"the manager's {theirs}"
                     )
         self.manager.check_invariants()

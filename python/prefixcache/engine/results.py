@@ -94,6 +94,10 @@ class RunResult:
         seconds: wall time of the run.
         steps: forward steps committed.
         aborted_steps: steps whose forward raised (aborted, then retried).
+        decode_steps: steps planned by ``decode_step`` (the fast path: commit, append,
+            schedule and plan in one call).
+        decode_fallbacks: ``decode_step`` plans aborted because the pools could not supply a
+            sequence's block (the step was then scheduled the general way, with preemption).
         preemptions: preemptions (sequences released to make room, recomputed later).
         kda_timing_underruns: KDA blocks timed in ``"gpu"`` mode whose launches outlasted the
             backlog (their time includes idle GPU time; see ``prefixcache.models.timing``).
@@ -105,6 +109,8 @@ class RunResult:
     seconds: float = 0.0
     steps: int = 0
     aborted_steps: int = 0
+    decode_steps: int = 0
+    decode_fallbacks: int = 0
     preemptions: int = 0
     kda_timing_underruns: int = 0
     manager_stats: dict[str, Any] = field(default_factory=dict)

@@ -156,6 +156,8 @@ class SimulationReport:
                 "block_size": policy.block_size,
                 "retention": policy.describe(),
                 "steps": run.steps,
+                "decode_steps": run.decode_steps,
+                "decode_fallbacks": run.decode_fallbacks,
                 "aborted_steps": run.aborted_steps,
                 "preemptions": run.preemptions,
                 "kda_timing_underruns": run.kda_timing_underruns,

@@ -3,6 +3,11 @@
 Independent of the Rust core (this package never imports ``prefixcache._core``): it consumes the
 plan's NumPy arrays and writes recurrent states and KV into the block slots the core hands out.
 
+- The step: :class:`Step` (built from one step plan, ``Step.from_buffers``): the copies, per
+  paged group (:class:`PagedStep`) the slot mapping and block tables, per state group
+  (:class:`StateStep`) the slots, checkpoints and snapshots; what a model executes as a whole.
+  :class:`BlockTables`: one paged group's tables, applied incrementally from the plans'
+  ``appended`` / ``replaced`` entries, rolled back on abort.
 - Storage: :class:`StateCache` (per KDA layer: conv windows and V-first recurrent states per state
   block), :class:`PagedKVCache` (per attention layer) and :func:`paged_attention` (reference).
 - Layer weights: :class:`KDALayerParams`.
@@ -21,6 +26,7 @@ from __future__ import annotations
 from . import chaining, conv, parity, reference, validate  # noqa: F401
 from .attention import paged_attention
 from .backend import KDABackend
+from .block_tables import BlockTables
 from .copies import apply_copies, apply_snapshots
 from .errors import (
     BackendUnavailableError,
@@ -36,12 +42,14 @@ from .params import GateKind, KDALayerParams
 from .plan import Checkpoint, StatePlan
 from .registry import available_backends, get_backend
 from .state_cache import StateCache
+from .step import PagedStep, StateStep, Step
 from .torch_backend import TorchBackend
 from .validate import check_copies, check_snapshots, check_state_plan
 
 __all__ = [
     "LIBRARY_ENV",
     "BackendUnavailableError",
+    "BlockTables",
     "Checkpoint",
     "FlaBackend",
     "FlashKDABackend",
@@ -52,8 +60,11 @@ __all__ = [
     "KernelError",
     "KernelPlanError",
     "PagedKVCache",
+    "PagedStep",
     "StateCache",
     "StatePlan",
+    "StateStep",
+    "Step",
     "TorchBackend",
     "UnsupportedLayerError",
     "apply_copies",

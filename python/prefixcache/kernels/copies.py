@@ -9,6 +9,8 @@
   step is kept, on any backend.
 
 Both are validated first (``validate``) and raise ``KernelPlanError`` without copying anything.
+``copy_checked_blocks`` / ``copy_checked_states`` run lists already validated, for a caller that
+checks a whole step (copies, state plan, snapshots) before it writes anything.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from .paged_kv import PagedKVCache
 from .state_cache import StateCache
 from .validate import check_copies, check_snapshots
 
-__all__ = ["apply_copies", "apply_snapshots"]
+__all__ = [
+    "apply_copies",
+    "apply_snapshots",
+    "copy_checked_blocks",
+    "copy_checked_states",
+    "copy_shapes",
+]
 
 
 def apply_snapshots(caches: StateCache | Sequence[StateCache], snapshots: ArrayLike) -> None:
@@ -31,13 +39,38 @@ def apply_snapshots(caches: StateCache | Sequence[StateCache], snapshots: ArrayL
     if not layers:
         return
     num_slots = min(cache.num_blocks for cache in layers)
-    pairs = check_snapshots(snapshots, num_slots)
+    copy_checked_states(layers, check_snapshots(snapshots, num_slots))
+
+
+def copy_checked_states(layers: Sequence[StateCache], pairs: Sequence[tuple[int, int]]) -> None:
+    """Copy slot ``src`` into slot ``dst`` for each pair already checked by
+    ``check_snapshots``, in every cache of ``layers``."""
     if not pairs:
         return
     src_host = torch.tensor([src for src, _ in pairs], dtype=torch.int64)
     dst_host = torch.tensor([dst for _, dst in pairs], dtype=torch.int64)
     for cache in layers:
         cache.copy_slots(to_device(src_host, cache.device), to_device(dst_host, cache.device))
+
+
+def _layers_by_group(
+    kv_caches: Mapping[int, PagedKVCache | Sequence[PagedKVCache]],
+) -> dict[int, list[PagedKVCache]]:
+    return {
+        group: [caches] if isinstance(caches, PagedKVCache) else list(caches)
+        for group, caches in kv_caches.items()
+    }
+
+
+def copy_shapes(
+    kv_caches: Mapping[int, PagedKVCache | Sequence[PagedKVCache]],
+) -> dict[int, tuple[int, int]]:
+    """``(num_blocks, block_size)`` of each paged group's caches, as ``check_copies`` takes."""
+    return {
+        group: (min(c.num_blocks for c in caches), min(c.block_size for c in caches))
+        for group, caches in _layers_by_group(kv_caches).items()
+        if caches
+    }
 
 
 def apply_copies(
@@ -48,15 +81,15 @@ def apply_copies(
 
     ``kv_caches`` maps a paged group id to its layers' caches (one cache or a list).
     """
-    layers = {
-        group: [caches] if isinstance(caches, PagedKVCache) else list(caches)
-        for group, caches in kv_caches.items()
-    }
-    shapes = {
-        group: (min(c.num_blocks for c in caches), min(c.block_size for c in caches))
-        for group, caches in layers.items()
-        if caches
-    }
-    for group, src, dst, num_tokens in check_copies(copies, shapes):
+    copy_checked_blocks(check_copies(copies, copy_shapes(kv_caches)), kv_caches)
+
+
+def copy_checked_blocks(
+    rows: Sequence[tuple[int, int, int, int]],
+    kv_caches: Mapping[int, PagedKVCache | Sequence[PagedKVCache]],
+) -> None:
+    """Run copies already checked by ``check_copies`` (rows ``(group, src, dst, num_tokens)``)."""
+    layers = _layers_by_group(kv_caches)
+    for group, src, dst, num_tokens in rows:
         for cache in layers[group]:
             cache.copy_prefix(src, dst, num_tokens)

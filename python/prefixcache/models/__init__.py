@@ -23,7 +23,7 @@ kernel timing on a GPU; the rest of that model stays small.
 from __future__ import annotations
 
 from .config import LayerKind, ModelConfig
-from .hybrid import HybridModel, ModelCaches, StepInputs, default_dtype
+from .hybrid import HybridModel, ModelCaches, default_dtype
 from .layers import MLP, AttentionLayer, KDALayer, paged_causal_attention, rms_norm
 from .timing import KernelTimer
 
@@ -36,7 +36,6 @@ __all__ = [
     "LayerKind",
     "ModelCaches",
     "ModelConfig",
-    "StepInputs",
     "default_dtype",
     "paged_causal_attention",
     "rms_norm",

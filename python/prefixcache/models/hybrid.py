@@ -6,11 +6,12 @@ layer (all indexed by the block ids of one state group) and one :class:`PagedKVC
 attention layer (all indexed by the block ids of one paged group), so an engine can build fresh
 caches per run while keeping the weights.
 
-One :meth:`HybridModel.forward` runs one engine step over a packed batch described by
-:class:`StepInputs` (what the cache manager's step plan says: query boundaries, the paged
-group's slot mapping and block tables, the state group's slots and checkpoints) and returns the
-float32 logits of the tokens the engine asked to sample from. The state plan is validated by the
-kernel backend once per step, before any layer writes anything.
+One :meth:`HybridModel.execute` runs one whole engine step from a
+:class:`prefixcache.kernels.Step` (what the cache manager's step plan says: the copy-on-write
+copies, query boundaries, the paged group's slot mapping and block tables, the state group's
+slots, checkpoints and snapshots): copies, then the layers, then snapshots, and returns the
+float32 logits of the tokens the engine asked to sample from. The copies, the state plan (by the
+kernel backend) and the snapshots are all validated once per step, before anything is written.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernels import KDABackend, PagedKVCache, StateCache
+from ..kernels import KDABackend, PagedKVCache, StateCache, Step
+from ..kernels.copies import copy_checked_blocks, copy_checked_states, copy_shapes
+from ..kernels.validate import check_copies, check_snapshots
 from .config import ModelConfig
 from .layers import MLP, AttentionLayer, KDALayer, rms_norm
 from .timing import KernelTimer
 
-__all__ = ["HybridModel", "ModelCaches", "StepInputs", "default_dtype"]
+__all__ = ["HybridModel", "ModelCaches", "default_dtype"]
 
 
 def default_dtype(device: torch.device, backend: KDABackend) -> torch.dtype:
@@ -39,42 +42,21 @@ def default_dtype(device: torch.device, backend: KDABackend) -> torch.dtype:
 
 @dataclass
 class ModelCaches:
-    """The per-layer caches of one run: states of the KDA layers, K/V of the attention layers."""
+    """The per-layer caches of one run: states of the KDA layers, K/V of the attention layers.
+
+    ``paged_group`` / ``state_group`` are the cache-configuration groups whose blocks index
+    ``kv`` and ``states`` (the hybrid layout: group 0 full attention, group 1 state).
+    """
 
     states: list[StateCache]
     kv: list[PagedKVCache]
+    paged_group: int = 0
+    state_group: int = 1
 
     @property
     def block_size(self) -> int:
         """Tokens per paged block."""
         return self.kv[0].block_size if self.kv else 0
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """Everything one forward step needs (host arrays come straight from the step plan).
-
-    Attributes:
-        token_ids: ``[T]`` int64 ids of the scheduled tokens, on the model's device.
-        query_start_loc: ``[R+1]`` row boundaries in the packed batch.
-        seq_lens: ``[R]`` each row's context length after this step.
-        slot_mapping: ``[T]`` int64 KV slot of each scheduled token (paged group).
-        block_tables: ``[R, C]`` int32 block table rows (paged group), null-padded.
-        initial_slot, running_slot: ``[R]`` state slots read / written (state group).
-        checkpoint_offsets, checkpoint_slots: ``[R, Cmax]`` interior checkpoints (0 / -1 none).
-        logits_indices: ``[n]`` packed-batch indices of the tokens whose logits are returned.
-    """
-
-    token_ids: torch.Tensor
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    slot_mapping: np.ndarray
-    block_tables: np.ndarray
-    initial_slot: np.ndarray
-    running_slot: np.ndarray
-    checkpoint_offsets: np.ndarray
-    checkpoint_slots: np.ndarray
-    logits_indices: np.ndarray
 
 
 class HybridModel:
@@ -126,10 +108,17 @@ class HybridModel:
         return [layer for layer in self.mixers if isinstance(layer, KDALayer)]
 
     def allocate_caches(
-        self, *, paged_blocks: int, block_size: int, state_blocks: int
+        self,
+        *,
+        paged_blocks: int,
+        block_size: int,
+        state_blocks: int,
+        paged_group: int = 0,
+        state_group: int = 1,
     ) -> ModelCaches:
         """Fresh (zeroed) caches: ``paged_blocks`` blocks of ``block_size`` tokens per attention
-        layer, ``state_blocks`` state slots per KDA layer (the two pools' sizes)."""
+        layer, ``state_blocks`` state slots per KDA layer (the two pools' sizes), indexed by
+        the blocks of groups ``paged_group`` and ``state_group``."""
         states = [
             StateCache.for_layer(layer.params, state_blocks, device=self.device)
             for layer in self.kda_layers
@@ -146,50 +135,78 @@ class HybridModel:
             for layer in self.mixers
             if isinstance(layer, AttentionLayer)
         ]
-        return ModelCaches(states=states, kv=kv)
+        return ModelCaches(states=states, kv=kv, paged_group=paged_group, state_group=state_group)
 
-    def forward(self, inputs: StepInputs, caches: ModelCaches) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[len(logits_indices), vocab_size]``.
+    def execute(
+        self,
+        step: Step,
+        token_ids: torch.Tensor,
+        caches: ModelCaches,
+        logits_indices: np.ndarray | None = None,
+    ) -> torch.Tensor:
+        """Run one whole step; returns float32 logits ``[len(logits_indices), vocab_size]``.
 
-        Writes K/V of the scheduled tokens, the KDA running states and planned checkpoints;
-        raises ``KernelPlanError`` (nothing written) on a plan the backend refuses. Time spent
-        in the KDA kernels accumulates in :attr:`kda_timer`.
+        ``token_ids`` ``[T]`` int64 are the step's tokens on the model's device,
+        ``logits_indices`` the packed-batch indices of the tokens whose logits are returned
+        (default: every row's last token). Runs the step's copy-on-write copies, then the
+        layers (writing K/V of the scheduled tokens, the KDA running states and planned
+        checkpoints), then the snapshots. Everything is validated first: a plan the backend
+        refuses, or a bad copy or snapshot, raises ``KernelPlanError`` with nothing written.
+        Time spent in the KDA kernels accumulates in :attr:`kda_timer`.
         """
-        num_slots = min((cache.num_blocks for cache in caches.states), default=0)
-        plan = self.backend.check_plan(
-            query_start_loc=inputs.query_start_loc,
-            initial_slot=inputs.initial_slot,
-            running_slot=inputs.running_slot,
-            checkpoint_offsets=inputs.checkpoint_offsets,
-            checkpoint_slots=inputs.checkpoint_slots,
-            num_slots=num_slots,
-            num_tokens=int(inputs.token_ids.shape[0]),
-        )
-        slot_mapping = torch.from_numpy(np.ascontiguousarray(inputs.slot_mapping)).to(self.device)
+        num_tokens = int(token_ids.shape[0])
+        copies = check_copies(step.copies, copy_shapes({caches.paged_group: caches.kv}))
+        state = step.state_group(caches.state_group) if caches.states else None
+        plan = None
+        snapshots: list[tuple[int, int]] = []
+        if state is not None:
+            num_slots = min(cache.num_blocks for cache in caches.states)
+            plan = self.backend.check_plan(
+                query_start_loc=step.query_start_loc,
+                initial_slot=state.initial_slot,
+                running_slot=state.running_slot,
+                checkpoint_offsets=state.checkpoint_offsets,
+                checkpoint_slots=state.checkpoint_slots,
+                num_slots=num_slots,
+                num_tokens=num_tokens,
+            )
+            snapshots = check_snapshots(state.snapshots, num_slots)
+        paged = step.paged_group(caches.paged_group) if caches.kv else None
+        if logits_indices is None:
+            logits_indices = np.asarray(step.query_start_loc[1:], dtype=np.int64) - 1
+        slot_mapping = None
+        if paged is not None:
+            host_slots = np.ascontiguousarray(paged.slot_mapping, dtype=np.int64)
+            slot_mapping = torch.from_numpy(host_slots).to(self.device)
+        copy_checked_blocks(copies, {caches.paged_group: caches.kv})
         eps = self.config.rms_eps
         states = iter(caches.states)
         kv = iter(caches.kv)
         with torch.inference_mode():
-            x = self.embedding.index_select(0, inputs.token_ids)
+            x = self.embedding.index_select(0, token_ids)
             for mixer, mlp, mixer_norm, mlp_norm in zip(
                 self.mixers, self.mlps, self.mixer_norms, self.mlp_norms, strict=True
             ):
                 h = rms_norm(x, mixer_norm, eps)
                 if isinstance(mixer, KDALayer):
+                    assert plan is not None
                     x = x + mixer.forward(h, self.backend, next(states), plan, self.kda_timer)
                 else:
+                    assert paged is not None and slot_mapping is not None
                     x = x + mixer.forward(
                         h,
                         next(kv),
                         slot_mapping,
-                        inputs.block_tables,
-                        inputs.seq_lens,
-                        inputs.query_start_loc,
+                        paged.block_tables,
+                        step.seq_lens,
+                        step.query_start_loc,
                     )
                 x = x + mlp.forward(rms_norm(x, mlp_norm, eps))
-            index = torch.from_numpy(np.ascontiguousarray(inputs.logits_indices, dtype=np.int64))
+            index = torch.from_numpy(np.ascontiguousarray(logits_indices, dtype=np.int64))
             last = rms_norm(x.index_select(0, index.to(self.device)), self.final_norm, eps)
-            return F.linear(last, self.lm_head).float()
+            logits = F.linear(last, self.lm_head).float()
+        copy_checked_states(caches.states, snapshots)
+        return logits
 
     @staticmethod
     def sample(logits: torch.Tensor) -> list[int]:

@@ -1,0 +1,236 @@
+"""`prefixcache.kernels.BlockTables`: incremental block tables that can take a step back.
+
+Two references: a plain-list model of the same operations (random append / replace / abort /
+release sequences, from tiny capacities so that both axes grow), and the core itself (a
+manager with a full-attention and a sliding-window group, whose plans' `appended` and
+`replaced` entries are applied step by step and compared with `manager.block_table`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prefixcache.kernels import BlockTables
+
+# One operation: ("apply", rows, appends per row, replacements), ("rollback",), ("release", i).
+ROW = st.integers(min_value=0, max_value=7)  # which sequence id a plan row is
+APPLY = st.tuples(
+    st.just("apply"),
+    st.lists(ROW, min_size=1, max_size=4, unique=True),
+    st.lists(st.integers(min_value=0, max_value=5), min_size=4, max_size=4),  # appends per row
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 99)), max_size=4),
+)
+OPERATION = st.one_of(
+    APPLY, APPLY, st.tuples(st.just("rollback")), st.tuples(st.just("release"), ROW)
+)
+
+
+class ListTables:
+    """The plain-list statement of what BlockTables does."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, list[int]] = {}
+        self.saved: dict[int, list[int]] | None = None
+        self.released: list[tuple[int, int]] = []
+
+    def apply(
+        self,
+        seq_ids: list[int],
+        appended: list[tuple[int, int, int]],
+        replaced: list[tuple[int, int, int]],
+    ) -> None:
+        self.saved = {seq: list(table) for seq, table in self.tables.items()}
+        for seq in seq_ids:
+            self.tables.setdefault(seq, [])
+        for row, column, block in appended:
+            table = self.tables[seq_ids[row]]
+            if column >= len(table):
+                table.extend([0] * (column + 1 - len(table)))
+            table[column] = block
+        self.released = []
+        for row, column, block in replaced:
+            self.tables[seq_ids[row]][column] = block
+            self.released.append((seq_ids[row], column))
+
+    def rollback(self) -> None:
+        """The appended entries are taken back; the releases stand."""
+        assert self.saved is not None
+        self.tables, self.saved = self.saved, None
+        for seq, column in self.released:
+            if seq in self.tables and column < len(self.tables[seq]):
+                self.tables[seq][column] = 0
+
+    def release(self, seq: int) -> None:
+        self.saved = None
+        self.tables.pop(seq, None)
+
+
+def assert_same(tables: BlockTables, model: ListTables) -> None:
+    assert len(tables) == len(model.tables)
+    for seq, table in model.tables.items():
+        assert seq in tables
+        assert tables.row(seq) == table
+        assert tables.length(seq) == len(table)
+    ids = sorted(model.tables)
+    gathered = tables.gather(ids)
+    width = max((len(model.tables[s]) for s in ids), default=0)
+    assert gathered.dtype == np.int32 and gathered.shape == (len(ids), width)
+    for row, seq in enumerate(ids):
+        table = model.tables[seq]
+        assert gathered[row].tolist() == table + [0] * (width - len(table))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(OPERATION, max_size=30))
+def test_block_tables_do_what_plain_lists_do(operations: list[tuple]) -> None:
+    tables = BlockTables(rows=1, width=1)
+    model = ListTables()
+    can_roll_back = False
+    for operation in operations:
+        if operation[0] == "apply":
+            _, seq_ids, appends, releases = operation
+            appended = []
+            for row, seq in enumerate(seq_ids):
+                start = len(model.tables.get(seq, []))
+                appended += [(row, start + k, 100 + seq * 10 + k) for k in range(appends[row])]
+            lengths = [len(model.tables.get(seq, [])) + appends[r] for r, seq in enumerate(seq_ids)]
+            # Releases (block 0) of columns the rows have once this step's appends are in.
+            replaced = [
+                (r, c % lengths[r], 0) for r, c, _ in releases if r < len(seq_ids) and lengths[r]
+            ]
+            model.apply(seq_ids, appended, replaced)
+            tables.apply(
+                np.asarray(seq_ids, dtype=np.int64),
+                np.asarray(appended, dtype=np.int32).reshape(-1, 3),
+                np.asarray(replaced, dtype=np.int32).reshape(-1, 3),
+            )
+            can_roll_back = True
+        elif operation[0] == "rollback":
+            if can_roll_back:
+                model.rollback()
+                tables.rollback()
+            else:
+                with pytest.raises(RuntimeError, match="no applied step"):
+                    tables.rollback()
+            can_roll_back = False
+        else:
+            model.release(operation[1])
+            tables.release(operation[1])
+            can_roll_back = False
+        assert_same(tables, model)
+
+
+@pytest.mark.parametrize(
+    ("appended", "replaced", "message"),
+    [
+        ([[2, 1, 9]], [], "appended entries name rows outside"),
+        ([[0, 1, 9]], [[1, -1, 0]], "replaced entries name rows outside"),
+        ([[0, 1, 9]], [[1, 0, 0]], "a column its row does not have"),
+    ],
+)
+def test_a_bad_entry_is_refused_and_changes_nothing(
+    appended: list[list[int]], replaced: list[list[int]], message: str
+) -> None:
+    tables = BlockTables()
+    tables.apply([5], [[0, 0, 7]], np.zeros((0, 3), dtype=np.int32))
+    with pytest.raises(ValueError, match=message):
+        tables.apply([5, 6], appended, np.asarray(replaced, dtype=np.int32).reshape(-1, 3))
+    assert len(tables) == 1 and tables.row(5) == [7] and 6 not in tables
+    tables.rollback()  # the refused apply left the previous step's undo in place
+    assert len(tables) == 0
+
+
+def test_a_long_context_decode_step_touches_only_its_entries() -> None:
+    # 4 sequences of 10,000 blocks each: one decode step appends one block to one of them.
+    # The apply writes one cell; the gather copies the [4, 10001] table in NumPy.
+    tables = BlockTables(rows=4, width=8)
+    ids = np.arange(4, dtype=np.int64)
+    prefill = np.array([(r, c, 1 + c) for r in range(4) for c in range(10_000)], dtype=np.int32)
+    tables.apply(ids, prefill, np.zeros((0, 3), dtype=np.int32))
+    tables.apply(ids, np.array([[2, 10_000, 5]], dtype=np.int32), np.zeros((0, 3), np.int32))
+    gathered = tables.gather(ids)
+    assert gathered.shape == (4, 10_001)
+    assert gathered[2, -1] == 5 and gathered[0, -1] == 0 and gathered[3, 9_999] == 10_000
+    tables.rollback()
+    assert tables.gather(ids).shape == (4, 10_000)
+
+
+def assert_same_as_core(manager: object, tables: list[BlockTables], ids: list[int]) -> None:
+    for table in tables:
+        known = [seq for seq in ids if seq in table]
+        if known:
+            expected = manager.block_table(table.group, known)  # type: ignore[attr-defined]
+            got = table.gather(known)
+            width = max(expected.shape[1], got.shape[1])
+            assert np.array_equal(
+                np.pad(got, ((0, 0), (0, width - got.shape[1]))),
+                np.pad(expected, ((0, 0), (0, width - expected.shape[1]))),
+            ), (table.group, known)
+        for seq in ids:
+            if seq not in table:
+                assert not manager.block_table(table.group, [seq]).any()  # type: ignore[attr-defined]
+
+
+STEP = st.tuples(
+    st.lists(st.integers(min_value=1, max_value=200), max_size=2),  # new prompts
+    st.integers(min_value=1, max_value=96),  # prefill budget per sequence
+    st.booleans(),  # abort the step instead of committing it
+    st.booleans(),  # finish the oldest sequence after the step
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(STEP, min_size=1, max_size=14))
+def test_block_tables_follow_the_core_through_plans_aborts_and_finishes(steps: list) -> None:
+    import prefixcache as pc
+
+    config = pc.CacheConfig(
+        pools=[pc.PoolConfig(num_blocks=400)],
+        groups=[
+            pc.FullAttention(block_size=16, pool=0),
+            pc.SlidingWindow(block_size=16, window=32, pool=0),
+        ],
+        hash=pc.HashConfig(unit=8),
+    )
+    manager = pc.CacheManager(config)
+    buffers = pc.PlanBuffers(rows=2)
+    tables = [BlockTables(0, rows=1, width=1), BlockTables(1, rows=1, width=1)]
+    live: list[int] = []
+    next_id = 0
+    for prompts, budget, abort, finish in steps:
+        for length in prompts:
+            manager.add(next_id, [t % 40 for t in range(length - 1)] + [next_id % 40])
+            live.append(next_id)
+            next_id += 1
+        scheduled = []
+        for seq in live:
+            remaining = manager.num_tokens(seq) - manager.num_computed(seq)
+            if remaining == 0:
+                manager.append(seq, [seq % 40])
+                remaining = 1
+            result = manager.schedule(seq, min(remaining, budget))
+            if result is not None and result.num_tokens:
+                scheduled.append(seq)
+        if not scheduled:
+            continue
+        manager.build_plan_into(buffers)
+        for table in tables:
+            table.apply_plan(buffers)
+        ids = buffers.seq_ids[: buffers.num_rows].tolist()
+        # While the plan is in flight the manager's tables are the plan's (a commit may then
+        # release window blocks, which the next plan's `replaced` reports).
+        assert_same_as_core(manager, tables, ids)
+        if abort:
+            manager.abort(buffers)
+            for table in tables:
+                table.rollback()
+            assert_same_as_core(manager, tables, ids)
+        else:
+            manager.commit(buffers)
+        if finish and live:
+            seq = live.pop(0)
+            manager.finish(seq)
+            for table in tables:
+                table.release(seq)
