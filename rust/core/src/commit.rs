@@ -12,13 +12,11 @@
 //! `abort` publishes nothing, frees the step's new blocks and copies, and puts every sequence
 //! back at its pre-step position (a first step gives its pinned hit back).
 
+use crate::config::GroupRuntime;
 use crate::error::{CacheError, Result};
-use crate::events::CacheEvent;
-use crate::hashing::{unit_extra_entries, Digest};
-use crate::index::UnitContent;
-use crate::manager::{CacheManager, GroupRuntime};
+use crate::manager::CacheManager;
 use crate::plan::StepPlan;
-use crate::pool::{BlockId, BlockKey, BlockPool, Key, LruEnd, NULL_BLOCK};
+use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
 use crate::sequence::{GroupStep, PagedSeq, SeqGroup, Sequence, StateSeq};
 
 impl CacheManager {
@@ -124,36 +122,36 @@ impl CacheManager {
                         let col = ((q - 1) / block_size) as usize;
                         let block_end = ((col as u32 + 1) * block_size).min(end);
                         let block = paged.table[col];
-                        self.publish_range(g, &seq, block, from, block_end);
+                        self.store.publish_range(g, seq.content(), block, from, block_end);
                         q = (block_end / self.unit + 1) * self.unit;
                         from = q - self.unit;
                     }
                     if let Some((src, dst, _)) = *cow {
                         if from < start {
                             // The step ended before the next boundary: only the copied ones.
-                            self.publish_range(g, &seq, dst, from, start);
+                            self.store.publish_range(g, seq.content(), dst, from, start);
                         }
-                        self.pools[pool].decref(src, LruEnd::MostRecent);
+                        self.store.pools[pool].decref(src, LruEnd::MostRecent);
                     }
                     if let GroupRuntime::SlidingWindow { window, .. } = self.groups[g] {
                         // The plan reported the releases up to here; an aborted plan's
                         // are reported again by the next one.
                         paged.window_reported = paged.window_start;
-                        release_window(&mut self.pools[pool], paged, end, window, block_size);
+                        release_window(&mut self.store.pools[pool], paged, end, window, block_size);
                     }
                 }
                 (GroupStep::State { interior, snapshot }, SeqGroup::State(state)) => {
-                    advance_running_state(&mut self.pools[pool], state);
+                    advance_running_state(&mut self.store.pools[pool], state);
                     for c in interior.iter().chain(snapshot.iter()) {
                         if c.decode_tail {
                             if let Some((old, _)) = state.decode_tail.replace((c.block, c.position))
                             {
-                                self.pools[pool].decref(old, LruEnd::MostRecent);
+                                self.store.pools[pool].decref(old, LruEnd::MostRecent);
                             }
                             continue;
                         }
                         self.publish_checkpoint(g, &seq, c.block, c.position);
-                        self.pools[pool].decref(c.block, LruEnd::MostRecent);
+                        self.store.pools[pool].decref(c.block, LruEnd::MostRecent);
                     }
                 }
                 _ => {}
@@ -196,7 +194,7 @@ impl CacheManager {
         };
         for (runtime, group) in self.groups.iter().zip(seq.groups.iter_mut()) {
             if let SeqGroup::State(state) = group {
-                advance_running_state(&mut self.pools[runtime.pool()], state);
+                advance_running_state(&mut self.store.pools[runtime.pool()], state);
             }
         }
         seq.num_computed = step.end;
@@ -204,92 +202,11 @@ impl CacheManager {
         true
     }
 
-    /// Keys `block` of paged group `g` at every unit boundary in `(from, to]`.
-    fn publish_range(&mut self, g: usize, seq: &Sequence, block: BlockId, from: u32, to: u32) {
-        let unit = self.unit;
-        let hashes = &seq.hashes;
-        let pool = self.groups[g].pool();
-        let first = from / unit + 1;
-        let last = to / unit;
-        // Digests are collected for the event only when events are on (no allocation else).
-        let record = self.events.enabled();
-        let mut added: Vec<Digest> = Vec::new();
-        let mut first_added = None;
-        for i in first..=last {
-            let position = i * unit;
-            let key = Key { group: g as u32, digest: hashes[(i - 1) as usize] };
-            if self.pools[pool].add_key(block, BlockKey { key, position }) {
-                self.index_insert(key, block, seq, i - 1);
-                first_added.get_or_insert(position);
-                if record {
-                    added.push(key.digest);
-                }
-            }
-        }
-        if let Some(first_position) = first_added {
-            self.store_event(g, block, added, hashes, first_position, false);
-        }
-    }
-
+    /// Publishes checkpoint `block` of state group `g` at `position` (counted when new).
     fn publish_checkpoint(&mut self, g: usize, seq: &Sequence, block: BlockId, position: u32) {
-        let hashes = &seq.hashes;
-        let unit_index = position / self.unit;
-        let key = Key { group: g as u32, digest: hashes[(unit_index - 1) as usize] };
-        let pool = self.groups[g].pool();
-        if self.pools[pool].add_key(block, BlockKey { key, position }) {
-            self.index_insert(key, block, seq, unit_index - 1);
+        if self.store.publish_checkpoint(g, seq.content(), block, position) {
             self.stats.groups[g].checkpoints_published += 1;
-            self.store_event(g, block, vec![key.digest], hashes, position, true);
         }
-    }
-
-    fn index_insert(&mut self, key: Key, block: BlockId, seq: &Sequence, unit_index: u32) {
-        let p = self.groups[key.group as usize].pool();
-        let mut extra = Vec::new();
-        let unit = self.index.verifies_tokens().then(|| {
-            let i = unit_index as usize;
-            let unit = self.unit as usize;
-            unit_extra_entries(&mut extra, i, unit, &seq.extra);
-            let parent = if i == 0 { self.hasher.seed_digest() } else { seq.hashes[i - 1] };
-            (parent, &seq.tokens[i * unit..(i + 1) * unit])
-        });
-        let pool = &self.pools[p];
-        let carries = |b| pool.carries(b, &key);
-        let content =
-            unit.as_ref().map(|(parent, tokens)| UnitContent { parent, tokens, extra: &extra });
-        let duplicate = self.index.insert(key, block, content, carries);
-        if duplicate {
-            let holders: Vec<BlockId> = self.index.get(&key, carries).collect();
-            for holder in holders {
-                self.pools[p].mark_shared_key(holder);
-            }
-        }
-    }
-
-    fn store_event(
-        &mut self,
-        g: usize,
-        block: BlockId,
-        keys: Vec<Digest>,
-        hashes: &[Digest],
-        first_position: u32,
-        checkpoint: bool,
-    ) {
-        if !self.events.enabled() {
-            return;
-        }
-        let unit = self.unit;
-        let parent = (first_position > unit).then(|| hashes[(first_position / unit - 2) as usize]);
-        let token_end = first_position + (keys.len() as u32 - 1) * unit;
-        self.events.push(CacheEvent::BlockStored {
-            group: g as u32,
-            block,
-            keys,
-            parent,
-            token_start: first_position - unit,
-            token_end,
-            checkpoint,
-        });
     }
 
     /// `finish`: the decode-tail snapshot becomes a published checkpoint, least recently used.
@@ -301,10 +218,10 @@ impl CacheManager {
         position: u32,
     ) {
         self.publish_checkpoint(g, seq, block, position);
-        if self.pools[self.groups[g].pool()].is_published(block) {
+        if self.store.pools[self.groups[g].pool()].is_published(block) {
             self.stats.groups[g].decode_tails_published += 1;
         }
-        self.pools[self.groups[g].pool()].decref(block, LruEnd::LeastRecent);
+        self.store.pools[self.groups[g].pool()].decref(block, LruEnd::LeastRecent);
     }
 
     /// Undoes a scheduled or in-flight step of one sequence.
@@ -317,7 +234,7 @@ impl CacheManager {
             return;
         };
         for (g, group_step) in step.groups.iter().enumerate() {
-            let pool = &mut self.pools[self.groups[g].pool()];
+            let pool = &mut self.store.pools[self.groups[g].pool()];
             match (group_step, &mut seq.groups[g]) {
                 (GroupStep::Paged { table_len_before, cow }, SeqGroup::Paged(paged)) => {
                     for &block in paged.table[*table_len_before..].iter().rev() {

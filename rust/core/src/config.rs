@@ -146,6 +146,33 @@ pub struct GroupConfig {
     pub pool: usize,
 }
 
+/// A group as the manager uses it (validated, flattened).
+#[derive(Clone, Debug)]
+pub(crate) enum GroupRuntime {
+    FullAttention { block_size: u32, pool: usize },
+    SlidingWindow { block_size: u32, window: u32, pool: usize },
+    State { config: StateGroupConfig, pool: usize },
+}
+
+impl GroupRuntime {
+    pub(crate) fn pool(&self) -> usize {
+        match self {
+            Self::FullAttention { pool, .. }
+            | Self::SlidingWindow { pool, .. }
+            | Self::State { pool, .. } => *pool,
+        }
+    }
+
+    pub(crate) fn block_size(&self) -> Option<u32> {
+        match self {
+            Self::FullAttention { block_size, .. } | Self::SlidingWindow { block_size, .. } => {
+                Some(*block_size)
+            }
+            Self::State { .. } => None,
+        }
+    }
+}
+
 /// Everything a [`crate::CacheManager`] is built from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheConfig {
@@ -330,6 +357,24 @@ impl CacheConfig {
             GroupKind::State(s) if s.alignment > 0 => acc / gcd(acc, s.alignment) * s.alignment,
             _ => acc,
         })
+    }
+
+    /// The validated group layout the manager works with, one entry per group in config order.
+    pub(crate) fn runtime_groups(&self) -> Vec<GroupRuntime> {
+        self.groups
+            .iter()
+            .map(|g| match &g.kind {
+                GroupKind::FullAttention { block_size } => {
+                    GroupRuntime::FullAttention { block_size: *block_size, pool: g.pool }
+                }
+                GroupKind::SlidingWindow { block_size, window } => GroupRuntime::SlidingWindow {
+                    block_size: *block_size,
+                    window: *window,
+                    pool: g.pool,
+                },
+                GroupKind::State(s) => GroupRuntime::State { config: s.clone(), pool: g.pool },
+            })
+            .collect()
     }
 
     /// The alignment grid of this configuration (its hash unit and chunk alignment).

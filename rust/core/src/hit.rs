@@ -9,13 +9,16 @@
 //! - state: a checkpoint published under the key at exactly L, or L = 0.
 //!
 //! Windows and states are not downward closed: candidates are tested from the full-attention
-//! bound downward in steps of U. Nothing here changes cache state.
+//! bound downward in steps of U.
+//!
+//! The rule is a function of the block store, the group layout and one sequence's content
+//! (`compute_hit`); it reads the store and never changes it, and knows nothing of steps.
 
+use crate::config::GroupRuntime;
 use crate::hashing::unit_extra_entries;
 use crate::index::UnitContent;
-use crate::manager::{CacheManager, GroupRuntime};
-use crate::pool::{BlockId, BlockPool, Key, NULL_BLOCK};
-use crate::sequence::Sequence;
+use crate::pool::{BlockId, Key, NULL_BLOCK};
+use crate::store::{BlockStore, Content};
 
 /// Why a group's own hit stops where it does.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
@@ -76,26 +79,46 @@ enum Probe {
     },
 }
 
-impl CacheManager {
-    fn key_at(seq: &Sequence, group: u32, unit: u32, position: u32) -> Key {
-        Key { group, digest: seq.hashes[(position / unit - 1) as usize] }
+/// The hit of one sequence against the store: what `compute_hit` reads.
+struct Lookup<'a> {
+    store: &'a BlockStore,
+    groups: &'a [GroupRuntime],
+    seq: Content<'a>,
+    /// Per group, the blocks a sequence this one extends held (see `Sequence::hint_chains`).
+    hint_chains: &'a [Vec<BlockId>],
+    unit: u32,
+}
+
+/// The reconciled hit of a sequence, and per group the blocks chosen for the full-attention
+/// chain (empty for other groups). Changes nothing.
+pub(crate) fn compute_hit(
+    store: &BlockStore,
+    groups: &[GroupRuntime],
+    seq: Content<'_>,
+    hint_chains: &[Vec<BlockId>],
+) -> (Hit, Vec<Vec<BlockId>>) {
+    Lookup { store, groups, seq, hint_chains, unit: store.unit() }.compute()
+}
+
+/// The block a first step uses for group `g`'s key at `position`: one already in use if any,
+/// else the most recently used; the null block when none is published.
+pub(crate) fn choose_block(store: &BlockStore, seq: Content<'_>, g: u32, position: u32) -> BlockId {
+    store.holder(&seq.key_at(g, store.unit(), position)).unwrap_or(NULL_BLOCK)
+}
+
+/// Whether group `g`'s key at `position` of the sequence is published.
+pub(crate) fn has_key(store: &BlockStore, seq: Content<'_>, g: u32, position: u32) -> bool {
+    store.has_key(&seq.key_at(g, store.unit(), position))
+}
+
+impl Lookup<'_> {
+    fn has_key(&self, group: u32, position: u32) -> bool {
+        has_key(self.store, self.seq, group, position)
     }
 
-    /// The pool of `group`'s blocks.
-    fn group_pool(&self, group: u32) -> &BlockPool {
-        &self.pools[self.groups[group as usize].pool()]
-    }
-
-    pub(crate) fn has_key(&self, seq: &Sequence, group: u32, position: u32) -> bool {
-        let key = Self::key_at(seq, group, self.unit, position);
-        let pool = self.group_pool(group);
-        self.index.contains(&key, |b| pool.carries(b, &key))
-    }
-
-    fn miss_reason(&self, seq: &Sequence, group: u32, position: u32) -> MissReason {
-        let key = Self::key_at(seq, group, self.unit, position);
-        let pool = self.group_pool(group);
-        if self.index.recently_evicted(&key, |b| pool.carries(b, &key)) {
+    fn miss_reason(&self, group: u32, position: u32) -> MissReason {
+        let key = self.seq.key_at(group, self.unit, position);
+        if self.store.recently_evicted(&key) {
             MissReason::RecentlyEvicted
         } else {
             MissReason::NotCached
@@ -107,19 +130,18 @@ impl CacheManager {
     /// does not probe the index again.
     fn full_attention_bound(
         &self,
-        seq: &Sequence,
         group: u32,
         block: u32,
         limit: u32,
         chain: &mut Vec<BlockId>,
     ) -> u32 {
-        let unit = self.unit;
-        let pool = &self.pools[self.groups[group as usize].pool()];
+        let (unit, seq) = (self.unit, self.seq);
+        let pool = self.store.group_pool(group as usize);
         // Unit indices advance by whole blocks: no division per probe on this hot loop.
         let units_per_block = (block / unit) as usize;
         let full_blocks = (limit / block) as usize;
         let mut block_start = 0;
-        let hint = seq.hint_chains.get(group as usize).map_or(&[][..], Vec::as_slice);
+        let hint = self.hint_chains.get(group as usize).map_or(&[][..], Vec::as_slice);
         chain.reserve(full_blocks.saturating_sub(chain.len()));
         for col in 0..full_blocks {
             let key = Key { group, digest: seq.hashes[(col + 1) * units_per_block - 1] };
@@ -127,7 +149,7 @@ impl CacheManager {
             // is what the index would return: confirmed through the pool, no index probe.
             match hint.get(col) {
                 Some(&b) if pool.sole_holder_of(b, &key) => chain.push(b),
-                _ => match self.holder(pool, &key) {
+                _ => match self.store.holder_in(pool, &key) {
                     Some(b) => chain.push(b),
                     None => break,
                 },
@@ -137,14 +159,14 @@ impl CacheManager {
         let mut bound = block_start;
         let last = limit.min(block_start + block - unit);
         let mut q = block_start + unit;
-        while q <= last && self.has_key(seq, group, q) {
+        while q <= last && self.has_key(group, q) {
             bound = q;
             q += unit;
         }
         bound
     }
 
-    fn window_probe(&self, seq: &Sequence, group: u32, block: u32, window: u32, l: u32) -> Probe {
+    fn window_probe(&self, group: u32, block: u32, window: u32, l: u32) -> Probe {
         if l == 0 {
             return Probe::Ok;
         }
@@ -152,25 +174,25 @@ impl CacheManager {
         let last_col = (l - 1) / block;
         // The last key first: a miss there is the common case and ends the candidate.
         let last_position = ((last_col + 1) * block).min(l);
-        if !self.has_key(seq, group, last_position) {
+        if !self.has_key(group, last_position) {
             return Probe::Missing { position: last_position, last: true };
         }
         for col in first_col..last_col {
             let position = (col + 1) * block;
-            if !self.has_key(seq, group, position) {
+            if !self.has_key(group, position) {
                 return Probe::Missing { position, last: false };
             }
         }
         Probe::Ok
     }
 
-    fn group_allows(&self, seq: &Sequence, g: usize, l: u32) -> bool {
+    fn group_allows(&self, g: usize, l: u32) -> bool {
         match self.groups[g] {
             GroupRuntime::FullAttention { .. } => true,
             GroupRuntime::SlidingWindow { block_size, window, .. } => {
-                matches!(self.window_probe(seq, g as u32, block_size, window, l), Probe::Ok)
+                matches!(self.window_probe(g as u32, block_size, window, l), Probe::Ok)
             }
-            GroupRuntime::State { .. } => l == 0 || self.has_key(seq, g as u32, l),
+            GroupRuntime::State { .. } => l == 0 || self.has_key(g as u32, l),
         }
     }
 
@@ -178,20 +200,21 @@ impl CacheManager {
     /// differs (only with `verify_tokens`).
     /// A unit nobody publishes any more does not stop it: windows and states resume without the
     /// blocks before them, which may be long evicted.
-    fn verified_limit(&self, seq: &Sequence, max_tokens: u32) -> u32 {
-        if !self.index.verifies_tokens() {
+    fn verified_limit(&self, max_tokens: u32) -> u32 {
+        let (index, seq) = (&self.store.index, self.seq);
+        if !index.verifies_tokens() {
             return max_tokens;
         }
         let unit = self.unit as usize;
-        let seed = self.hasher.seed_digest();
+        let seed = *self.store.seed();
         let units = (max_tokens as usize) / unit;
         let mut parent = seed;
         let mut extra = Vec::new();
         for i in 0..units {
             let digest = seq.hashes[i];
-            unit_extra_entries(&mut extra, i, unit, &seq.extra);
+            unit_extra_entries(&mut extra, i, unit, seq.extra);
             let tokens = &seq.tokens[i * unit..(i + 1) * unit];
-            if !self.index.verify(&digest, UnitContent { parent: &parent, tokens, extra: &extra }) {
+            if !index.verify(&digest, UnitContent { parent: &parent, tokens, extra: &extra }) {
                 return (i * unit) as u32;
             }
             parent = digest;
@@ -199,19 +222,12 @@ impl CacheManager {
         max_tokens
     }
 
-    /// The reconciled hit of a sequence (no statistics, no state change).
-    pub(crate) fn compute_hit(&self, seq: &Sequence) -> Hit {
-        self.compute_hit_with_chains(seq).0
-    }
-
-    /// The hit, and per group the blocks chosen for the full-attention chain (empty for
-    /// other groups).
-    pub(crate) fn compute_hit_with_chains(&self, seq: &Sequence) -> (Hit, Vec<Vec<BlockId>>) {
+    fn compute(&self) -> (Hit, Vec<Vec<BlockId>>) {
         let mut chains: Vec<Vec<BlockId>> = vec![Vec::new(); self.groups.len()];
         let unit = self.unit;
-        let n = seq.num_tokens();
+        let n = self.seq.tokens.len() as u32;
         let max_tokens = if n == 0 { 0 } else { ((n - 1) / unit) * unit };
-        let limit = self.verified_limit(seq, max_tokens);
+        let limit = self.verified_limit(max_tokens);
         // Full attention first: its hits are downward closed, and their bound is the range in
         // which every other group's own hit is searched (a state or window that survives
         // above it cannot be resumed from, so it is neither a hit nor a junction).
@@ -219,8 +235,7 @@ impl CacheManager {
         let mut bound = limit;
         for (g, runtime) in self.groups.iter().enumerate() {
             if let GroupRuntime::FullAttention { block_size, .. } = *runtime {
-                full[g] =
-                    self.full_attention_bound(seq, g as u32, block_size, limit, &mut chains[g]);
+                full[g] = self.full_attention_bound(g as u32, block_size, limit, &mut chains[g]);
                 bound = bound.min(full[g]);
             }
         }
@@ -230,21 +245,21 @@ impl CacheManager {
             let (own, stop) = match *runtime {
                 GroupRuntime::FullAttention { .. } => {
                     let own = full[g];
-                    let stop = (own < max_tokens).then(|| self.miss_reason(seq, gid, own + unit));
+                    let stop = (own < max_tokens).then(|| self.miss_reason(gid, own + unit));
                     (own, stop)
                 }
                 GroupRuntime::SlidingWindow { block_size, window, .. } => {
                     let mut l = bound;
                     while l > 0
-                        && !matches!(self.window_probe(seq, gid, block_size, window, l), Probe::Ok)
+                        && !matches!(self.window_probe(gid, block_size, window, l), Probe::Ok)
                     {
                         l -= unit;
                     }
                     // The reason explains the largest candidate, its last key first.
                     let stop = (l < max_tokens).then(|| {
-                        match self.window_probe(seq, gid, block_size, window, limit) {
+                        match self.window_probe(gid, block_size, window, limit) {
                             Probe::Missing { position, last: true } => {
-                                self.miss_reason(seq, gid, position)
+                                self.miss_reason(gid, position)
                             }
                             Probe::Missing { last: false, .. } => MissReason::WindowGap,
                             Probe::Ok => MissReason::NotCached,
@@ -254,16 +269,14 @@ impl CacheManager {
                 }
                 GroupRuntime::State { .. } => {
                     let mut l = bound;
-                    while l > 0 && !self.has_key(seq, gid, l) {
+                    while l > 0 && !self.has_key(gid, l) {
                         l -= unit;
                     }
                     // States are not downward closed: a state evicted at any candidate above
                     // the own hit (a resend's tail, typically) is why this group stops there.
                     let stop = (l < max_tokens).then(|| {
                         let mut above = (l / unit + 1..=limit / unit).map(|i| i * unit);
-                        if above
-                            .any(|p| self.miss_reason(seq, gid, p) == MissReason::RecentlyEvicted)
-                        {
+                        if above.any(|p| self.miss_reason(gid, p) == MissReason::RecentlyEvicted) {
                             MissReason::RecentlyEvicted
                         } else {
                             MissReason::NoStateAtPosition
@@ -277,7 +290,7 @@ impl CacheManager {
         let mut tokens = bound;
         while tokens > 0
             && !(0..self.groups.len()).all(|g| {
-                groups[g].tokens >= tokens && self.group_allows(seq, g, tokens)
+                groups[g].tokens >= tokens && self.group_allows(g, tokens)
                     || matches!(self.groups[g], GroupRuntime::FullAttention { .. })
             })
         {
@@ -288,38 +301,5 @@ impl CacheManager {
         let top = groups.iter().map(|g| g.tokens.min(bound)).max().unwrap_or(0);
         let junction = (top >= tokens + 2 * unit).then_some(top);
         (Hit { tokens, max_tokens, groups, junction }, chains)
-    }
-
-    /// The block to use for a key: one already in use if any, else the most recently used.
-    pub(crate) fn choose_block(&self, seq: &Sequence, group: u32, position: u32) -> BlockId {
-        let key = Self::key_at(seq, group, self.unit, position);
-        self.holder(self.group_pool(group), &key).unwrap_or(NULL_BLOCK)
-    }
-
-    /// The block a hit on `key` uses ([`CacheManager::pick`]), `None` when none is published.
-    /// A key's only candidate is confirmed directly: the common case, on every probe of a
-    /// lookup.
-    #[inline]
-    fn holder(&self, pool: &BlockPool, key: &Key) -> Option<BlockId> {
-        match self.index.candidates(key) {
-            (Some(b), _) => Some(b).filter(|&b| pool.carries(b, key)),
-            (None, many) => {
-                Self::pick(pool, many.iter().copied().filter(|&b| pool.carries(b, key)))
-            }
-        }
-    }
-
-    /// Among the blocks published under one key: one already in use if any, else the most
-    /// recently used (ties to the lowest id), so the choice is deterministic. `None` when
-    /// there is none.
-    fn pick(pool: &BlockPool, mut holders: impl Iterator<Item = BlockId>) -> Option<BlockId> {
-        let first = holders.next()?;
-        let Some(second) = holders.next() else {
-            return Some(first);
-        };
-        [first, second]
-            .into_iter()
-            .chain(holders)
-            .max_by_key(|&b| (pool.ref_count(b) > 0, pool.stamp(b), u32::MAX - b))
     }
 }

@@ -7,15 +7,16 @@
 //! no planned checkpoint is off the kernel grid; the checkpoint cap holds; the bookkeeping of
 //! scheduled and started sequences agrees with the sequences themselves.
 
+use crate::config::GroupRuntime;
 use crate::error::{CacheError, Result};
-use crate::manager::{CacheManager, GroupRuntime};
+use crate::manager::CacheManager;
 use crate::pool::{BlockKind, NULL_BLOCK};
 use crate::sequence::{GroupStep, SeqGroup};
 
 impl CacheManager {
     /// Checks every invariant; `Err(Invariant)` describes the first violation found.
     pub fn check_invariants(&self) -> Result<()> {
-        for (i, pool) in self.pools.iter().enumerate() {
+        for (i, pool) in self.store.pools.iter().enumerate() {
             pool.check().map_err(|m| CacheError::invariant(format!("pool {i}: {m}")))?;
         }
         self.check_holders()?;
@@ -25,7 +26,7 @@ impl CacheManager {
 
     fn check_holders(&self) -> Result<()> {
         let mut expected: Vec<Vec<u32>> =
-            self.pools.iter().map(|p| vec![0; p.num_blocks() as usize]).collect();
+            self.store.pools.iter().map(|p| vec![0; p.num_blocks() as usize]).collect();
         let mut started = 0;
         for seq in self.seqs.iter().flatten() {
             started += usize::from(seq.started);
@@ -54,7 +55,7 @@ impl CacheManager {
                     SeqGroup::State(s) => {
                         s.running.iter().copied().for_each(&mut hold);
                         hold(s.resume);
-                        let pool = &self.pools[self.groups[g].pool()];
+                        let pool = &self.store.pools[self.groups[g].pool()];
                         let resumable = pool.kind(s.resume).is_checkpoint()
                             && pool
                                 .keys(s.resume)
@@ -89,7 +90,7 @@ impl CacheManager {
                 self.started
             )));
         }
-        for (i, pool) in self.pools.iter().enumerate() {
+        for (i, pool) in self.store.pools.iter().enumerate() {
             for (b, &want) in expected[i].iter().enumerate() {
                 let have = pool.ref_count(b as u32);
                 if have != want {
@@ -104,11 +105,11 @@ impl CacheManager {
 
     fn check_index(&self) -> Result<()> {
         let mut indexed = 0usize;
-        for (fingerprint, block) in self.index.entries() {
+        for (fingerprint, block) in self.store.index.entries() {
             indexed += 1;
             // Some group's pool holds the block, and it carries a key with this fingerprint.
             let known = self.groups.iter().enumerate().any(|(g, runtime)| {
-                self.pools[runtime.pool()]
+                self.store.pools[runtime.pool()]
                     .keys(block)
                     .iter()
                     .any(|k| k.key.group == g as u32 && k.key.fingerprint() == fingerprint)
@@ -121,12 +122,12 @@ impl CacheManager {
             }
         }
         let mut carried = 0usize;
-        for (i, pool) in self.pools.iter().enumerate() {
+        for (i, pool) in self.store.pools.iter().enumerate() {
             for b in 1..pool.num_blocks() {
                 let keys = pool.keys(b);
                 carried += keys.len();
                 for k in keys {
-                    if !self.index.get(&k.key, |x| pool.carries(x, &k.key)).any(|x| x == b) {
+                    if !self.store.index.get(&k.key, |x| pool.carries(x, &k.key)).any(|x| x == b) {
                         return Err(CacheError::invariant(format!(
                             "pool {i} block {b} carries a key at {} that is not indexed",
                             k.position
@@ -165,7 +166,7 @@ impl CacheManager {
         for (g, runtime) in self.groups.iter().enumerate() {
             if let GroupRuntime::State { config, pool } = runtime {
                 if let Some(cap) = config.checkpoint_cap {
-                    let n = self.pools[*pool].num_checkpoints_of(g as u32);
+                    let n = self.store.pools[*pool].num_checkpoints_of(g as u32);
                     if n > cap {
                         return Err(CacheError::invariant(format!(
                             "group {g} holds {n} checkpoint blocks, more than its cap {cap}"

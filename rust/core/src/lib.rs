@@ -21,6 +21,7 @@ pub mod pool;
 mod schedule;
 mod sequence;
 pub mod stats;
+mod store;
 
 pub use config::{
     aligned_geometry, is_exportable_offset, nearest_exportable_offsets, CacheConfig,

@@ -4,9 +4,15 @@
 //! `add` -> `lookup` -> `schedule` (per sequence) -> `build_plan` -> kernels -> `commit` | `abort`
 //! -> `append` (decode) -> ... -> `finish` | `preempt`.
 //!
-//! This file owns sequence bookkeeping (`add`, `append`, `finish`, `preempt`, `reset`) and
-//! statistics; `schedule.rs` admits and extends sequences, `plan.rs` builds the step plan and
-//! selects checkpoints, `commit.rs` publishes or undoes a step, `invariants.rs` checks it all.
+//! `CacheManager` is the protocol on top of the parts: the block store (`store.rs`: pools,
+//! index, evictions, events; the only code that allocates, publishes and evicts), the group
+//! layout and rules (`config.rs`), the sequences (`sequence.rs`) and the hit rule (`hit.rs`, a
+//! function of store, layout and one sequence). This file owns sequence bookkeeping (`add`,
+//! `append`, `finish`, `preempt`, `reset`) and statistics; `schedule.rs` admits and extends
+//! sequences, `plan.rs` builds the step plan and selects checkpoints, `commit.rs` publishes or
+//! undoes a step, `invariants.rs` checks it all. No part imports this file. The protocol never
+//! allocates, publishes or evicts itself (it asks the store); it pins and releases blocks
+//! through the pools' reference counts.
 //! Invariants kept between calls: nothing is reachable through the index before the commit of
 //! the step that wrote it; one plan at most is in flight; every block is free, owned or cached
 //! (see `pool.rs`); a started sequence holds exactly the blocks of its tables, its running
@@ -17,18 +23,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustc_hash::FxHashMap;
 
-use crate::config::{CacheConfig, CheckpointGrid, GroupKind, StateGroupConfig};
+use crate::config::{CacheConfig, CheckpointGrid, GroupRuntime};
 use crate::error::{CacheError, Result};
-use crate::events::{CacheEvent, EventLog, EventRecord};
+use crate::events::{EventLog, EventRecord};
 use crate::hashing::{validate_sequence, Digest, ExtraKeys, Hasher};
-use crate::hit::Hit;
+use crate::hit::{compute_hit, Hit};
 use crate::index::HashIndex;
-use crate::pool::{BlockId, BlockKey, BlockKind, BlockPool, LruEnd, NULL_BLOCK};
+use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
 use crate::sequence::{
     shared_units, Continued, FinishedCache, FinishedSequence, PagedSeq, SeqGroup, Sequence,
     StateSeq,
 };
 use crate::stats::{GroupStats, Stats};
+use crate::store::BlockStore;
 
 pub use crate::limits::MAX_SEQUENCE_TOKENS;
 use crate::limits::{human_bytes, try_vec, MAX_BATCH_SEQUENCES};
@@ -48,33 +55,6 @@ pub(crate) fn check_batch_len(len: usize, call: &str) -> Result<()> {
 
 /// What `extends` resolves to: tokens, extra keys and unit hashes.
 type ExtendsSource<'a> = (Cow<'a, [u32]>, Cow<'a, ExtraKeys>, Cow<'a, [Digest]>);
-
-/// A group as the manager uses it (validated, flattened).
-#[derive(Clone, Debug)]
-pub(crate) enum GroupRuntime {
-    FullAttention { block_size: u32, pool: usize },
-    SlidingWindow { block_size: u32, window: u32, pool: usize },
-    State { config: StateGroupConfig, pool: usize },
-}
-
-impl GroupRuntime {
-    pub fn pool(&self) -> usize {
-        match self {
-            Self::FullAttention { pool, .. }
-            | Self::SlidingWindow { pool, .. }
-            | Self::State { pool, .. } => *pool,
-        }
-    }
-
-    pub fn block_size(&self) -> Option<u32> {
-        match self {
-            Self::FullAttention { block_size, .. } | Self::SlidingWindow { block_size, .. } => {
-                Some(*block_size)
-            }
-            Self::State { .. } => None,
-        }
-    }
-}
 
 /// The plan in flight.
 #[derive(Clone, Debug)]
@@ -115,8 +95,8 @@ pub struct CacheManager {
     /// Where non-final chunks end and checkpoints may be requested.
     pub(crate) grid: CheckpointGrid,
     pub(crate) groups: Vec<GroupRuntime>,
-    pub(crate) pools: Vec<BlockPool>,
-    pub(crate) index: HashIndex,
+    /// Pools, index, eviction record and events: every allocation, publication and eviction.
+    pub(crate) store: BlockStore,
     pub(crate) hasher: Hasher,
     pub(crate) seqs: Vec<Option<Sequence>>,
     pub(crate) free_slots: Vec<usize>,
@@ -135,9 +115,7 @@ pub struct CacheManager {
     pub(crate) next_serial: u64,
     /// Started sequences (holding blocks).
     pub(crate) started: usize,
-    pub(crate) events: EventLog,
     pub(crate) stats: Stats,
-    pub(crate) evicted: Vec<BlockKey>,
     /// Per slot, the stamp of the last batch call that named it (see `refuse_repeats`).
     pub(crate) batch_marks: Vec<u64>,
     pub(crate) batch_stamp: u64,
@@ -151,21 +129,7 @@ impl CacheManager {
     /// Builds a manager; the configuration is validated first.
     pub fn new(config: CacheConfig) -> Result<Self> {
         config.validate()?;
-        let groups = config
-            .groups
-            .iter()
-            .map(|g| match &g.kind {
-                GroupKind::FullAttention { block_size } => {
-                    GroupRuntime::FullAttention { block_size: *block_size, pool: g.pool }
-                }
-                GroupKind::SlidingWindow { block_size, window } => GroupRuntime::SlidingWindow {
-                    block_size: *block_size,
-                    window: *window,
-                    pool: g.pool,
-                },
-                GroupKind::State(s) => GroupRuntime::State { config: s.clone(), pool: g.pool },
-            })
-            .collect::<Vec<_>>();
+        let groups = config.runtime_groups();
         let stats = Stats { groups: vec![GroupStats::default(); groups.len()], ..Stats::default() };
         let pools = config
             .pools
@@ -176,22 +140,31 @@ impl CacheManager {
                     .map_err(|message| CacheError::config(format!("pool {i}: {message}")))
             })
             .collect::<Result<Vec<_>>>()?;
+        let index = HashIndex::new(
+            config.recently_evicted_capacity,
+            config.hash.verify_tokens,
+            config
+                .pools
+                .iter()
+                .map(|p| p.num_blocks as usize)
+                .sum::<usize>()
+                .min(INDEX_RESERVE_MAX),
+        );
+        let hasher = Hasher::new(config.hash.algorithm, config.hash.seed);
+        let store = BlockStore::new(
+            pools,
+            index,
+            EventLog::new(config.enable_events, config.max_pending_events),
+            groups.iter().map(GroupRuntime::pool).collect(),
+            config.hash.unit,
+            hasher.seed_digest(),
+        );
         Ok(Self {
             manager_id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
             unit: config.hash.unit,
             grid: config.checkpoint_grid(),
-            pools,
-            index: HashIndex::new(
-                config.recently_evicted_capacity,
-                config.hash.verify_tokens,
-                config
-                    .pools
-                    .iter()
-                    .map(|p| p.num_blocks as usize)
-                    .sum::<usize>()
-                    .min(INDEX_RESERVE_MAX),
-            ),
-            hasher: Hasher::new(config.hash.algorithm, config.hash.seed),
+            store,
+            hasher,
             seqs: Vec::new(),
             free_slots: Vec::new(),
             by_id: FxHashMap::default(),
@@ -203,9 +176,7 @@ impl CacheManager {
             next_step: 1,
             next_serial: 0,
             started: 0,
-            events: EventLog::new(config.enable_events, config.max_pending_events),
             stats,
-            evicted: Vec::new(),
             batch_marks: Vec::new(),
             batch_stamp: 0,
             groups,
@@ -247,6 +218,11 @@ impl CacheManager {
 
     pub(crate) fn seq_mut(&mut self, slot: usize) -> &mut Sequence {
         self.seqs[slot].as_mut().unwrap_or_else(|| unreachable!("slot {slot} is not live"))
+    }
+
+    /// The hit rule applied to a live sequence now, with the full-attention chains it chose.
+    pub(crate) fn hit_of(&self, seq: &Sequence) -> (Hit, Vec<Vec<BlockId>>) {
+        compute_hit(&self.store, &self.groups, seq.content(), &seq.hint_chains)
     }
 
     pub(crate) fn refuse_in_flight(&self, call: &str) -> Result<()> {
@@ -529,10 +505,10 @@ impl CacheManager {
     /// The reconciled hit of a live sequence now. Changes no cache state (counts a statistic).
     pub fn lookup(&mut self, seq_id: u64) -> Result<Hit> {
         let slot = self.slot(seq_id)?;
-        let (hit, chains) = self.compute_hit_with_chains(self.seq(slot));
+        let (hit, chains) = self.hit_of(self.seq(slot));
         self.stats.lookups += 1;
         self.stats.lookup_hit_tokens += u64::from(hit.tokens);
-        let generation = self.index.generation();
+        let generation = self.store.index.generation();
         self.seq_mut(slot).last_hit = Some((generation, hit.clone(), chains));
         Ok(hit)
     }
@@ -676,19 +652,19 @@ impl CacheManager {
             match group {
                 SeqGroup::Paged(paged) => {
                     for &block in paged.table.iter().rev() {
-                        self.pools[pool].decref(block, LruEnd::MostRecent);
+                        self.store.pools[pool].decref(block, LruEnd::MostRecent);
                     }
                     *paged = PagedSeq::default();
                 }
                 SeqGroup::State(state) => {
                     for block in [state.running[1], state.running[0], state.resume] {
-                        self.pools[pool].decref(block, LruEnd::MostRecent);
+                        self.store.pools[pool].decref(block, LruEnd::MostRecent);
                     }
                     if let Some((block, position)) = state.decode_tail.take() {
                         if publish_decode_tail {
                             self.publish_decode_tail(g, &seq, block, position);
                         } else {
-                            self.pools[pool].decref(block, LruEnd::MostRecent);
+                            self.store.pools[pool].decref(block, LruEnd::MostRecent);
                         }
                     }
                     *state = StateSeq::default();
@@ -714,32 +690,32 @@ impl CacheManager {
             self.undo_step(slot);
         }
         self.scheduled_tokens = 0;
-        let mut removed = Vec::new();
-        for pool in &mut self.pools {
-            pool.clear(&mut removed);
-        }
-        self.index.clear();
-        self.events.push(CacheEvent::AllBlocksCleared);
+        self.store.clear();
         Ok(())
     }
 
     /// Takes the pending block events, oldest first.
     pub fn drain_events(&mut self) -> Vec<EventRecord> {
-        self.events.drain()
+        self.store.events.drain()
     }
 
     /// A snapshot of the counters.
     #[must_use]
     pub fn stats(&self) -> Stats {
         let mut stats = self.stats.clone();
-        stats.events_dropped = self.events.dropped();
+        stats.events_dropped = self.store.events.dropped();
+        stats.evictions = self.store.evictions;
+        for (group, &evictions) in stats.groups.iter_mut().zip(&self.store.group_evictions) {
+            group.evictions = evictions;
+        }
         stats
     }
 
     /// Block usage per pool.
     #[must_use]
     pub fn pool_usage(&self) -> Vec<PoolUsage> {
-        self.pools
+        self.store
+            .pools
             .iter()
             .map(|p| PoolUsage {
                 num_blocks: p.num_blocks(),
@@ -814,53 +790,5 @@ impl CacheManager {
             }
         }
         Ok((flat, rows.len(), cols))
-    }
-
-    /// Allocates one block of `pool`, unindexing whatever the eviction removed.
-    pub(crate) fn allocate(&mut self, pool: usize, kind: BlockKind, group: u32) -> Option<BlockId> {
-        let mut evicted = std::mem::take(&mut self.evicted);
-        let block = self.pools[pool].allocate(kind, group, &mut evicted);
-        if let Some(block) = block {
-            self.unindex_evicted(block, &mut evicted);
-        }
-        self.evicted = evicted;
-        block
-    }
-
-    /// Takes a specific cached block (the checkpoint cap's victim).
-    pub(crate) fn allocate_cached(
-        &mut self,
-        pool: usize,
-        block: BlockId,
-        kind: BlockKind,
-        group: u32,
-    ) -> Option<BlockId> {
-        let mut evicted = std::mem::take(&mut self.evicted);
-        let ok = self.pools[pool].allocate_cached(block, kind, group, &mut evicted);
-        if ok {
-            self.unindex_evicted(block, &mut evicted);
-        }
-        self.evicted = evicted;
-        ok.then_some(block)
-    }
-
-    fn unindex_evicted(&mut self, block: BlockId, evicted: &mut Vec<BlockKey>) {
-        if evicted.is_empty() {
-            return;
-        }
-        let group = evicted[0].key.group;
-        let pool = &self.pools[self.groups[group as usize].pool()];
-        for k in evicted.iter() {
-            self.index.remove(&k.key, block, true, |b| pool.carries(b, &k.key));
-        }
-        self.stats.evictions += 1;
-        if let Some(g) = self.stats.groups.get_mut(group as usize) {
-            g.evictions += 1;
-        }
-        if self.events.enabled() {
-            let keys = evicted.iter().map(|k| k.key.digest).collect();
-            self.events.push(CacheEvent::BlockRemoved { group, block, keys });
-        }
-        evicted.clear();
     }
 }

@@ -12,10 +12,12 @@
 //! snapshot at `qe` when it is a unit boundary. Every position not served is counted with its
 //! reason and gets no block and no key.
 
+use crate::config::GroupRuntime;
 use crate::config::{is_exportable_offset, Retained, StateGroupConfig};
 use crate::error::{CacheError, Result};
+use crate::hit::has_key;
 use crate::limits::human_bytes;
-use crate::manager::{CacheManager, GroupRuntime, InFlight};
+use crate::manager::{CacheManager, InFlight};
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
 use crate::sequence::{GroupStep, PagedSeq, PlannedCheckpoint, SeqGroup};
 use crate::stats::SkipReason;
@@ -386,11 +388,11 @@ impl CacheManager {
             let limit = config.max_checkpoints_per_step.unwrap_or(u32::MAX) as usize;
             // Each checkpoint taken uses a free or evictable block of the pool, so no more than
             // it holds now can be taken: the others are `budget` skips without being listed.
-            let available = self.pools[pool].num_available() as usize;
+            let available = self.store.pools[pool].num_available() as usize;
             let mut planned: Vec<(u32, BlockKind)> = Vec::new();
             let mut planned_interior = 0;
             for (p, kind) in wanted.iter().copied().chain(intervals) {
-                let reason = if self.has_key(seq, g as u32, p) {
+                let reason = if has_key(&self.store, seq.content(), g as u32, p) {
                     SkipReason::AlreadyCached
                 } else if p != end
                     && !is_exportable_offset(p - start, config.alignment, end - start)
@@ -448,7 +450,7 @@ impl CacheManager {
         kind: BlockKind,
     ) -> Option<BlockId> {
         let reserve = u64::from(config.reserve_per_sequence) * self.started as u64;
-        let p = &self.pools[pool];
+        let p = &self.store.pools[pool];
         if u64::from(p.num_available()) < reserve + 1 {
             return None;
         }
@@ -460,9 +462,9 @@ impl CacheManager {
                     p.checkpoint_group(b) == Some(group)
                         && (kind != BlockKind::DecodeTail || p.kind(b) == BlockKind::DecodeTail)
                 })?;
-                return self.allocate_cached(pool, victim, kind, group);
+                return self.store.allocate_cached(pool, victim, kind, group);
             }
         }
-        self.allocate(pool, kind, group)
+        self.store.allocate(pool, kind, group)
     }
 }

@@ -7,10 +7,11 @@
 //! changes nothing but a counter. Checkpoint blocks are chosen later, by `build_plan`, and never
 //! make a schedule fail.
 
+use crate::config::GroupRuntime;
 use crate::error::{CacheError, Result};
-use crate::hit::Hit;
+use crate::hit::{choose_block, Hit};
 use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS, MAX_STEP_TOKENS};
-use crate::manager::{check_batch_len, CacheManager, GroupRuntime};
+use crate::manager::{check_batch_len, CacheManager};
 use crate::plan::StepPlan;
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
 use crate::sequence::{GroupStep, PagedSeq, SeqGroup, Sequence, StateSeq, StepRecord};
@@ -53,7 +54,7 @@ impl CacheManager {
         self.refuse_in_flight("schedule")?;
         let slot = self.slot(seq_id)?;
         self.check_schedulable(slot, lookahead)?;
-        Ok(self.schedule_slot(slot, max_tokens, lookahead, exact))
+        self.schedule_slot(slot, max_tokens, lookahead, exact)
     }
 
     /// `schedule` for many sequences (one crossing from Python). Every id is checked before
@@ -80,11 +81,11 @@ impl CacheManager {
             slots.push(slot);
         }
         self.refuse_repeats(&slots, "schedule_batch")?;
-        Ok(slots
+        slots
             .into_iter()
             .zip(max_tokens)
             .map(|(slot, &budget)| self.schedule_slot(slot, budget, 0, exact))
-            .collect())
+            .collect()
     }
 
     /// An engine's decode step in one call: commits the step `plan` holds when it is this
@@ -128,8 +129,10 @@ impl CacheManager {
         for (&slot, token) in slots.iter().zip(tokens) {
             self.append_slot(slot, std::slice::from_ref(token))?;
         }
-        let scheduled =
-            slots.into_iter().map(|slot| self.schedule_slot(slot, 1, 0, false)).collect();
+        let scheduled = slots
+            .into_iter()
+            .map(|slot| self.schedule_slot(slot, 1, 0, false))
+            .collect::<Result<_>>()?;
         self.build_plan_into(plan)?;
         Ok(scheduled)
     }
@@ -215,30 +218,35 @@ impl CacheManager {
         max_tokens: u32,
         lookahead: u32,
         exact: bool,
-    ) -> Option<Scheduled> {
+    ) -> Result<Option<Scheduled>> {
         let seq = self.seq(slot);
         if seq.started {
             let end = self.chunk_end(seq.num_computed, max_tokens, seq.num_tokens(), exact);
             return self.schedule_started(slot, end, lookahead);
         }
-        let generation = self.index.generation();
+        let generation = self.store.index.generation();
         let cached = match self.seq_mut(slot).last_hit.take() {
             Some((at, hit, chains)) if at == generation => Some((hit, chains)),
             _ => None,
         };
         let seq = self.seq(slot);
-        let (hit, chains) = cached.unwrap_or_else(|| self.compute_hit_with_chains(seq));
+        let (hit, chains) = cached.unwrap_or_else(|| self.hit_of(seq));
         let (seq_id, start, total) = (seq.id, hit.tokens, seq.num_tokens());
         let end = self.chunk_end(start, max_tokens, total, exact);
         if end <= start {
-            return Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: Some(hit) });
+            return Ok(Some(Scheduled {
+                seq_id,
+                num_computed: start,
+                num_tokens: 0,
+                hit: Some(hit),
+            }));
         }
         let admissions = self.admissions(slot, hit.tokens, chains);
         if !self.blocks_available(slot, end + lookahead, Some(&admissions)) {
             self.stats.refused_schedules += 1;
-            return None;
+            return Ok(None);
         }
-        let groups = self.take_blocks(slot, end + lookahead, Some(admissions));
+        let groups = self.take_blocks(slot, end + lookahead, Some(admissions))?;
         let seq = self.seq_mut(slot);
         seq.hint_chains = Vec::new();
         seq.started = true;
@@ -258,18 +266,23 @@ impl CacheManager {
             }
         }
         self.stats.scheduled_tokens += u64::from(end - start);
-        Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: Some(hit) })
+        Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: Some(hit) }))
     }
 
     /// `schedule_slot` of a started sequence, for its chunk up to `end`: there is no hit to
     /// pin, and when its tables already cover the chunk (most decode steps) there is nothing
     /// to allocate or check.
-    fn schedule_started(&mut self, slot: usize, end: u32, lookahead: u32) -> Option<Scheduled> {
+    fn schedule_started(
+        &mut self,
+        slot: usize,
+        end: u32,
+        lookahead: u32,
+    ) -> Result<Option<Scheduled>> {
         let seq = self.seq_mut(slot);
         seq.last_hit = None;
         let (seq_id, start) = (seq.id, seq.num_computed);
         if end <= start {
-            return Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None });
+            return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
         }
         let reach = end + lookahead;
         let groups = if self.tables_cover(slot, reach) {
@@ -291,16 +304,16 @@ impl CacheManager {
         } else {
             if !self.blocks_available(slot, reach, None) {
                 self.stats.refused_schedules += 1;
-                return None;
+                return Ok(None);
             }
-            self.take_blocks(slot, reach, None)
+            self.take_blocks(slot, reach, None)?
         };
         self.seq_mut(slot).step =
             Some(StepRecord { start, end, first: false, groups, requested: Vec::new() });
         self.scheduled.push(slot);
         self.scheduled_tokens += end - start;
         self.stats.scheduled_tokens += u64::from(end - start);
-        Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: None })
+        Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: None }))
     }
 
     /// Whether every paged table of a started sequence already has the blocks for tokens
@@ -366,19 +379,29 @@ impl CacheManager {
                                     if c < first_col {
                                         NULL_BLOCK
                                     } else {
-                                        self.choose_block(seq, gid, (c + 1) * block_size)
+                                        choose_block(
+                                            &self.store,
+                                            seq.content(),
+                                            gid,
+                                            (c + 1) * block_size,
+                                        )
                                     }
                                 })
                                 .collect()
                         };
-                        let cow = (hit % block_size != 0)
-                            .then(|| (self.choose_block(seq, gid, hit), hit % block_size));
+                        let cow = (hit % block_size != 0).then(|| {
+                            (choose_block(&self.store, seq.content(), gid, hit), hit % block_size)
+                        });
                         GroupAdmission { table, cow, resume: NULL_BLOCK }
                     }
                     GroupRuntime::State { .. } => GroupAdmission {
                         table: Vec::new(),
                         cow: None,
-                        resume: if hit > 0 { self.choose_block(seq, gid, hit) } else { 0 },
+                        resume: if hit > 0 {
+                            choose_block(&self.store, seq.content(), gid, hit)
+                        } else {
+                            0
+                        },
                     },
                 }
             })
@@ -394,7 +417,7 @@ impl CacheManager {
         admissions: Option<&[GroupAdmission]>,
     ) -> bool {
         let seq = self.seq(slot);
-        (0..self.pools.len()).all(|pool| {
+        (0..self.store.pools.len()).all(|pool| {
             let mut need = 0u64;
             for (g, runtime) in self.groups.iter().enumerate() {
                 if runtime.pool() != pool {
@@ -402,7 +425,7 @@ impl CacheManager {
                 }
                 let admission = admissions.map(|a| &a[g]);
                 if let Some(a) = admission {
-                    let p = &self.pools[pool];
+                    let p = &self.store.pools[pool];
                     let cached = a
                         .table
                         .iter()
@@ -423,7 +446,18 @@ impl CacheManager {
                     _ => {}
                 }
             }
-            need <= u64::from(self.pools[pool].num_available())
+            need <= u64::from(self.store.pools[pool].num_available())
+        })
+    }
+
+    /// One block the capacity check (`blocks_available`) promised: its absence is a bug in the
+    /// core, reported as an invariant error rather than a null block in a plan.
+    fn take_block(&mut self, pool: usize, kind: BlockKind, g: usize) -> Result<BlockId> {
+        self.store.allocate(pool, kind, g as u32).ok_or_else(|| {
+            CacheError::invariant(format!(
+                "pool {pool} could not supply a {kind:?} block for group {g} after its capacity \
+                 check promised it"
+            ))
         })
     }
 
@@ -433,7 +467,7 @@ impl CacheManager {
         slot: usize,
         end: u32,
         admissions: Option<Vec<GroupAdmission>>,
-    ) -> Vec<GroupStep> {
+    ) -> Result<Vec<GroupStep>> {
         let mut steps = std::mem::take(&mut self.seq_mut(slot).spare_step);
         steps.reserve(self.groups.len());
         // Every group's hit is pinned before any group allocates: groups may share a pool, and
@@ -442,8 +476,8 @@ impl CacheManager {
             let pool = self.groups[g].pool();
             let cow_src = a.cow.map(|(src, _)| src);
             for &b in a.table.iter().chain([&a.resume]).chain(cow_src.as_ref()) {
-                self.pools[pool].incref(b);
-                self.pools[pool].touch(b);
+                self.store.pools[pool].incref(b);
+                self.store.pools[pool].touch(b);
             }
         }
         let mut admissions = admissions.map(Vec::into_iter);
@@ -476,14 +510,12 @@ impl CacheManager {
                     let table_len_before = if admission.is_some() { 0 } else { paged.table.len() };
                     let mut cow = None;
                     if let Some((src, tokens)) = admission.as_ref().and_then(|a| a.cow) {
-                        let dst =
-                            self.allocate(pool, BlockKind::Paged, g as u32).unwrap_or(NULL_BLOCK);
+                        let dst = self.take_block(pool, BlockKind::Paged, g)?;
                         paged.table.push(dst);
                         cow = Some((src, dst, tokens));
                     }
                     while paged.table.len() < cols {
-                        let b =
-                            self.allocate(pool, BlockKind::Paged, g as u32).unwrap_or(NULL_BLOCK);
+                        let b = self.take_block(pool, BlockKind::Paged, g)?;
                         paged.table.push(b);
                     }
                     self.seq_mut(slot).groups[g] = SeqGroup::Paged(paged);
@@ -492,10 +524,8 @@ impl CacheManager {
             } else {
                 {
                     if let Some(a) = &admission {
-                        let r0 =
-                            self.allocate(pool, BlockKind::Running, g as u32).unwrap_or(NULL_BLOCK);
-                        let r1 =
-                            self.allocate(pool, BlockKind::Running, g as u32).unwrap_or(NULL_BLOCK);
+                        let r0 = self.take_block(pool, BlockKind::Running, g)?;
+                        let r1 = self.take_block(pool, BlockKind::Running, g)?;
                         self.seq_mut(slot).groups[g] = SeqGroup::State(StateSeq {
                             running: [r0, r1],
                             current: None,
@@ -508,7 +538,7 @@ impl CacheManager {
             };
             steps.push(step);
         }
-        steps
+        Ok(steps)
     }
 
     /// `suggest_chunk` for backends that cannot export interior states (C = 0): how many tokens
@@ -522,7 +552,7 @@ impl CacheManager {
         let (start, target, junction) = if seq.started {
             (seq.num_computed, seq.prefill_target, seq.junction)
         } else {
-            let hit = self.compute_hit(seq);
+            let hit = self.hit_of(seq).0;
             (hit.tokens, seq.num_tokens(), hit.junction)
         };
         let remaining = seq.num_tokens().saturating_sub(start);

@@ -14,6 +14,7 @@ use rustc_hash::FxHashMap;
 use crate::hashing::{Digest, ExtraKeys};
 use crate::hit::Hit;
 use crate::pool::BlockId;
+use crate::store::Content;
 
 /// A paged group's view of one sequence.
 #[derive(Clone, Debug, Default)]
@@ -125,7 +126,7 @@ pub(crate) struct Sequence {
     pub hint_chains: Vec<Vec<BlockId>>,
     /// The last lookup's result and the index generation it was computed at: the first
     /// schedule reuses it when nothing was published or evicted since. The chosen
-    /// full-attention chains ride along (see `compute_hit_with_chains`).
+    /// full-attention chains ride along (see `hit::compute_hit`).
     pub last_hit: Option<(u64, Hit, Vec<Vec<BlockId>>)>,
     /// The per-group step vector of the last committed or undone step, emptied, for the next
     /// schedule to fill (a decode step then allocates nothing for it).
@@ -135,6 +136,12 @@ pub(crate) struct Sequence {
 impl Sequence {
     pub fn num_tokens(&self) -> u32 {
         self.tokens.len() as u32
+    }
+
+    /// What its keys are computed from.
+    #[inline]
+    pub fn content(&self) -> Content<'_> {
+        Content { tokens: &self.tokens, extra: &self.extra, hashes: &self.hashes }
     }
 
     /// Keeps a finished step's group vector for the next schedule.

@@ -2,7 +2,7 @@
 //! admissions, timed the same way (median and minimum of short runs), so the Python figures
 //! read as core work plus crossing cost.
 //!
-//! Run: `cargo run --release -p prefixcache-python --example baseline`.
+//! Run: `cargo run --release -p prefixcache-core --example baseline`.
 //!
 //! `baseline decode N` / `baseline hybrid N` / `baseline request N` / `baseline lookup N` run
 //! only N steps (requests, lookups) of one case (and its set-up), for instruction counts: `valgrind --tool=callgrind` of N2 and N1 steps, the
