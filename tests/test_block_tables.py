@@ -234,3 +234,38 @@ def test_block_tables_follow_the_core_through_plans_aborts_and_finishes(steps: l
             manager.finish(seq)
             for table in tables:
                 table.release(seq)
+
+
+def test_a_step_from_a_step_plan_equals_the_step_from_buffers() -> None:
+    # Twin managers take the same steps; one returns StepPlans, the other writes PlanBuffers
+    # (longer arrays, sliced by the counts). The steps the kernels see are equal.
+    import prefixcache as pc
+    from conftest import hybrid_config
+    from prefixcache.kernels import Step
+
+    twins = [pc.CacheManager(hybrid_config(alignment=8, unit=8)) for _ in range(2)]
+    buffers = pc.PlanBuffers(rows=1)
+    tables = [BlockTables(0), BlockTables(0)]
+    prompt = list(range(80))
+    for seq_id, tokens in enumerate([prompt, [*prompt, 9], [*prompt[:50], 7]]):
+        for manager in twins:
+            manager.add(seq_id, tokens)
+            manager.schedule(seq_id, len(tokens))
+        plan = twins[0].build_plan()
+        twins[1].build_plan_into(buffers)
+        tables[0].apply_plan(plan)
+        tables[1].apply_plan(buffers)
+        steps = [Step.from_plan(plan, [tables[0]]), Step.from_plan(buffers, [tables[1]])]
+        for a, b in zip(*(s.__dict__.values() for s in steps), strict=True):
+            if isinstance(a, tuple):
+                for part_a, part_b in zip(a, b, strict=True):
+                    for x, y in zip(
+                        part_a.__dict__.values(), part_b.__dict__.values(), strict=True
+                    ):
+                        assert np.array_equal(x, y), (part_a, part_b)
+            elif isinstance(a, np.ndarray):
+                assert np.array_equal(a, b)
+        # The second prompt resumes at the first one's tail checkpoint (72), inside a block.
+        assert (steps[0].copies.shape[0] == 1) == (seq_id == 1)
+        twins[0].commit(plan)
+        twins[1].commit(buffers)

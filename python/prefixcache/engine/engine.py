@@ -396,7 +396,7 @@ class _Loop:
             applied = True
             if self.config.check:
                 self.check(rows)
-            step = Step.from_buffers(buffers, [self.tables])
+            step = Step.from_plan(buffers, [self.tables])
             token_ids, logits_indices = self.inputs(rows)
             kda_timer.take()
             started = time.perf_counter()

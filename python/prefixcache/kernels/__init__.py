@@ -3,7 +3,7 @@
 Independent of the Rust core (this package never imports ``prefixcache._core``): it consumes the
 plan's NumPy arrays and writes recurrent states and KV into the block slots the core hands out.
 
-- The step: :class:`Step` (built from one step plan, ``Step.from_buffers``): the copies, per
+- The step: :class:`Step` (built from one step plan, ``Step.from_plan``): the copies, per
   paged group (:class:`PagedStep`) the slot mapping and block tables, per state group
   (:class:`StateStep`) the slots, checkpoints and snapshots; what a model executes as a whole.
   :class:`BlockTables`: one paged group's tables, applied incrementally from the plans'

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from prefixcache import PlanBuffers
+    from prefixcache import StepPlanLike
 
 __all__ = ["BlockTables"]
 
@@ -148,11 +148,11 @@ class BlockTables:
         self._table[released_rows, releases[:, 1]] = releases[:, 2]
         self._undo = undo
 
-    def apply_plan(self, buffers: PlanBuffers) -> None:
-        """:meth:`apply` of this group's part of the plan ``buffers`` hold."""
-        (part,) = (p for p in buffers.paged if p.group == self.group)
+    def apply_plan(self, plan: StepPlanLike) -> None:
+        """:meth:`apply` of this group's part of ``plan`` (a ``StepPlan`` or ``PlanBuffers``)."""
+        part = plan.paged_group(self.group)
         self.apply(
-            buffers.seq_ids[: buffers.num_rows],
+            plan.seq_ids[: plan.num_rows],
             part.appended[: part.num_appended],
             part.replaced[: part.num_replaced],
         )

@@ -11,10 +11,12 @@ A step is everything a model needs to run the whole step, in the order it runs i
 3. per state group its ``snapshots`` ``[S, 2]`` rows ``(running slot, checkpoint slot)``,
    after the layers (:func:`~prefixcache.kernels.apply_snapshots`).
 
-:meth:`Step.from_buffers` builds it from a plan written into ``prefixcache.PlanBuffers`` and
-the :class:`~prefixcache.kernels.BlockTables` of each paged group (which
+:meth:`Step.from_plan` builds it from one plan (``prefixcache.StepPlanLike``: a ``StepPlan``,
+or the ``PlanBuffers`` an engine writes every plan into) and the
+:class:`~prefixcache.kernels.BlockTables` of each paged group (which
 :meth:`~prefixcache.kernels.BlockTables.apply_plan` has brought up to date with the same
-plan). Its arrays are views of the buffers: the step is valid until the buffers' next build.
+plan). Its arrays are views of the plan's: from buffers, the step is valid until their next
+build.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from .block_tables import BlockTables
 
 if TYPE_CHECKING:
-    from prefixcache import PlanBuffers
+    from prefixcache import StepPlanLike
 
 __all__ = ["PagedStep", "StateStep", "Step"]
 
@@ -118,11 +120,12 @@ class Step:
         )
 
     @classmethod
-    def from_buffers(cls, buffers: PlanBuffers, tables: Iterable[BlockTables]) -> Step:
-        """The step of the plan ``buffers`` hold, with the block tables of ``tables`` (one per
-        paged group of the plan, each already brought up to date with this plan)."""
-        rows, tokens = buffers.num_rows, buffers.num_tokens
-        seq_ids = buffers.seq_ids[:rows]
+    def from_plan(cls, plan: StepPlanLike, tables: Iterable[BlockTables]) -> Step:
+        """The step of ``plan`` (a ``StepPlan`` or the ``PlanBuffers`` a plan was written
+        into: ``prefixcache.StepPlanLike``), with the block tables of ``tables`` (one per paged
+        group of the plan, each already brought up to date with this plan)."""
+        rows, tokens = plan.num_rows, plan.num_tokens
+        seq_ids = plan.seq_ids[:rows]
         by_group = {table.group: table for table in tables}
         paged = tuple(
             PagedStep(
@@ -130,7 +133,7 @@ class Step:
                 slot_mapping=part.slot_mapping[:tokens],
                 block_tables=by_group[part.group].gather(seq_ids),
             )
-            for part in buffers.paged
+            for part in plan.paged
         )
         state = tuple(
             StateStep(
@@ -141,14 +144,14 @@ class Step:
                 checkpoint_slots=part.checkpoint_slots[:rows, : part.max_checkpoints],
                 snapshots=part.snapshots[: part.num_snapshots],
             )
-            for part in buffers.state
+            for part in plan.state
         )
-        seq_lens = buffers.num_computed[:rows].astype(np.int64) + buffers.num_scheduled[:rows]
+        seq_lens = plan.num_computed[:rows].astype(np.int64) + plan.num_scheduled[:rows]
         return cls(
-            query_start_loc=buffers.query_start_loc[: rows + 1],
+            query_start_loc=plan.query_start_loc[: rows + 1],
             seq_lens=seq_lens,
-            copies=buffers.copies[: buffers.num_copies],
+            copies=plan.copies[: plan.num_copies],
             paged=paged,
             state=state,
-            step_id=buffers.step_id,
+            step_id=plan.step_id,
         )
