@@ -12,12 +12,12 @@
 //! `abort` publishes nothing, frees the step's new blocks and copies, and puts every sequence
 //! back at its pre-step position (a first step gives its pinned hit back).
 
-use crate::config::GroupRuntime;
+use crate::config::GroupSlot;
 use crate::error::{CacheError, Result};
 use crate::manager::CacheManager;
 use crate::plan::StepPlan;
 use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
-use crate::sequence::{GroupStep, PagedSeq, SeqGroup, Sequence, StateSeq};
+use crate::sequence::{PagedSeq, PagedStep, Sequence, StateSeq, StateStep};
 
 impl CacheManager {
     fn take_in_flight(&mut self, step_id: u64, verb: &str) -> Result<Vec<usize>> {
@@ -102,45 +102,49 @@ impl CacheManager {
         let Some(mut seq) = self.seqs[slot].take() else {
             return;
         };
-        let Some(step) = seq.step.take() else {
+        let Some(mut step) = seq.take_step() else {
             self.seqs[slot] = Some(seq);
             return;
         };
-        let (start, end) = (step.start, step.end);
-        let mut groups = std::mem::take(&mut seq.groups);
-        for (g, group_step) in step.groups.iter().enumerate() {
-            let pool = self.groups[g].pool();
-            match (group_step, &mut groups[g]) {
-                (GroupStep::Paged { cow, .. }, SeqGroup::Paged(paged)) => {
-                    let block_size = self.groups[g].block_size().unwrap_or(1);
+        let (start, end, unit) = (step.start, step.end, self.unit);
+        // The groups' blocks are taken out while the keys are computed from the sequence.
+        let (mut paged_seqs, mut state_seqs) =
+            (std::mem::take(&mut seq.paged), std::mem::take(&mut seq.state));
+        for g in 0..self.layout.len() {
+            match self.layout.slots[g] {
+                GroupSlot::Paged(i) => {
+                    let (group, paged) = (&self.layout.paged[i], &mut paged_seqs[i]);
+                    let (pool, block_size, cow) = (group.pool, group.block_size, step.paged[i].cow);
                     // A copy-on-write destination is keyed for the boundaries the copy gave it
                     // together with those this step adds (the next boundary is in the same
                     // block): one `BlockStored` per block per commit.
-                    let mut q = (start / self.unit + 1) * self.unit;
-                    let mut from = cow.map_or(q - self.unit, |(_, _, tokens)| start - tokens);
+                    let mut q = (start / unit + 1) * unit;
+                    let mut from = cow.map_or(q - unit, |(_, _, tokens)| start - tokens);
                     while q <= end {
                         let col = ((q - 1) / block_size) as usize;
                         let block_end = ((col as u32 + 1) * block_size).min(end);
                         let block = paged.table[col];
                         self.store.publish_range(g, seq.content(), block, from, block_end);
-                        q = (block_end / self.unit + 1) * self.unit;
-                        from = q - self.unit;
+                        q = (block_end / unit + 1) * unit;
+                        from = q - unit;
                     }
-                    if let Some((src, dst, _)) = *cow {
+                    if let Some((src, dst, _)) = cow {
                         if from < start {
                             // The step ended before the next boundary: only the copied ones.
                             self.store.publish_range(g, seq.content(), dst, from, start);
                         }
                         self.store.pools[pool].decref(src, LruEnd::MostRecent);
                     }
-                    if let GroupRuntime::SlidingWindow { window, .. } = self.groups[g] {
+                    if let Some(window) = group.window {
                         // The plan reported the releases up to here; an aborted plan's
                         // are reported again by the next one.
                         paged.window_reported = paged.window_start;
                         release_window(&mut self.store.pools[pool], paged, end, window, block_size);
                     }
                 }
-                (GroupStep::State { interior, snapshot }, SeqGroup::State(state)) => {
+                GroupSlot::State(i) => {
+                    let (pool, state) = (self.layout.state[i].pool, &mut state_seqs[i]);
+                    let StateStep { interior, snapshot } = &step.state[i];
                     advance_running_state(&mut self.store.pools[pool], state);
                     for c in interior.iter().chain(snapshot.iter()) {
                         if c.decode_tail {
@@ -154,12 +158,11 @@ impl CacheManager {
                         self.store.pools[pool].decref(c.block, LruEnd::MostRecent);
                     }
                 }
-                _ => {}
             }
         }
-        seq.groups = groups;
+        (seq.paged, seq.state) = (paged_seqs, state_seqs);
         seq.num_computed = end;
-        seq.recycle_step(step.groups);
+        seq.recycle_step(&mut step);
         self.seqs[slot] = Some(seq);
     }
 
@@ -171,34 +174,28 @@ impl CacheManager {
         let Some(seq) = self.seqs[slot].as_mut() else {
             return false;
         };
-        let Some(step) = &seq.step else {
+        let Some(step) = seq.step() else {
             return false;
         };
         let boundary = (step.start / unit + 1) * unit <= step.end;
-        let quiet = step.groups.iter().zip(&self.groups).all(|(group_step, runtime)| {
-            match (group_step, runtime) {
-                (GroupStep::Paged { cow, .. }, GroupRuntime::FullAttention { .. }) => {
-                    cow.is_none() && !boundary
-                }
-                (GroupStep::State { interior, snapshot }, GroupRuntime::State { .. }) => {
-                    interior.is_empty() && snapshot.is_none()
-                }
-                _ => false,
-            }
-        });
+        let layout = &self.layout;
+        let quiet = step
+            .paged
+            .iter()
+            .zip(&layout.paged)
+            .all(|(s, group)| group.window.is_none() && s.cow.is_none() && !boundary)
+            && step.state.iter().all(|s| s.interior.is_empty() && s.snapshot.is_none());
         if !quiet {
             return false;
         }
-        let Some(step) = seq.step.take() else {
+        let Some(mut step) = seq.take_step() else {
             return false;
         };
-        for (runtime, group) in self.groups.iter().zip(seq.groups.iter_mut()) {
-            if let SeqGroup::State(state) = group {
-                advance_running_state(&mut self.store.pools[runtime.pool()], state);
-            }
+        for (state, group) in seq.state.iter_mut().zip(&layout.state) {
+            advance_running_state(&mut self.store.pools[group.pool], state);
         }
         seq.num_computed = step.end;
-        seq.recycle_step(step.groups);
+        seq.recycle_step(&mut step);
         true
     }
 
@@ -218,10 +215,10 @@ impl CacheManager {
         position: u32,
     ) {
         self.publish_checkpoint(g, seq, block, position);
-        if self.store.pools[self.groups[g].pool()].is_published(block) {
+        if self.store.pools[self.layout.pool(g)].is_published(block) {
             self.stats.groups[g].decode_tails_published += 1;
         }
-        self.store.pools[self.groups[g].pool()].decref(block, LruEnd::LeastRecent);
+        self.store.pools[self.layout.pool(g)].decref(block, LruEnd::LeastRecent);
     }
 
     /// Undoes a scheduled or in-flight step of one sequence.
@@ -229,26 +226,31 @@ impl CacheManager {
         let Some(mut seq) = self.seqs[slot].take() else {
             return;
         };
-        let Some(step) = seq.step.take() else {
+        let Some(mut step) = seq.take_step() else {
             self.seqs[slot] = Some(seq);
             return;
         };
-        for (g, group_step) in step.groups.iter().enumerate() {
-            let pool = &mut self.store.pools[self.groups[g].pool()];
-            match (group_step, &mut seq.groups[g]) {
-                (GroupStep::Paged { table_len_before, cow }, SeqGroup::Paged(paged)) => {
-                    for &block in paged.table[*table_len_before..].iter().rev() {
+        for slot in &self.layout.slots {
+            match *slot {
+                GroupSlot::Paged(i) => {
+                    let pool = &mut self.store.pools[self.layout.paged[i].pool];
+                    let (paged, PagedStep { table_len_before, cow }) =
+                        (&mut seq.paged[i], step.paged[i]);
+                    for &block in paged.table[table_len_before..].iter().rev() {
                         pool.decref(block, LruEnd::MostRecent);
                     }
-                    paged.table.truncate(*table_len_before);
+                    paged.table.truncate(table_len_before);
                     if let Some((src, _, _)) = cow {
-                        pool.decref(*src, LruEnd::MostRecent);
+                        pool.decref(src, LruEnd::MostRecent);
                     }
                     if step.first {
                         *paged = PagedSeq::default();
                     }
                 }
-                (GroupStep::State { interior, snapshot }, SeqGroup::State(state)) => {
+                GroupSlot::State(i) => {
+                    let pool = &mut self.store.pools[self.layout.state[i].pool];
+                    let (state, StateStep { interior, snapshot }) =
+                        (&mut seq.state[i], &step.state[i]);
                     for c in interior.iter().chain(snapshot.iter()) {
                         pool.decref(c.block, LruEnd::MostRecent);
                     }
@@ -259,17 +261,13 @@ impl CacheManager {
                         *state = StateSeq::default();
                     }
                 }
-                _ => {}
             }
         }
         if step.first {
-            seq.started = false;
-            seq.num_computed = 0;
-            seq.prefill_target = 0;
-            seq.junction = None;
+            seq.stop();
             self.started -= 1;
         }
-        seq.recycle_step(step.groups);
+        seq.recycle_step(&mut step);
         self.seqs[slot] = Some(seq);
     }
 }

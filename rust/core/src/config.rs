@@ -146,29 +146,93 @@ pub struct GroupConfig {
     pub pool: usize,
 }
 
-/// A group as the manager uses it (validated, flattened).
+/// A paged group (full attention or sliding window) of the layout.
 #[derive(Clone, Debug)]
-pub(crate) enum GroupRuntime {
-    FullAttention { block_size: u32, pool: usize },
-    SlidingWindow { block_size: u32, window: u32, pool: usize },
-    State { config: StateGroupConfig, pool: usize },
+pub(crate) struct PagedGroup {
+    /// Its index in `CacheConfig::groups` (how plans, stats and events name it).
+    pub index: usize,
+    pub block_size: u32,
+    /// The sliding window W; `None` for full attention.
+    pub window: Option<u32>,
+    pub pool: usize,
 }
 
-impl GroupRuntime {
-    pub(crate) fn pool(&self) -> usize {
-        match self {
-            Self::FullAttention { pool, .. }
-            | Self::SlidingWindow { pool, .. }
-            | Self::State { pool, .. } => *pool,
+/// A state group of the layout.
+#[derive(Clone, Debug)]
+pub(crate) struct StateGroup {
+    /// Its index in `CacheConfig::groups`.
+    pub index: usize,
+    pub config: StateGroupConfig,
+    pub pool: usize,
+}
+
+/// Where a group (by config index) sits in the layout's typed collections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GroupSlot {
+    Paged(usize),
+    State(usize),
+}
+
+/// The validated group layout, built once from a valid configuration: the paged groups and
+/// the state groups in two typed collections (each in config order), which a sequence's
+/// blocks and a step's work mirror (`Sequence::paged[i]` belongs to `paged[i]`), so a paged
+/// group's data can only meet a paged group's; and per config index where the group sits,
+/// for everything that goes through the groups in config order (allocation, release,
+/// publication, the hit rule, the plan's parts).
+#[derive(Clone, Debug)]
+pub(crate) struct GroupLayout {
+    pub paged: Vec<PagedGroup>,
+    pub state: Vec<StateGroup>,
+    /// Per config index.
+    pub slots: Vec<GroupSlot>,
+    /// Per config index, the group's pool.
+    pub pool_of: Vec<usize>,
+}
+
+impl GroupLayout {
+    /// The layout of `config` (validated by the caller).
+    pub fn new(config: &CacheConfig) -> Self {
+        let (mut paged, mut state, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        for (index, g) in config.groups.iter().enumerate() {
+            let pool = g.pool;
+            slots.push(match &g.kind {
+                GroupKind::FullAttention { block_size } => {
+                    paged.push(PagedGroup { index, block_size: *block_size, window: None, pool });
+                    GroupSlot::Paged(paged.len() - 1)
+                }
+                GroupKind::SlidingWindow { block_size, window } => {
+                    let (block_size, window) = (*block_size, Some(*window));
+                    paged.push(PagedGroup { index, block_size, window, pool });
+                    GroupSlot::Paged(paged.len() - 1)
+                }
+                GroupKind::State(s) => {
+                    state.push(StateGroup { index, config: s.clone(), pool });
+                    GroupSlot::State(state.len() - 1)
+                }
+            });
         }
+        let pool_of = config.groups.iter().map(|g| g.pool).collect();
+        Self { paged, state, slots, pool_of }
     }
 
-    pub(crate) fn block_size(&self) -> Option<u32> {
-        match self {
-            Self::FullAttention { block_size, .. } | Self::SlidingWindow { block_size, .. } => {
-                Some(*block_size)
-            }
-            Self::State { .. } => None,
+    /// Number of groups.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The pool of group `g` (config index).
+    #[inline]
+    pub fn pool(&self, g: usize) -> usize {
+        self.pool_of[g]
+    }
+
+    /// The paged group with config index `g`, if it is one.
+    #[inline]
+    pub fn paged_group(&self, g: usize) -> Option<&PagedGroup> {
+        match self.slots.get(g)? {
+            GroupSlot::Paged(i) => Some(&self.paged[*i]),
+            GroupSlot::State(_) => None,
         }
     }
 }
@@ -357,24 +421,6 @@ impl CacheConfig {
             GroupKind::State(s) if s.alignment > 0 => acc / gcd(acc, s.alignment) * s.alignment,
             _ => acc,
         })
-    }
-
-    /// The validated group layout the manager works with, one entry per group in config order.
-    pub(crate) fn runtime_groups(&self) -> Vec<GroupRuntime> {
-        self.groups
-            .iter()
-            .map(|g| match &g.kind {
-                GroupKind::FullAttention { block_size } => {
-                    GroupRuntime::FullAttention { block_size: *block_size, pool: g.pool }
-                }
-                GroupKind::SlidingWindow { block_size, window } => GroupRuntime::SlidingWindow {
-                    block_size: *block_size,
-                    window: *window,
-                    pool: g.pool,
-                },
-                GroupKind::State(s) => GroupRuntime::State { config: s.clone(), pool: g.pool },
-            })
-            .collect()
     }
 
     /// The alignment grid of this configuration (its hash unit and chunk alignment).

@@ -14,7 +14,7 @@
 //! The rule is a function of the block store, the group layout and one sequence's content
 //! (`compute_hit`); it reads the store and never changes it, and knows nothing of steps.
 
-use crate::config::GroupRuntime;
+use crate::config::{GroupLayout, GroupSlot};
 use crate::hashing::unit_extra_entries;
 use crate::index::UnitContent;
 use crate::pool::{BlockId, Key, NULL_BLOCK};
@@ -82,7 +82,8 @@ enum Probe {
 /// The hit of one sequence against the store: what `compute_hit` reads.
 struct Lookup<'a> {
     store: &'a BlockStore,
-    groups: &'a [GroupRuntime],
+    /// Per group (config index), how the rule reads it.
+    groups: Vec<Kind>,
     seq: Content<'a>,
     /// Per group, the blocks a sequence this one extends held (see `Sequence::hint_chains`).
     hint_chains: &'a [Vec<BlockId>],
@@ -93,11 +94,32 @@ struct Lookup<'a> {
 /// chain (empty for other groups). Changes nothing.
 pub(crate) fn compute_hit(
     store: &BlockStore,
-    groups: &[GroupRuntime],
+    layout: &GroupLayout,
     seq: Content<'_>,
     hint_chains: &[Vec<BlockId>],
 ) -> (Hit, Vec<Vec<BlockId>>) {
+    let groups = layout
+        .slots
+        .iter()
+        .map(|slot| match *slot {
+            GroupSlot::Paged(i) => match layout.paged[i].window {
+                None => Kind::FullAttention { block_size: layout.paged[i].block_size },
+                Some(window) => {
+                    Kind::SlidingWindow { block_size: layout.paged[i].block_size, window }
+                }
+            },
+            GroupSlot::State(_) => Kind::State,
+        })
+        .collect();
     Lookup { store, groups, seq, hint_chains, unit: store.unit() }.compute()
+}
+
+/// What the rule needs of a group.
+#[derive(Clone, Copy)]
+enum Kind {
+    FullAttention { block_size: u32 },
+    SlidingWindow { block_size: u32, window: u32 },
+    State,
 }
 
 /// The block a first step uses for group `g`'s key at `position`: one already in use if any,
@@ -188,11 +210,11 @@ impl Lookup<'_> {
 
     fn group_allows(&self, g: usize, l: u32) -> bool {
         match self.groups[g] {
-            GroupRuntime::FullAttention { .. } => true,
-            GroupRuntime::SlidingWindow { block_size, window, .. } => {
+            Kind::FullAttention { .. } => true,
+            Kind::SlidingWindow { block_size, window } => {
                 matches!(self.window_probe(g as u32, block_size, window, l), Probe::Ok)
             }
-            GroupRuntime::State { .. } => l == 0 || self.has_key(g as u32, l),
+            Kind::State => l == 0 || self.has_key(g as u32, l),
         }
     }
 
@@ -234,7 +256,7 @@ impl Lookup<'_> {
         let mut full = vec![0; self.groups.len()];
         let mut bound = limit;
         for (g, runtime) in self.groups.iter().enumerate() {
-            if let GroupRuntime::FullAttention { block_size, .. } = *runtime {
+            if let Kind::FullAttention { block_size } = *runtime {
                 full[g] = self.full_attention_bound(g as u32, block_size, limit, &mut chains[g]);
                 bound = bound.min(full[g]);
             }
@@ -243,12 +265,12 @@ impl Lookup<'_> {
         for (g, runtime) in self.groups.iter().enumerate() {
             let gid = g as u32;
             let (own, stop) = match *runtime {
-                GroupRuntime::FullAttention { .. } => {
+                Kind::FullAttention { .. } => {
                     let own = full[g];
                     let stop = (own < max_tokens).then(|| self.miss_reason(gid, own + unit));
                     (own, stop)
                 }
-                GroupRuntime::SlidingWindow { block_size, window, .. } => {
+                Kind::SlidingWindow { block_size, window } => {
                     let mut l = bound;
                     while l > 0
                         && !matches!(self.window_probe(gid, block_size, window, l), Probe::Ok)
@@ -267,7 +289,7 @@ impl Lookup<'_> {
                     });
                     (l, stop)
                 }
-                GroupRuntime::State { .. } => {
+                Kind::State => {
                     let mut l = bound;
                     while l > 0 && !self.has_key(gid, l) {
                         l -= unit;
@@ -291,7 +313,7 @@ impl Lookup<'_> {
         while tokens > 0
             && !(0..self.groups.len()).all(|g| {
                 groups[g].tokens >= tokens && self.group_allows(g, tokens)
-                    || matches!(self.groups[g], GroupRuntime::FullAttention { .. })
+                    || matches!(self.groups[g], Kind::FullAttention { .. })
             })
         {
             tokens -= unit;

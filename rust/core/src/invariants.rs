@@ -7,11 +7,10 @@
 //! no planned checkpoint is off the kernel grid; the checkpoint cap holds; the bookkeeping of
 //! scheduled and started sequences agrees with the sequences themselves.
 
-use crate::config::GroupRuntime;
+use crate::config::{is_exportable_offset, GroupSlot};
 use crate::error::{CacheError, Result};
 use crate::manager::CacheManager;
 use crate::pool::{BlockKind, NULL_BLOCK};
-use crate::sequence::{GroupStep, SeqGroup};
 
 impl CacheManager {
     /// Checks every invariant; `Err(Invariant)` describes the first violation found.
@@ -29,33 +28,48 @@ impl CacheManager {
             self.store.pools.iter().map(|p| vec![0; p.num_blocks() as usize]).collect();
         let mut started = 0;
         for seq in self.seqs.iter().flatten() {
-            started += usize::from(seq.started);
-            for group in &seq.groups {
-                if let SeqGroup::Paged(p) = group {
-                    if let Some(col) =
-                        p.table[p.window_start..].iter().position(|&b| b == NULL_BLOCK)
-                    {
-                        return Err(CacheError::invariant(format!(
-                            "sequence {}: column {} inside its window holds the null block",
-                            seq.id,
-                            p.window_start + col
-                        )));
-                    }
+            started += usize::from(seq.started());
+            let (paged_groups, state_groups) = (self.layout.paged.len(), self.layout.state.len());
+            let step_shape = seq.step().map(|s| (s.paged.len(), s.state.len()));
+            if (seq.paged.len(), seq.state.len()) != (paged_groups, state_groups)
+                || step_shape.is_some_and(|shape| shape != (paged_groups, state_groups))
+            {
+                return Err(CacheError::invariant(format!(
+                    "sequence {}: {} paged and {} state parts (step {step_shape:?}) for a layout \
+                     of {paged_groups} paged and {state_groups} state groups",
+                    seq.id,
+                    seq.paged.len(),
+                    seq.state.len()
+                )));
+            }
+            for p in &seq.paged {
+                if let Some(col) = p.table[p.window_start..].iter().position(|&b| b == NULL_BLOCK) {
+                    return Err(CacheError::invariant(format!(
+                        "sequence {}: column {} inside its window holds the null block",
+                        seq.id,
+                        p.window_start + col
+                    )));
                 }
             }
-            for (g, group) in seq.groups.iter().enumerate() {
-                let counts = &mut expected[self.groups[g].pool()];
+            for (g, slot) in self.layout.slots.iter().enumerate() {
+                let counts = &mut expected[self.layout.pool(g)];
                 let mut hold = |b: u32| {
                     if b != NULL_BLOCK {
                         counts[b as usize] += 1;
                     }
                 };
-                match group {
-                    SeqGroup::Paged(p) => p.table.iter().copied().for_each(&mut hold),
-                    SeqGroup::State(s) => {
+                match *slot {
+                    GroupSlot::Paged(i) => {
+                        seq.paged[i].table.iter().copied().for_each(&mut hold);
+                        if let Some((src, _, _)) = seq.step().and_then(|s| s.paged[i].cow) {
+                            hold(src);
+                        }
+                    }
+                    GroupSlot::State(i) => {
+                        let s = &seq.state[i];
                         s.running.iter().copied().for_each(&mut hold);
                         hold(s.resume);
-                        let pool = &self.store.pools[self.groups[g].pool()];
+                        let pool = &self.store.pools[self.layout.pool(g)];
                         let resumable = pool.kind(s.resume).is_checkpoint()
                             && pool
                                 .keys(s.resume)
@@ -71,14 +85,12 @@ impl CacheManager {
                         if let Some((b, _)) = s.decode_tail {
                             hold(b);
                         }
-                    }
-                }
-                if let Some(step) = &seq.step {
-                    match &step.groups[g] {
-                        GroupStep::Paged { cow: Some((src, _, _)), .. } => hold(*src),
-                        GroupStep::Paged { .. } => {}
-                        GroupStep::State { interior, snapshot } => {
-                            interior.iter().chain(snapshot.iter()).for_each(|c| hold(c.block));
+                        if let Some(step) = seq.step() {
+                            let st = &step.state[i];
+                            st.interior
+                                .iter()
+                                .chain(st.snapshot.iter())
+                                .for_each(|c| hold(c.block));
                         }
                     }
                 }
@@ -108,8 +120,8 @@ impl CacheManager {
         for (fingerprint, block) in self.store.index.entries() {
             indexed += 1;
             // Some group's pool holds the block, and it carries a key with this fingerprint.
-            let known = self.groups.iter().enumerate().any(|(g, runtime)| {
-                self.store.pools[runtime.pool()]
+            let known = (0..self.layout.len()).any(|g| {
+                self.store.pools[self.layout.pool(g)]
                     .keys(block)
                     .iter()
                     .any(|k| k.key.group == g as u32 && k.key.fingerprint() == fingerprint)
@@ -140,7 +152,7 @@ impl CacheManager {
                         )));
                     }
                     let state =
-                        matches!(self.groups[k.key.group as usize], GroupRuntime::State { .. });
+                        matches!(self.layout.slots[k.key.group as usize], GroupSlot::State(_));
                     if state && (keys.len() != 1 || !pool.kind(b).is_checkpoint()) {
                         return Err(CacheError::invariant(format!(
                             "pool {i} block {b}: a state key on a block labelled {:?} with {} \
@@ -163,15 +175,14 @@ impl CacheManager {
                 "{indexed} index entries but {carried} block keys"
             )));
         }
-        for (g, runtime) in self.groups.iter().enumerate() {
-            if let GroupRuntime::State { config, pool } = runtime {
-                if let Some(cap) = config.checkpoint_cap {
-                    let n = self.store.pools[*pool].num_checkpoints_of(g as u32);
-                    if n > cap {
-                        return Err(CacheError::invariant(format!(
-                            "group {g} holds {n} checkpoint blocks, more than its cap {cap}"
-                        )));
-                    }
+        for group in &self.layout.state {
+            if let Some(cap) = group.config.checkpoint_cap {
+                let n = self.store.pools[group.pool].num_checkpoints_of(group.index as u32);
+                if n > cap {
+                    return Err(CacheError::invariant(format!(
+                        "group {} holds {n} checkpoint blocks, more than its cap {cap}",
+                        group.index
+                    )));
                 }
             }
         }
@@ -182,7 +193,7 @@ impl CacheManager {
         let pending: u64 = self
             .scheduled
             .iter()
-            .filter_map(|&slot| self.seqs.get(slot)?.as_ref()?.step.as_ref())
+            .filter_map(|&slot| self.seqs.get(slot)?.as_ref()?.step())
             .map(|step| u64::from(step.end - step.start))
             .sum();
         if pending != u64::from(self.scheduled_tokens) {
@@ -195,14 +206,14 @@ impl CacheManager {
         for (slot, seq) in self.seqs.iter().enumerate() {
             let Some(seq) = seq else { continue };
             let listed = self.scheduled.contains(&slot) || in_flight.contains(&slot);
-            if listed != seq.step.is_some() {
+            if listed != seq.step().is_some() {
                 return Err(CacheError::invariant(format!(
                     "sequence {}: has a step {} but listed {listed}",
                     seq.id,
-                    seq.step.is_some()
+                    seq.step().is_some()
                 )));
             }
-            let Some(step) = &seq.step else { continue };
+            let Some(step) = seq.step() else { continue };
             if step.start >= step.end || step.end > seq.num_tokens() {
                 return Err(CacheError::invariant(format!(
                     "sequence {}: step [{}, {}) outside its {} tokens",
@@ -212,16 +223,14 @@ impl CacheManager {
                     seq.num_tokens()
                 )));
             }
-            for (g, group_step) in step.groups.iter().enumerate() {
-                let (GroupStep::State { interior, snapshot }, GroupRuntime::State { config, .. }) =
-                    (group_step, &self.groups[g])
-                else {
-                    continue;
-                };
+            for (state_step, group) in step.state.iter().zip(&self.layout.state) {
+                let (interior, snapshot, config) =
+                    (&state_step.interior, &state_step.snapshot, &group.config);
+                let len = step.end - step.start;
                 for c in interior {
+                    let offset = c.position.wrapping_sub(step.start);
                     if c.position <= step.start
-                        || c.position >= step.end
-                        || (c.position - step.start) % config.alignment != 0
+                        || !is_exportable_offset(offset, config.alignment, len)
                     {
                         return Err(CacheError::invariant(format!(
                             "sequence {}: interior checkpoint at {} off the grid of step \

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustc_hash::FxHashMap;
 
-use crate::config::{CacheConfig, CheckpointGrid, GroupRuntime};
+use crate::config::{CacheConfig, CheckpointGrid, GroupLayout, GroupSlot};
 use crate::error::{CacheError, Result};
 use crate::events::{EventLog, EventRecord};
 use crate::hashing::{validate_sequence, Digest, ExtraKeys, Hasher};
@@ -31,8 +31,7 @@ use crate::hit::{compute_hit, Hit};
 use crate::index::HashIndex;
 use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
 use crate::sequence::{
-    shared_units, Continued, FinishedCache, FinishedSequence, PagedSeq, SeqGroup, Sequence,
-    StateSeq,
+    shared_units, Continued, FinishedCache, FinishedSequence, PagedSeq, Phase, Sequence, StateSeq,
 };
 use crate::stats::{GroupStats, Stats};
 use crate::store::BlockStore;
@@ -94,7 +93,8 @@ pub struct CacheManager {
     pub(crate) unit: u32,
     /// Where non-final chunks end and checkpoints may be requested.
     pub(crate) grid: CheckpointGrid,
-    pub(crate) groups: Vec<GroupRuntime>,
+    /// The groups, paged and state apart.
+    pub(crate) layout: GroupLayout,
     /// Pools, index, eviction record and events: every allocation, publication and eviction.
     pub(crate) store: BlockStore,
     pub(crate) hasher: Hasher,
@@ -129,8 +129,8 @@ impl CacheManager {
     /// Builds a manager; the configuration is validated first.
     pub fn new(config: CacheConfig) -> Result<Self> {
         config.validate()?;
-        let groups = config.runtime_groups();
-        let stats = Stats { groups: vec![GroupStats::default(); groups.len()], ..Stats::default() };
+        let layout = GroupLayout::new(&config);
+        let stats = Stats { groups: vec![GroupStats::default(); layout.len()], ..Stats::default() };
         let pools = config
             .pools
             .iter()
@@ -155,7 +155,7 @@ impl CacheManager {
             pools,
             index,
             EventLog::new(config.enable_events, config.max_pending_events),
-            groups.iter().map(GroupRuntime::pool).collect(),
+            layout.pool_of.clone(),
             config.hash.unit,
             hasher.seed_digest(),
         );
@@ -179,7 +179,7 @@ impl CacheManager {
             stats,
             batch_marks: Vec::new(),
             batch_stamp: 0,
-            groups,
+            layout,
             config,
         })
     }
@@ -222,7 +222,7 @@ impl CacheManager {
 
     /// The hit rule applied to a live sequence now, with the full-attention chains it chose.
     pub(crate) fn hit_of(&self, seq: &Sequence) -> (Hit, Vec<Vec<BlockId>>) {
-        compute_hit(&self.store, &self.groups, seq.content(), &seq.hint_chains)
+        compute_hit(&self.store, &self.layout, seq.content(), &seq.hint_chains)
     }
 
     pub(crate) fn refuse_in_flight(&self, call: &str) -> Result<()> {
@@ -327,14 +327,14 @@ impl CacheManager {
             extra,
             hashes,
             num_computed: 0,
-            started: false,
+            phase: Phase::Waiting { last_hit: None },
             prefill_target: 0,
             junction: None,
-            groups: self.empty_seq_groups(),
-            step: None,
+            paged: vec![PagedSeq::default(); self.layout.paged.len()],
+            state: vec![StateSeq::default(); self.layout.state.len()],
             hint_chains,
-            last_hit: None,
-            spare_step: Vec::new(),
+            spare_paged: Vec::new(),
+            spare_state: Vec::new(),
         };
         let slot = if let Some(slot) = self.free_slots.pop() {
             self.seqs[slot] = Some(seq);
@@ -412,12 +412,13 @@ impl CacheManager {
     /// Per group, the first blocks of a sequence's full-attention table covering at most
     /// `tokens` tokens in whole blocks (empty for other groups).
     fn full_attention_tables(&self, seq: &Sequence, tokens: usize) -> Vec<Vec<BlockId>> {
-        self.groups
+        self.layout
+            .slots
             .iter()
-            .zip(&seq.groups)
-            .map(|(runtime, group)| match (runtime, group) {
-                (GroupRuntime::FullAttention { block_size, .. }, SeqGroup::Paged(paged)) => {
-                    let full = tokens / *block_size as usize;
+            .map(|slot| match *slot {
+                GroupSlot::Paged(i) if self.layout.paged[i].window.is_none() => {
+                    let paged = &seq.paged[i];
+                    let full = tokens / self.layout.paged[i].block_size as usize;
                     paged.table[..full.min(paged.table.len())].to_vec()
                 }
                 _ => Vec::new(),
@@ -435,9 +436,10 @@ impl CacheManager {
         };
         f.chains
             .iter()
-            .zip(&self.groups)
-            .map(|(chain, runtime)| {
-                let full = runtime.block_size().map_or(0, |b| tokens / b as usize);
+            .enumerate()
+            .map(|(g, chain)| {
+                let block = self.layout.paged_group(g).map(|p| p.block_size);
+                let full = block.map_or(0, |b| tokens / b as usize);
                 chain[..full.min(chain.len())].to_vec()
             })
             .collect()
@@ -492,16 +494,6 @@ impl CacheManager {
         Some((Cow::Owned(own_tokens), Cow::Borrowed(&record.extra), Cow::Owned(own_hashes)))
     }
 
-    pub(crate) fn empty_seq_groups(&self) -> Vec<SeqGroup> {
-        self.groups
-            .iter()
-            .map(|g| match g {
-                GroupRuntime::State { .. } => SeqGroup::State(StateSeq::default()),
-                _ => SeqGroup::Paged(PagedSeq::default()),
-            })
-            .collect()
-    }
-
     /// The reconciled hit of a live sequence now. Changes no cache state (counts a statistic).
     pub fn lookup(&mut self, seq_id: u64) -> Result<Hit> {
         let slot = self.slot(seq_id)?;
@@ -509,7 +501,9 @@ impl CacheManager {
         self.stats.lookups += 1;
         self.stats.lookup_hit_tokens += u64::from(hit.tokens);
         let generation = self.store.index.generation();
-        self.seq_mut(slot).last_hit = Some((generation, hit.clone(), chains));
+        if let Phase::Waiting { last_hit } = &mut self.seq_mut(slot).phase {
+            *last_hit = Some((generation, hit.clone(), chains));
+        }
         Ok(hit)
     }
 
@@ -580,7 +574,7 @@ impl CacheManager {
             }
         }
         seq.tokens.extend_from_slice(tokens);
-        seq.last_hit = None;
+        seq.forget_hit();
         self.hasher.extend(&seq.tokens, unit, &seq.extra, &mut seq.hashes);
         Ok(())
     }
@@ -628,7 +622,7 @@ impl CacheManager {
     }
 
     fn drop_scheduled(&mut self, slot: usize) {
-        if let Some(step) = &self.seq(slot).step {
+        if let Some(step) = self.seq(slot).step() {
             // Only a step not yet built is on `scheduled` (a built one is in flight).
             if self.scheduled.contains(&slot) {
                 self.scheduled_tokens -= step.end - step.start;
@@ -643,39 +637,36 @@ impl CacheManager {
         let Some(mut seq) = self.seqs[slot].take() else {
             return;
         };
-        if seq.started {
+        if seq.started() {
             self.started -= 1;
         }
-        let mut groups = std::mem::take(&mut seq.groups);
-        for (g, group) in groups.iter_mut().enumerate() {
-            let pool = self.groups[g].pool();
-            match group {
-                SeqGroup::Paged(paged) => {
+        for g in 0..self.layout.len() {
+            let pool = self.layout.pool(g);
+            match self.layout.slots[g] {
+                GroupSlot::Paged(i) => {
+                    let paged = std::mem::take(&mut seq.paged[i]);
                     for &block in paged.table.iter().rev() {
                         self.store.pools[pool].decref(block, LruEnd::MostRecent);
                     }
-                    *paged = PagedSeq::default();
                 }
-                SeqGroup::State(state) => {
+                GroupSlot::State(i) => {
+                    let state = std::mem::take(&mut seq.state[i]);
                     for block in [state.running[1], state.running[0], state.resume] {
                         self.store.pools[pool].decref(block, LruEnd::MostRecent);
                     }
-                    if let Some((block, position)) = state.decode_tail.take() {
+                    if let Some((block, position)) = state.decode_tail {
                         if publish_decode_tail {
                             self.publish_decode_tail(g, &seq, block, position);
                         } else {
                             self.store.pools[pool].decref(block, LruEnd::MostRecent);
                         }
                     }
-                    *state = StateSeq::default();
                 }
             }
         }
-        seq.groups = groups;
-        seq.started = false;
-        seq.num_computed = 0;
-        seq.junction = None;
-        seq.prefill_target = 0;
+        if seq.started() {
+            seq.stop();
+        }
         self.seqs[slot] = Some(seq);
     }
 
@@ -766,19 +757,17 @@ impl CacheManager {
     /// use the plan's incremental updates.
     pub fn block_table(&self, group: u32, seq_ids: &[u64]) -> Result<(Vec<i32>, usize, usize)> {
         let g = group as usize;
-        if self.groups.get(g).and_then(GroupRuntime::block_size).is_none() {
+        let Some(GroupSlot::Paged(i)) = self.layout.slots.get(g).copied() else {
             return Err(CacheError::invalid(format!(
                 "group {group} is not a paged group (there are {} groups)",
-                self.groups.len()
+                self.layout.len()
             )));
-        }
+        };
         check_batch_len(seq_ids.len(), "block_table")?;
         let mut rows = Vec::with_capacity(seq_ids.len());
         for &id in seq_ids {
             let seq = self.seq(self.slot(id)?);
-            if let SeqGroup::Paged(p) = &seq.groups[g] {
-                rows.push(p.table.as_slice());
-            }
+            rows.push(seq.paged[i].table.as_slice());
         }
         let cols = rows.iter().map(|r| r.len()).max().unwrap_or(0);
         let mut flat = try_vec(rows.len().saturating_mul(cols), "the block table")

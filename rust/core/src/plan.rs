@@ -12,14 +12,14 @@
 //! snapshot at `qe` when it is a unit boundary. Every position not served is counted with its
 //! reason and gets no block and no key.
 
-use crate::config::GroupRuntime;
+use crate::config::GroupLayout;
 use crate::config::{is_exportable_offset, Retained, StateGroupConfig};
 use crate::error::{CacheError, Result};
 use crate::hit::has_key;
 use crate::limits::human_bytes;
 use crate::manager::{CacheManager, InFlight};
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
-use crate::sequence::{GroupStep, PagedSeq, PlannedCheckpoint, SeqGroup};
+use crate::sequence::{PagedSeq, PlannedCheckpoint, StateStep};
 use crate::stats::SkipReason;
 
 /// Per paged group: what changed in the block tables, and where this step's KV goes.
@@ -73,7 +73,7 @@ pub struct StepPlan {
 
 impl StepPlan {
     /// Empties every vector (keeping its memory) and lays out one part per group.
-    fn clear_for(&mut self, manager: u64, step_id: u64, groups: &[GroupRuntime]) {
+    fn clear_for(&mut self, manager: u64, step_id: u64, layout: &GroupLayout) {
         self.manager = manager;
         self.step_id = step_id;
         self.seq_ids.clear();
@@ -81,16 +81,16 @@ impl StepPlan {
         self.num_computed.clear();
         self.num_scheduled.clear();
         self.copies.clear();
-        let paged = groups.iter().enumerate().filter(|(_, r)| r.block_size().is_some());
-        let state = groups.iter().enumerate().filter(|(_, r)| r.block_size().is_none());
-        if !self.paged.iter().map(|p| p.group as usize).eq(paged.clone().map(|(g, _)| g)) {
+        let paged = layout.paged.iter().map(|p| p.index);
+        let state = layout.state.iter().map(|s| s.index);
+        if !self.paged.iter().map(|p| p.group as usize).eq(paged.clone()) {
             self.paged = paged
-                .map(|(g, _)| PagedGroupPlan { group: g as u32, ..PagedGroupPlan::default() })
+                .map(|g| PagedGroupPlan { group: g as u32, ..PagedGroupPlan::default() })
                 .collect();
         }
-        if !self.state.iter().map(|s| s.group as usize).eq(state.clone().map(|(g, _)| g)) {
+        if !self.state.iter().map(|s| s.group as usize).eq(state.clone()) {
             self.state = state
-                .map(|(g, _)| StateGroupPlan { group: g as u32, ..StateGroupPlan::default() })
+                .map(|g| StateGroupPlan { group: g as u32, ..StateGroupPlan::default() })
                 .collect();
         }
         for p in &mut self.paged {
@@ -179,20 +179,19 @@ impl CacheManager {
         self.refuse_in_flight("request_checkpoint")?;
         let slot = self.slot(seq_id)?;
         let seq = self.seq(slot);
-        let Some(step) = &seq.step else {
+        let Some(step) = seq.step() else {
             return Err(CacheError::step(format!(
                 "sequence {seq_id} is not scheduled: request checkpoints between schedule and \
                  build_plan"
             )));
         };
         let (start, end) = (step.start, step.end);
-        if !self.groups.iter().any(|g| matches!(g, GroupRuntime::State { .. })) {
+        if self.layout.state.is_empty() {
             return Err(CacheError::invalid("no state group: there is nothing to checkpoint"));
         }
         let grid = self.grid;
         if grid.accepts(position, start, end) {
-            let step =
-                self.seq_mut(slot).step.as_mut().ok_or_else(|| CacheError::step("no step"))?;
+            let step = self.seq_mut(slot).step_mut().ok_or_else(|| CacheError::step("no step"))?;
             if !step.requested.contains(&position) {
                 step.requested.push(position);
             }
@@ -269,7 +268,7 @@ impl CacheManager {
         self.scheduled_tokens = 0;
         let step_id = self.next_step;
         self.next_step += 1;
-        plan.clear_for(self.manager_id, step_id, &self.groups);
+        plan.clear_for(self.manager_id, step_id, &self.layout);
         plan.query_start_loc.push(0);
         // (state group part, row, column, offset, slot) of every interior checkpoint; empty,
         // so never allocated, in a step without any (every decode step).
@@ -278,7 +277,7 @@ impl CacheManager {
         for &slot in &slots {
             self.select_checkpoints(slot);
             let seq = self.seq(slot);
-            let Some(step) = &seq.step else { continue };
+            let Some(step) = seq.step() else { continue };
             let (start, end) = (step.start, step.end);
             let row = plan.seq_ids.len();
             plan.seq_ids.push(seq.id);
@@ -286,38 +285,41 @@ impl CacheManager {
             plan.num_scheduled.push((end - start) as i32);
             total += (end - start) as i32;
             plan.query_start_loc.push(total);
-            let (mut p, mut s) = (0, 0);
-            for (g, group_step) in step.groups.iter().enumerate() {
-                match (group_step, &seq.groups[g]) {
-                    (GroupStep::Paged { table_len_before, cow }, SeqGroup::Paged(paged)) => {
-                        let block = self.groups[g].block_size().unwrap_or(1);
-                        let rows = PagedRows { row, start, end, first: step.first };
-                        emit_paged(&mut plan.paged[p], paged, *table_len_before, block, &rows);
-                        p += 1;
-                        if let Some((src, dst, n)) = cow {
-                            plan.copies.extend([
-                                g as i64,
-                                i64::from(*src),
-                                i64::from(*dst),
-                                i64::from(*n),
-                            ]);
-                        }
-                    }
-                    (GroupStep::State { interior, snapshot }, SeqGroup::State(state)) => {
-                        let out = &mut plan.state[s];
-                        out.running_slot.push(state.write_block() as i32);
-                        out.initial_slot.push(state.read_slot());
-                        if let Some(c) = snapshot {
-                            out.snapshots.extend([state.write_block() as i32, c.block as i32]);
-                        }
-                        out.max_checkpoints = out.max_checkpoints.max(interior.len());
-                        checkpoints.extend(interior.iter().enumerate().map(|(i, c)| {
-                            (s, row, i, (c.position - start) as i32, c.block as i32)
-                        }));
-                        s += 1;
-                    }
-                    _ => {}
+            let parts = step.paged.iter().zip(&seq.paged).zip(&self.layout.paged);
+            for (p, ((paged_step, paged), group)) in parts.enumerate() {
+                let rows = PagedRows { row, start, end, first: step.first };
+                emit_paged(
+                    &mut plan.paged[p],
+                    paged,
+                    paged_step.table_len_before,
+                    group.block_size,
+                    &rows,
+                );
+                if let Some((src, dst, n)) = paged_step.cow {
+                    plan.copies.extend([
+                        group.index as i64,
+                        i64::from(src),
+                        i64::from(dst),
+                        i64::from(n),
+                    ]);
                 }
+            }
+            for (s, (StateStep { interior, snapshot }, state)) in
+                step.state.iter().zip(&seq.state).enumerate()
+            {
+                let out = &mut plan.state[s];
+                out.running_slot.push(state.write_block() as i32);
+                out.initial_slot.push(state.read_slot());
+                if let Some(c) = snapshot {
+                    out.snapshots.extend([state.write_block() as i32, c.block as i32]);
+                }
+                out.max_checkpoints = out.max_checkpoints.max(interior.len());
+                checkpoints.extend(
+                    interior
+                        .iter()
+                        .enumerate()
+                        .map(|(i, c)| (s, row, i, (c.position - start) as i32, c.block as i32)),
+                );
             }
         }
         let rows = plan.seq_ids.len();
@@ -340,19 +342,18 @@ impl CacheManager {
     /// Chooses and allocates the checkpoints of one scheduled sequence, in every state group.
     fn select_checkpoints(&mut self, slot: usize) {
         let unit = self.unit;
-        for g in 0..self.groups.len() {
-            let GroupRuntime::State { config, pool } = &self.groups[g] else {
-                continue;
-            };
+        for i in 0..self.layout.state.len() {
+            let group = &self.layout.state[i];
+            let (g, config, pool) = (group.index, &group.config, group.pool);
             let seq = self.seq(slot);
-            let Some(step) = &seq.step else { return };
+            let Some(step) = seq.step() else { return };
             let (start, end) = (step.start, step.end);
             let decode = !step.first && start >= seq.prefill_target;
             // The common decode step crosses no unit boundary: nothing to retain or count.
             if decode && step.requested.is_empty() && end / unit == start / unit {
                 continue;
             }
-            let (config, pool) = (config.clone(), *pool);
+            let config = config.clone();
             let mut interior = Vec::new();
             let mut snapshot = None;
             // Skips by reason; `wanted` holds the few explicit positions, and the interval ones
@@ -433,8 +434,8 @@ impl CacheManager {
             for (total, count) in self.stats.groups[g].checkpoints_skipped.iter_mut().zip(skipped) {
                 *total += count;
             }
-            if let Some(step) = self.seq_mut(slot).step.as_mut() {
-                step.groups[g] = GroupStep::State { interior, snapshot };
+            if let Some(step) = self.seq_mut(slot).step_mut() {
+                step.state[i] = StateStep { interior, snapshot };
             }
         }
     }

@@ -7,14 +7,14 @@
 //! changes nothing but a counter. Checkpoint blocks are chosen later, by `build_plan`, and never
 //! make a schedule fail.
 
-use crate::config::GroupRuntime;
+use crate::config::GroupSlot;
 use crate::error::{CacheError, Result};
 use crate::hit::{choose_block, Hit};
 use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS, MAX_STEP_TOKENS};
 use crate::manager::{check_batch_len, CacheManager};
 use crate::plan::StepPlan;
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
-use crate::sequence::{GroupStep, PagedSeq, SeqGroup, Sequence, StateSeq, StepRecord};
+use crate::sequence::{PagedSeq, PagedStep, Phase, Sequence, StateSeq, StateStep, StepRecord};
 
 /// What `schedule` gave a sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,14 +28,19 @@ pub struct Scheduled {
     pub hit: Option<Hit>,
 }
 
-/// How a sequence's first step uses its hit in one group.
-struct GroupAdmission {
+/// How a sequence's first step uses its hit in one paged group.
+struct PagedAdmission {
     /// Table entries (null outside a sliding window).
-    table: Vec<u32>,
+    table: Vec<BlockId>,
     /// Copy-on-write source and tokens to copy.
-    cow: Option<(u32, u32)>,
-    /// The checkpoint resumed from (state groups).
-    resume: u32,
+    cow: Option<(BlockId, u32)>,
+}
+
+/// How a sequence's first step uses its hit: per paged group of the layout its table, per
+/// state group the checkpoint resumed from (the null block: the zero state).
+struct Admission {
+    paged: Vec<PagedAdmission>,
+    resume: Vec<BlockId>,
 }
 
 impl CacheManager {
@@ -81,11 +86,20 @@ impl CacheManager {
             slots.push(slot);
         }
         self.refuse_repeats(&slots, "schedule_batch")?;
-        slots
+        // Collected from an exactly sized iterator (a `collect::<Result<_>>` is not one); an
+        // error, a bug in the core (see `take_block`), is returned once the batch is through.
+        let mut failure = None;
+        let out = slots
             .into_iter()
             .zip(max_tokens)
-            .map(|(slot, &budget)| self.schedule_slot(slot, budget, 0, exact))
-            .collect()
+            .map(|(slot, &budget)| {
+                self.schedule_slot(slot, budget, 0, exact).unwrap_or_else(|e| {
+                    failure.get_or_insert(e);
+                    None
+                })
+            })
+            .collect();
+        failure.map_or(Ok(out), Err)
     }
 
     /// An engine's decode step in one call: commits the step `plan` holds when it is this
@@ -129,10 +143,19 @@ impl CacheManager {
         for (&slot, token) in slots.iter().zip(tokens) {
             self.append_slot(slot, std::slice::from_ref(token))?;
         }
+        let mut failure = None;
         let scheduled = slots
             .into_iter()
-            .map(|slot| self.schedule_slot(slot, 1, 0, false))
-            .collect::<Result<_>>()?;
+            .map(|slot| {
+                self.schedule_slot(slot, 1, 0, false).unwrap_or_else(|e| {
+                    failure.get_or_insert(e);
+                    None
+                })
+            })
+            .collect();
+        if let Some(e) = failure {
+            return Err(e);
+        }
         self.build_plan_into(plan)?;
         Ok(scheduled)
     }
@@ -162,7 +185,7 @@ impl CacheManager {
     /// `StepError` for a sequence already scheduled for the next plan.
     fn refuse_pending_step(&self, slot: usize) -> Result<()> {
         let seq = self.seq(slot);
-        if seq.step.is_some() {
+        if seq.step().is_some() {
             return Err(CacheError::step(format!(
                 "sequence {} is already scheduled for the next plan: build and commit it first",
                 seq.id
@@ -220,12 +243,16 @@ impl CacheManager {
         exact: bool,
     ) -> Result<Option<Scheduled>> {
         let seq = self.seq(slot);
-        if seq.started {
+        if seq.started() {
             let end = self.chunk_end(seq.num_computed, max_tokens, seq.num_tokens(), exact);
             return self.schedule_started(slot, end, lookahead);
         }
         let generation = self.store.index.generation();
-        let cached = match self.seq_mut(slot).last_hit.take() {
+        let last_hit = match &mut self.seq_mut(slot).phase {
+            Phase::Waiting { last_hit } => last_hit.take(),
+            _ => None,
+        };
+        let cached = match last_hit {
             Some((at, hit, chains)) if at == generation => Some((hit, chains)),
             _ => None,
         };
@@ -246,23 +273,26 @@ impl CacheManager {
             self.stats.refused_schedules += 1;
             return Ok(None);
         }
-        let groups = self.take_blocks(slot, end + lookahead, Some(admissions))?;
+        let (paged, state) = self.take_blocks(slot, end + lookahead, Some(&admissions))?;
         let seq = self.seq_mut(slot);
         seq.hint_chains = Vec::new();
-        seq.started = true;
         seq.num_computed = start;
         seq.prefill_target = total;
         seq.junction = hit.junction;
-        seq.step = Some(StepRecord { start, end, first: true, groups, requested: Vec::new() });
+        let requested = Vec::new();
+        seq.phase =
+            Phase::Scheduled(StepRecord { start, end, first: true, paged, state, requested });
         self.scheduled.push(slot);
         self.scheduled_tokens += end - start;
         self.started += 1;
         self.stats.admissions += 1;
         self.stats.admitted_hit_tokens += u64::from(start);
-        for (g, stats) in self.stats.groups.iter_mut().enumerate() {
+        for stats in &mut self.stats.groups {
             stats.hit_tokens += u64::from(start);
-            if start > 0 && matches!(self.groups[g], GroupRuntime::State { .. }) {
-                stats.checkpoint_hits += 1;
+        }
+        if start > 0 {
+            for group in &self.layout.state {
+                self.stats.groups[group.index].checkpoint_hits += 1;
             }
         }
         self.stats.scheduled_tokens += u64::from(end - start);
@@ -278,29 +308,24 @@ impl CacheManager {
         end: u32,
         lookahead: u32,
     ) -> Result<Option<Scheduled>> {
-        let seq = self.seq_mut(slot);
-        seq.last_hit = None;
+        let seq = self.seq(slot);
         let (seq_id, start) = (seq.id, seq.num_computed);
         if end <= start {
             return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
         }
         let reach = end + lookahead;
-        let groups = if self.tables_cover(slot, reach) {
+        let (paged, state) = if self.tables_cover(slot, reach) {
             // What `take_blocks` returns when every table covers the chunk, without its
             // per-group block arithmetic (10.2K against 9.1K instructions a hybrid decode
             // step by `baseline hybrid N`).
-            let (runtimes, seq) = (&self.groups, self.seqs[slot].as_mut());
-            let Some(seq) = seq else { unreachable!("slot {slot} is not live") };
-            let mut steps = std::mem::take(&mut seq.spare_step);
-            steps.extend(runtimes.iter().zip(&seq.groups).map(|(runtime, group)| {
-                match (runtime.block_size(), group) {
-                    (Some(_), SeqGroup::Paged(paged)) => {
-                        GroupStep::Paged { table_len_before: paged.table.len(), cow: None }
-                    }
-                    _ => GroupStep::State { interior: Vec::new(), snapshot: None },
-                }
-            }));
-            steps
+            let seq = self.seq_mut(slot);
+            let mut paged = std::mem::take(&mut seq.spare_paged);
+            let mut state = std::mem::take(&mut seq.spare_state);
+            paged.extend(
+                seq.paged.iter().map(|p| PagedStep { table_len_before: p.table.len(), cow: None }),
+            );
+            state.resize_with(seq.state.len(), StateStep::default);
+            (paged, state)
         } else {
             if !self.blocks_available(slot, reach, None) {
                 self.stats.refused_schedules += 1;
@@ -308,8 +333,15 @@ impl CacheManager {
             }
             self.take_blocks(slot, reach, None)?
         };
-        self.seq_mut(slot).step =
-            Some(StepRecord { start, end, first: false, groups, requested: Vec::new() });
+        let requested = Vec::new();
+        self.seq_mut(slot).schedule_step(StepRecord {
+            start,
+            end,
+            first: false,
+            paged,
+            state,
+            requested,
+        });
         self.scheduled.push(slot);
         self.scheduled_tokens += end - start;
         self.stats.scheduled_tokens += u64::from(end - start);
@@ -320,14 +352,8 @@ impl CacheManager {
     /// `[0, reach)`.
     fn tables_cover(&self, slot: usize, reach: u32) -> bool {
         let seq = self.seq(slot);
-        self.groups.iter().zip(&seq.groups).all(|(runtime, group)| {
-            match (runtime.block_size(), group) {
-                (Some(block), SeqGroup::Paged(paged)) => {
-                    paged.table.len() as u64 * u64::from(block) >= u64::from(reach)
-                }
-                (Some(_), SeqGroup::State(_)) => false,
-                (None, _) => true,
-            }
+        self.layout.paged.iter().zip(&seq.paged).all(|(group, paged)| {
+            paged.table.len() as u64 * u64::from(group.block_size) >= u64::from(reach)
         })
     }
 
@@ -346,107 +372,81 @@ impl CacheManager {
 
     /// Which published blocks a first step uses, per group, for a hit of `hit` tokens.
     /// `chains` are the full-attention blocks the hit's lookup chose (possibly empty).
-    fn admissions(
-        &self,
-        slot: usize,
-        hit: u32,
-        mut chains: Vec<Vec<BlockId>>,
-    ) -> Vec<GroupAdmission> {
-        let seq = self.seq(slot);
-        self.groups
+    fn admissions(&self, slot: usize, hit: u32, mut chains: Vec<Vec<BlockId>>) -> Admission {
+        let seq = self.seq(slot).content();
+        let paged = self
+            .layout
+            .paged
             .iter()
-            .enumerate()
-            .map(|(g, runtime)| {
-                let gid = g as u32;
-                match *runtime {
-                    GroupRuntime::FullAttention { block_size, .. }
-                    | GroupRuntime::SlidingWindow { block_size, .. } => {
-                        let first_col = match *runtime {
-                            GroupRuntime::SlidingWindow { window, .. } => {
-                                hit.saturating_sub(window) / block_size
+            .map(|group| {
+                let (gid, block_size) = (group.index as u32, group.block_size);
+                let first_col = group.window.map_or(0, |w| hit.saturating_sub(w) / block_size);
+                let full = hit / block_size;
+                let chain = chains.get_mut(group.index).map(std::mem::take).unwrap_or_default();
+                let table = if first_col == 0 && chain.len() >= full as usize {
+                    let mut chain = chain;
+                    chain.truncate(full as usize);
+                    chain
+                } else {
+                    (0..full)
+                        .map(|c| {
+                            if c < first_col {
+                                NULL_BLOCK
+                            } else {
+                                choose_block(&self.store, seq, gid, (c + 1) * block_size)
                             }
-                            _ => 0,
-                        };
-                        let full = hit / block_size;
-                        let chain = chains.get_mut(g).map(std::mem::take).unwrap_or_default();
-                        let table = if first_col == 0 && chain.len() >= full as usize {
-                            let mut chain = chain;
-                            chain.truncate(full as usize);
-                            chain
-                        } else {
-                            (0..full)
-                                .map(|c| {
-                                    if c < first_col {
-                                        NULL_BLOCK
-                                    } else {
-                                        choose_block(
-                                            &self.store,
-                                            seq.content(),
-                                            gid,
-                                            (c + 1) * block_size,
-                                        )
-                                    }
-                                })
-                                .collect()
-                        };
-                        let cow = (hit % block_size != 0).then(|| {
-                            (choose_block(&self.store, seq.content(), gid, hit), hit % block_size)
-                        });
-                        GroupAdmission { table, cow, resume: NULL_BLOCK }
-                    }
-                    GroupRuntime::State { .. } => GroupAdmission {
-                        table: Vec::new(),
-                        cow: None,
-                        resume: if hit > 0 {
-                            choose_block(&self.store, seq.content(), gid, hit)
-                        } else {
-                            0
-                        },
-                    },
+                        })
+                        .collect()
+                };
+                let cow = (hit % block_size != 0)
+                    .then(|| (choose_block(&self.store, seq, gid, hit), hit % block_size));
+                PagedAdmission { table, cow }
+            })
+            .collect();
+        let resume = self
+            .layout
+            .state
+            .iter()
+            .map(|group| {
+                if hit > 0 {
+                    choose_block(&self.store, seq, group.index as u32, hit)
+                } else {
+                    NULL_BLOCK
                 }
             })
-            .collect()
+            .collect();
+        Admission { paged, resume }
     }
 
     /// Whether every pool can supply the new blocks this chunk needs, counting the cached
     /// blocks the hit is about to pin as unavailable.
-    fn blocks_available(
-        &self,
-        slot: usize,
-        end: u32,
-        admissions: Option<&[GroupAdmission]>,
-    ) -> bool {
+    fn blocks_available(&self, slot: usize, end: u32, admission: Option<&Admission>) -> bool {
         let seq = self.seq(slot);
         (0..self.store.pools.len()).all(|pool| {
+            let p = &self.store.pools[pool];
+            let cached = |b: &BlockId| *b != NULL_BLOCK && p.is_cached(*b);
             let mut need = 0u64;
-            for (g, runtime) in self.groups.iter().enumerate() {
-                if runtime.pool() != pool {
-                    continue;
-                }
-                let admission = admissions.map(|a| &a[g]);
-                if let Some(a) = admission {
-                    let p = &self.store.pools[pool];
-                    let cached = a
-                        .table
-                        .iter()
-                        .chain(a.cow.as_ref().map(|(src, _)| src))
-                        .chain(std::iter::once(&a.resume))
-                        .filter(|&&b| b != NULL_BLOCK && p.is_cached(b))
-                        .count();
-                    // Pinning takes these out of the evictable set.
-                    need += cached as u64;
-                }
-                match (runtime.block_size(), &seq.groups[g]) {
-                    (Some(block), SeqGroup::Paged(paged)) => {
-                        let cols = end.div_ceil(block) as usize;
-                        let have = admission.map_or(paged.table.len(), |a| a.table.len());
-                        need += cols.saturating_sub(have) as u64;
+            for (i, group) in self.layout.paged.iter().enumerate().filter(|(_, g)| g.pool == pool) {
+                let cols = end.div_ceil(group.block_size) as usize;
+                let have = match admission {
+                    Some(a) => {
+                        let a = &a.paged[i];
+                        // Pinning takes these out of the evictable set.
+                        let src = a.cow.as_ref().map(|(src, _)| src);
+                        need += a.table.iter().chain(src).filter(|b| cached(b)).count() as u64;
+                        a.table.len()
                     }
-                    _ if admission.is_some() => need += 2,
-                    _ => {}
+                    None => seq.paged[i].table.len(),
+                };
+                need += cols.saturating_sub(have) as u64;
+            }
+            if let Some(a) = admission {
+                for (i, _) in self.layout.state.iter().enumerate().filter(|(_, g)| g.pool == pool) {
+                    // The resume pin, and the two running buffers.
+                    need += u64::from(cached(&a.resume[i])) + 2;
                 }
             }
-            need <= u64::from(self.store.pools[pool].num_available())
+            need <= u64::from(p.num_available())
         })
     }
 
@@ -461,84 +461,95 @@ impl CacheManager {
         })
     }
 
-    /// Pins the hit and allocates the chunk's blocks; only called once `blocks_available`.
+    /// Pins the hit and allocates the chunk's blocks, group by group in config order; only
+    /// called once `blocks_available`. Returns the step's part of each paged and state group.
     fn take_blocks(
         &mut self,
         slot: usize,
         end: u32,
-        admissions: Option<Vec<GroupAdmission>>,
-    ) -> Result<Vec<GroupStep>> {
-        let mut steps = std::mem::take(&mut self.seq_mut(slot).spare_step);
-        steps.reserve(self.groups.len());
+        admission: Option<&Admission>,
+    ) -> Result<(Vec<PagedStep>, Vec<StateStep>)> {
+        let seq = self.seq_mut(slot);
+        let mut paged_steps = std::mem::take(&mut seq.spare_paged);
+        let mut state_steps = std::mem::take(&mut seq.spare_state);
         // Every group's hit is pinned before any group allocates: groups may share a pool, and
         // an allocation must not evict a block another group is about to resume from.
-        for (g, a) in admissions.iter().flatten().enumerate() {
-            let pool = self.groups[g].pool();
-            let cow_src = a.cow.map(|(src, _)| src);
-            for &b in a.table.iter().chain([&a.resume]).chain(cow_src.as_ref()) {
-                self.store.pools[pool].incref(b);
-                self.store.pools[pool].touch(b);
+        if let Some(a) = admission {
+            for (g, group) in self.layout.slots.iter().enumerate() {
+                let pool = &mut self.store.pools[self.layout.pool_of[g]];
+                let mut pin = |b: BlockId| {
+                    pool.incref(b);
+                    pool.touch(b);
+                };
+                match *group {
+                    GroupSlot::Paged(i) => {
+                        let a = &a.paged[i];
+                        a.table.iter().copied().for_each(&mut pin);
+                        // (the null resume of a paged group: it advances the pool's clock)
+                        pin(NULL_BLOCK);
+                        a.cow.iter().for_each(|&(src, _)| pin(src));
+                    }
+                    GroupSlot::State(i) => pin(a.resume[i]),
+                }
             }
         }
-        let mut admissions = admissions.map(Vec::into_iter);
-        for g in 0..self.groups.len() {
-            let pool = self.groups[g].pool();
-            let admission = admissions.as_mut().and_then(Iterator::next);
-            let step = if let Some(block) = self.groups[g].block_size() {
-                let cols = end.div_ceil(block) as usize;
-                if admission.is_none() {
-                    // A running sequence whose table already covers the chunk (most decode
-                    // steps): nothing to allocate, so its table stays where it is.
-                    if let SeqGroup::Paged(paged) = &self.seq(slot).groups[g] {
-                        if paged.table.len() >= cols {
-                            let table_len_before = paged.table.len();
-                            steps.push(GroupStep::Paged { table_len_before, cow: None });
+        for g in 0..self.layout.len() {
+            let pool = self.layout.pool(g);
+            match self.layout.slots[g] {
+                GroupSlot::Paged(i) => {
+                    let cols = end.div_ceil(self.layout.paged[i].block_size) as usize;
+                    let seq = self.seq_mut(slot);
+                    let Some(a) = admission else {
+                        if seq.paged[i].table.len() >= cols {
+                            // A running sequence whose table already covers the chunk (most
+                            // decode steps): nothing to allocate, so its table stays.
+                            let table_len_before = seq.paged[i].table.len();
+                            paged_steps.push(PagedStep { table_len_before, cow: None });
                             continue;
                         }
-                    }
-                }
-                {
-                    let mut paged = match (&admission, &mut self.seq_mut(slot).groups[g]) {
-                        (Some(a), _) => PagedSeq {
-                            window_start: a.table.iter().take_while(|&&b| b == 0).count(),
-                            table: a.table.clone(),
-                            window_reported: 0,
-                        },
-                        (None, SeqGroup::Paged(p)) => std::mem::take(p),
-                        (None, SeqGroup::State(_)) => PagedSeq::default(),
+                        let mut paged = std::mem::take(&mut seq.paged[i]);
+                        let table_len_before = paged.table.len();
+                        while paged.table.len() < cols {
+                            paged.table.push(self.take_block(pool, BlockKind::Paged, g)?);
+                        }
+                        self.seq_mut(slot).paged[i] = paged;
+                        paged_steps.push(PagedStep { table_len_before, cow: None });
+                        continue;
                     };
-                    let table_len_before = if admission.is_some() { 0 } else { paged.table.len() };
+                    let a = &a.paged[i];
+                    let mut paged = PagedSeq {
+                        window_start: a.table.iter().take_while(|&&b| b == NULL_BLOCK).count(),
+                        table: a.table.clone(),
+                        window_reported: 0,
+                    };
                     let mut cow = None;
-                    if let Some((src, tokens)) = admission.as_ref().and_then(|a| a.cow) {
+                    if let Some((src, tokens)) = a.cow {
                         let dst = self.take_block(pool, BlockKind::Paged, g)?;
                         paged.table.push(dst);
                         cow = Some((src, dst, tokens));
                     }
                     while paged.table.len() < cols {
-                        let b = self.take_block(pool, BlockKind::Paged, g)?;
-                        paged.table.push(b);
+                        paged.table.push(self.take_block(pool, BlockKind::Paged, g)?);
                     }
-                    self.seq_mut(slot).groups[g] = SeqGroup::Paged(paged);
-                    GroupStep::Paged { table_len_before, cow }
+                    self.seq_mut(slot).paged[i] = paged;
+                    paged_steps.push(PagedStep { table_len_before: 0, cow });
                 }
-            } else {
-                {
-                    if let Some(a) = &admission {
+                GroupSlot::State(i) => {
+                    if let Some(a) = admission {
                         let r0 = self.take_block(pool, BlockKind::Running, g)?;
                         let r1 = self.take_block(pool, BlockKind::Running, g)?;
-                        self.seq_mut(slot).groups[g] = SeqGroup::State(StateSeq {
+                        self.seq_mut(slot).state[i] = StateSeq {
                             running: [r0, r1],
                             current: None,
-                            resume: a.resume,
+                            resume: a.resume[i],
                             decode_tail: None,
-                        });
+                        };
                     }
-                    GroupStep::State { interior: Vec::new(), snapshot: None }
+                    state_steps.push(StateStep::default());
                 }
-            };
-            steps.push(step);
+            }
         }
-        Ok(steps)
+        Ok((paged_steps, state_steps))
     }
 
     /// `suggest_chunk` for backends that cannot export interior states (C = 0): how many tokens
@@ -549,7 +560,7 @@ impl CacheManager {
     pub fn suggest_chunk(&self, seq_id: u64, token_budget: u32) -> Result<u32> {
         let slot = self.slot(seq_id)?;
         let seq = self.seq(slot);
-        let (start, target, junction) = if seq.started {
+        let (start, target, junction) = if seq.started() {
             (seq.num_computed, seq.prefill_target, seq.junction)
         } else {
             let hit = self.hit_of(seq).0;
@@ -559,10 +570,8 @@ impl CacheManager {
         let budget = token_budget.min(remaining);
         let reach = start + budget;
         let mut best: Option<u32> = None;
-        for runtime in &self.groups {
-            let GroupRuntime::State { config, .. } = runtime else {
-                continue;
-            };
+        for group in &self.layout.state {
+            let config = &group.config;
             if config.max_checkpoints_per_step != Some(0) {
                 continue;
             }

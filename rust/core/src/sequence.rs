@@ -1,11 +1,16 @@
 //! Per-sequence state owned by the manager, and the bounded cache of finished sequences that
 //! `add(.., extends)` reuses hashes from.
 //!
-//! A sequence is *started* once its first `schedule` pinned its hit; from then on it holds, per
-//! paged group, a block table (null entries where a sliding window released blocks) and, per
-//! state group, two private running-state buffers. Its `step` is the work scheduled for the
-//! next plan or in flight; the sequence's committed position `num_computed` moves only at
-//! `commit`.
+//! A sequence's life is one [`Phase`]: *waiting* (holding nothing, with its last lookup),
+//! *scheduled* (holding blocks, with the step scheduled for the next plan or in flight; a first
+//! step holds the pins of its hit) or *running* (holding blocks between steps). While it holds
+//! blocks it has, per paged group of the layout, a block table (null entries where a sliding
+//! window released blocks) and, per state group, two private running-state buffers: two typed
+//! collections that mirror the layout's (`paged[i]` is the layout's `paged[i]`), as a step's work
+//! does. Its committed position `num_computed` moves only at `commit`.
+//!
+//! This file holds data and its small invariants only: it never allocates a block or reads the
+//! store (the protocol does both).
 
 use std::collections::VecDeque;
 
@@ -59,12 +64,6 @@ impl StateSeq {
     }
 }
 
-#[derive(Clone, Debug)]
-pub(crate) enum SeqGroup {
-    Paged(PagedSeq),
-    State(StateSeq),
-}
-
 /// A checkpoint planned for a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct PlannedCheckpoint {
@@ -74,33 +73,53 @@ pub(crate) struct PlannedCheckpoint {
     pub decode_tail: bool,
 }
 
-/// What one step does to one group of a sequence (enough to commit or undo it).
-#[derive(Clone, Debug)]
-pub(crate) enum GroupStep {
-    Paged {
-        /// Table length before the step: columns from here on were added by it.
-        table_len_before: usize,
-        /// Copy-on-write: (source, destination, tokens copied).
-        cow: Option<(BlockId, BlockId, u32)>,
-    },
-    State {
-        /// Interior checkpoints, written by the kernel.
-        interior: Vec<PlannedCheckpoint>,
-        /// The checkpoint at the chunk end, filled by a snapshot copy after the step.
-        snapshot: Option<PlannedCheckpoint>,
-    },
+/// What one step does to one paged group of a sequence (enough to commit or undo it).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PagedStep {
+    /// Table length before the step: columns from here on were added by it.
+    pub table_len_before: usize,
+    /// Copy-on-write: (source, destination, tokens copied).
+    pub cow: Option<(BlockId, BlockId, u32)>,
 }
 
-/// A scheduled (or in-flight) step of one sequence.
+/// What one step does to one state group of a sequence.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StateStep {
+    /// Interior checkpoints, written by the kernel.
+    pub interior: Vec<PlannedCheckpoint>,
+    /// The checkpoint at the chunk end, filled by a snapshot copy after the step.
+    pub snapshot: Option<PlannedCheckpoint>,
+}
+
+/// A scheduled (or in-flight) step of one sequence. `paged[i]` and `state[i]` are the step's
+/// part of the layout's `paged[i]` and `state[i]` groups.
 #[derive(Clone, Debug)]
 pub(crate) struct StepRecord {
     pub start: u32,
     pub end: u32,
     /// The sequence's first step: its hit was pinned by this schedule.
     pub first: bool,
-    pub groups: Vec<GroupStep>,
+    pub paged: Vec<PagedStep>,
+    pub state: Vec<StateStep>,
     /// Explicitly requested checkpoint positions (validated on request).
     pub requested: Vec<u32>,
+}
+
+/// The last lookup of a waiting sequence: the index generation it was computed at, the hit
+/// and the full-attention chains it chose (see `hit::compute_hit`).
+pub(crate) type LastHit = (u64, Hit, Vec<Vec<BlockId>>);
+
+/// Where a sequence is in its life.
+#[derive(Clone, Debug)]
+pub(crate) enum Phase {
+    /// Holding no blocks (added, or preempted): its next schedule admits it at its hit. The
+    /// last lookup is kept while nothing was published or evicted since, for that schedule.
+    Waiting { last_hit: Option<LastHit> },
+    /// Holding blocks, with a step scheduled for the next plan or in flight; a first step
+    /// (`step.first`) holds the pins of its hit.
+    Scheduled(StepRecord),
+    /// Holding blocks, between steps.
+    Running,
 }
 
 #[derive(Clone, Debug)]
@@ -113,24 +132,23 @@ pub(crate) struct Sequence {
     /// `hashes[i]` fingerprints `tokens[..(i + 1) * U]`.
     pub hashes: Vec<Digest>,
     pub num_computed: u32,
-    pub started: bool,
+    pub phase: Phase,
     /// Tokens known at the first schedule (the tail checkpoint's basis).
     pub prefill_target: u32,
     /// Junction position of the first schedule's lookup.
     pub junction: Option<u32>,
-    pub groups: Vec<SeqGroup>,
-    pub step: Option<StepRecord>,
+    /// Per paged group of the layout, its blocks.
+    pub paged: Vec<PagedSeq>,
+    /// Per state group of the layout, its blocks.
+    pub state: Vec<StateSeq>,
     /// Per group, the full-attention blocks the sequence it extends held for the shared
     /// prefix: a hint that lets the first lookup confirm a block through the pool instead of
     /// probing the index (always verified; dropped at the first schedule).
     pub hint_chains: Vec<Vec<BlockId>>,
-    /// The last lookup's result and the index generation it was computed at: the first
-    /// schedule reuses it when nothing was published or evicted since. The chosen
-    /// full-attention chains ride along (see `hit::compute_hit`).
-    pub last_hit: Option<(u64, Hit, Vec<Vec<BlockId>>)>,
-    /// The per-group step vector of the last committed or undone step, emptied, for the next
-    /// schedule to fill (a decode step then allocates nothing for it).
-    pub spare_step: Vec<GroupStep>,
+    /// The per-group step vectors of the last committed or undone step, emptied, for the next
+    /// schedule to fill (a decode step then allocates nothing for them).
+    pub spare_paged: Vec<PagedStep>,
+    pub spare_state: Vec<StateStep>,
 }
 
 impl Sequence {
@@ -144,10 +162,74 @@ impl Sequence {
         Content { tokens: &self.tokens, extra: &self.extra, hashes: &self.hashes }
     }
 
-    /// Keeps a finished step's group vector for the next schedule.
-    pub fn recycle_step(&mut self, mut groups: Vec<GroupStep>) {
-        groups.clear();
-        self.spare_step = groups;
+    /// Whether it holds blocks (its first schedule pinned its hit).
+    #[inline]
+    pub fn started(&self) -> bool {
+        !matches!(self.phase, Phase::Waiting { .. })
+    }
+
+    /// The step scheduled for the next plan or in flight.
+    #[inline]
+    pub fn step(&self) -> Option<&StepRecord> {
+        match &self.phase {
+            Phase::Scheduled(step) => Some(step),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    pub fn step_mut(&mut self) -> Option<&mut StepRecord> {
+        match &mut self.phase {
+            Phase::Scheduled(step) => Some(step),
+            _ => None,
+        }
+    }
+
+    /// Takes the step out; the sequence is running (it holds blocks) until told otherwise.
+    #[inline]
+    pub fn take_step(&mut self) -> Option<StepRecord> {
+        match std::mem::replace(&mut self.phase, Phase::Running) {
+            Phase::Scheduled(step) => Some(step),
+            other => {
+                self.phase = other;
+                None
+            }
+        }
+    }
+
+    /// Forgets the last lookup (the sequence changed, or was scheduled).
+    #[inline]
+    pub fn forget_hit(&mut self) {
+        if let Phase::Waiting { last_hit } = &mut self.phase {
+            *last_hit = None;
+        }
+    }
+
+    /// Keeps a finished step's group vectors, emptied, for the next schedule.
+    #[inline]
+    pub fn recycle_step(&mut self, step: &mut StepRecord) {
+        let (mut paged, mut state) =
+            (std::mem::take(&mut step.paged), std::mem::take(&mut step.state));
+        paged.clear();
+        state.clear();
+        self.spare_paged = paged;
+        self.spare_state = state;
+    }
+
+    /// Schedules `step` for a running sequence (the phase it must be in).
+    #[inline]
+    pub fn schedule_step(&mut self, step: StepRecord) {
+        let Phase::Running = std::mem::replace(&mut self.phase, Phase::Scheduled(step)) else {
+            unreachable!("sequence {} scheduled while not running", self.id)
+        };
+    }
+
+    /// Back to waiting, holding nothing (its blocks were released or given back).
+    pub fn stop(&mut self) {
+        self.phase = Phase::Waiting { last_hit: None };
+        self.num_computed = 0;
+        self.prefill_target = 0;
+        self.junction = None;
     }
 }
 
