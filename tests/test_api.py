@@ -608,3 +608,127 @@ def test_a_finished_id_can_be_added_again() -> None:
     mgr = pc.CacheManager(paged_config())
     run_prompt(mgr, 1, list(range(64)))
     assert run_prompt(mgr, 1, list(range(64))) == 48
+
+
+def test_the_checkpoint_offset_rule_is_the_cores() -> None:
+    # Values and the edges: A = 1, a query no longer than A, offset 0 and offset == query_len.
+    assert pc.is_exportable_offset(16, 16, 64) and pc.is_exportable_offset(48, 16, 64)
+    assert not pc.is_exportable_offset(8, 16, 64)
+    assert not pc.is_exportable_offset(0, 16, 64)  # the chunk start is no checkpoint
+    assert not pc.is_exportable_offset(64, 16, 64)  # the chunk end is a snapshot's job
+    assert pc.is_exportable_offset(1, 1, 2) and not pc.is_exportable_offset(2, 1, 2)
+    assert not pc.is_exportable_offset(1, 1, 1)
+    assert not pc.is_exportable_offset(16, 16, 16)  # query_len == A: nothing inside
+    assert not pc.is_exportable_offset(8, 16, 8)  # query_len < A
+    assert not pc.is_exportable_offset(16, 0, 64)  # alignment 0 allows none
+    assert not pc.is_exportable_offset(-16, 16, 64) and not pc.is_exportable_offset(2**40, 1, 64)
+    assert pc.nearest_exportable_offsets(20, 16, 64) == [16, 32]
+    assert pc.nearest_exportable_offsets(32, 16, 64) == [32, 48]
+    assert pc.nearest_exportable_offsets(0, 16, 64) == [16]
+    assert pc.nearest_exportable_offsets(64, 16, 64) == [48]
+    assert pc.nearest_exportable_offsets(70, 16, 64) == [48]
+    assert pc.nearest_exportable_offsets(-5, 16, 64) == [16]
+    assert pc.nearest_exportable_offsets(2**40, 16, 64) == [48]
+    assert pc.nearest_exportable_offsets(3, 1, 5) == [3, 4]
+    assert pc.nearest_exportable_offsets(0, 1, 1) == []
+    assert pc.nearest_exportable_offsets(5, 16, 16) == []
+    assert pc.nearest_exportable_offsets(5, 16, 8) == []
+    assert pc.nearest_exportable_offsets(5, 0, 64) == []
+    # Against a plain statement of the rule, over every small case.
+    for a in range(0, 6):
+        for q in range(0, 13):
+            valid = [o for o in range(1, q) if a and o % a == 0]
+            for o in range(-2, q + 3):
+                assert pc.is_exportable_offset(o, a, q) == (o in valid), (o, a, q)
+                below = [v for v in valid if v <= o][-1:]
+                above = [v for v in valid if v > o][:1]
+                assert pc.nearest_exportable_offsets(o, a, q) == below + above, (o, a, q)
+    with pytest.raises(pc.InvalidRequestError, match="alignment must be in"):
+        pc.is_exportable_offset(1, -1, 4)
+    with pytest.raises(pc.InvalidRequestError, match="query_len must be in"):
+        pc.nearest_exportable_offsets(1, 1, 2**32)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        pc.is_exportable_offset(1.0, 1, 4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="offset must be an int"):
+        pc.is_exportable_offset(True, 1, 4)
+    assert pc.is_exportable_offset(np.int64(2), np.uint32(2), 4)
+
+
+def test_the_request_checkpoint_rule_agrees_with_the_offset_rule() -> None:
+    """A manager accepts a checkpoint inside a chunk exactly where `is_exportable_offset`
+    says the kernel can write it (on the unit grid), and names the nearest such offsets."""
+    unit, alignment = 16, 16
+    mgr = pc.CacheManager(hybrid_config(unit=unit, alignment=alignment))
+    mgr.add(1, list(range(200)))
+    mgr.schedule(1, 100, exact=True)  # a chunk [0, 100)
+    for position in range(unit, 100, unit):
+        assert pc.is_exportable_offset(position, alignment, 100)
+        mgr.request_checkpoint(1, position)
+    with pytest.raises(pc.AlignmentError, match="16, 32") as error:
+        mgr.request_checkpoint(1, 24)
+    assert not pc.is_exportable_offset(24, alignment, 100)
+    assert pc.nearest_exportable_offsets(24, alignment, 100) == [16, 32]
+    assert "24" in str(error.value)
+    mgr.abort(mgr.build_plan())
+
+
+def test_aligned_geometry_is_the_cores() -> None:
+    assert pc.aligned_geometry(16, 32, 16) == (16, 32)  # already aligned: unchanged
+    assert pc.aligned_geometry(8, 96, 64) == (64, 192)
+    assert pc.aligned_geometry(128, 1536, 64) == (128, 1536)
+    assert pc.aligned_geometry(1, 1, 1) == (1, 1)
+    assert pc.aligned_geometry(6, 10, 4) == (12, 60)
+    for unit in range(1, 9):
+        for block in range(1, 17):
+            for a in range(1, 9):
+                u, b = pc.aligned_geometry(unit, block, a)
+                assert u % unit == 0 and u % a == 0 and b % block == 0 and b % u == 0
+                assert u == min(x for x in range(1, unit * a + 1) if x % unit == 0 == x % a)
+                assert b == min(x for x in range(u, u * block + 1, u) if x % block == 0)
+                # What it returns is a geometry a manager accepts for that alignment.
+                pc.CacheConfig(
+                    pools=[pc.PoolConfig(4), pc.PoolConfig(8)],
+                    groups=[pc.FullAttention(b), pc.StateGroup(alignment=a, pool=1)],
+                    hash=pc.HashConfig(unit=u),
+                )
+    with pytest.raises(pc.ConfigError, match="alignment must be at least 1"):
+        pc.aligned_geometry(16, 32, 0)
+    with pytest.raises(pc.ConfigError, match="larger than the supported"):
+        pc.aligned_geometry(pc.MAX_HASH_UNIT, pc.MAX_HASH_UNIT, 3)
+    with pytest.raises(pc.ConfigError, match="unit must be in"):
+        pc.aligned_geometry(-1, 32, 16)
+
+
+def test_config_rules_are_the_cores() -> None:
+    paged = paged_config()
+    assert paged.chunk_alignment == 1 and paged.min_token_budget == 1
+    cfg = pc.CacheConfig(
+        pools=[pc.PoolConfig(256), pc.PoolConfig(64)],
+        groups=[
+            pc.FullAttention(128),
+            pc.StateGroup(alignment=16, pool=1),
+            pc.StateGroup(alignment=64, pool=1),
+            pc.SlidingWindow(64, window=128),
+        ],
+        hash=pc.HashConfig(unit=64),
+    )
+    assert cfg.chunk_alignment == pc.CacheManager(cfg).chunk_alignment == 64
+    assert cfg.min_token_budget == 64
+    # A budget below it schedules nothing of a non-final chunk; at it, one grid step.
+    mgr = pc.CacheManager(cfg)
+    mgr.add(1, list(range(1000)))
+    assert mgr.schedule_tokens([1], cfg.min_token_budget - 1).tolist() == [0]
+    assert mgr.schedule_tokens([1], cfg.min_token_budget).tolist() == [64]
+    mgr.abort(mgr.build_plan())
+    # Full attention: its table (1000 tokens: 8 blocks of 128) and, since a hit may end
+    # inside a block (U < B), the copy-on-write source; with U == B, the table alone.
+    assert cfg.blocks_for_sequence(0, 1000) == 9
+    assert paged_config(unit=32, block_size=32).blocks_for_sequence(0, 1000) == 32
+    assert cfg.blocks_for_sequence(0, 0) == 0
+    # A sliding window needs fewer blocks when chunks are short.
+    assert cfg.blocks_for_sequence(3, 1000, max_chunk=64) < cfg.blocks_for_sequence(3, 1000)
+    assert cfg.blocks_for_sequence(1, 1000) >= 2  # two running buffers at least
+    with pytest.raises(pc.InvalidRequestError, match="group 4 does not exist"):
+        cfg.blocks_for_sequence(4, 10)
+    with pytest.raises(pc.InvalidRequestError, match="tokens must be in"):
+        cfg.blocks_for_sequence(0, -1)

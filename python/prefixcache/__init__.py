@@ -13,6 +13,10 @@ protocol::
     mgr.append(seq_id, [sampled_token])
     mgr.finish(seq_id)
 
+The core's rules are asked, never restated: :func:`is_exportable_offset` and
+:func:`nearest_exportable_offsets` (the kernels' checkpoint offsets), :func:`aligned_geometry`,
+and a config's ``chunk_alignment``, ``min_token_budget`` and ``blocks_for_sequence``.
+
 The kernel layer reads a step through :class:`StepPlanLike`, which both a :class:`StepPlan`
 (``build_plan``) and :class:`PlanBuffers` (``build_plan_into`` / ``decode_step``) satisfy.
 
@@ -73,7 +77,10 @@ from prefixcache._core import (
     StepPlan,
     UnknownSequenceError,
     __version__,
+    aligned_geometry,
     hash_prefix,
+    is_exportable_offset,
+    nearest_exportable_offsets,
 )
 from prefixcache.config import (
     CacheConfig,
@@ -337,5 +344,8 @@ __all__ = [
     "StepPlanLike",
     "UnknownSequenceError",
     "__version__",
+    "aligned_geometry",
     "hash_prefix",
+    "is_exportable_offset",
+    "nearest_exportable_offsets",
 ]

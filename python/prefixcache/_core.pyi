@@ -64,8 +64,14 @@ __all__ = [
     "UnknownSequenceError",
     "__version__",
     "_error_samples",
+    "aligned_geometry",
+    "blocks_for_sequence",
+    "chunk_alignment",
     "defaults",
     "hash_prefix",
+    "is_exportable_offset",
+    "min_token_budget",
+    "nearest_exportable_offsets",
     "validate_config",
 ]
 __version__: str
@@ -709,3 +715,30 @@ class _Defaults(TypedDict):
 def defaults() -> _Defaults:
     """The core's default of every configuration field that has one, keyed by the Python
     field names (a new dict on every call)."""
+
+def is_exportable_offset(offset: int, alignment: int, query_len: int) -> bool:
+    """Whether a kernel of checkpoint alignment `alignment` can write an interior checkpoint at
+    chunk-relative `offset` of a query of `query_len` tokens: `0 < offset < query_len` and
+    `offset % alignment == 0` (alignment 0: never)."""
+
+def nearest_exportable_offsets(offset: int, alignment: int, query_len: int) -> list[int]:
+    """The exportable offsets nearest to `offset` (the largest at or below it, the smallest
+    above it, where they exist), ascending; empty when the query has none."""
+
+def aligned_geometry(unit: int, block_size: int, alignment: int) -> tuple[int, int]:
+    """`(lcm(unit, alignment), lcm(block_size, that unit))`: the smallest hash unit and block
+    size a kernel of checkpoint alignment `alignment` accepts; `ConfigError` beyond the
+    limits."""
+
+def chunk_alignment(config: CacheConfig) -> int:
+    """The grid non-final prefill chunks of `config` end on (lcm of its state alignments)."""
+
+def min_token_budget(config: CacheConfig) -> int:
+    """The smallest per-step token budget under which a non-final prefill chunk can be
+    scheduled without `exact`."""
+
+def blocks_for_sequence(
+    config: CacheConfig, group: int, tokens: int, max_chunk: int | None = None
+) -> int:
+    """The most blocks group `group` holds for one running sequence of `tokens` tokens,
+    scheduled in chunks of at most `max_chunk` tokens (any size when `None`)."""

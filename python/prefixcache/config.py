@@ -246,6 +246,30 @@ class CacheConfig:
         object.__setattr__(self, "groups", _as_tuple(self.groups, "groups"))
         _core.validate_config(self)
 
+    @property
+    def chunk_alignment(self) -> int:
+        """The grid non-final prefill chunks end on: the least common multiple of the state
+        groups' alignments (1 without state groups), as
+        :attr:`prefixcache.CacheManager.chunk_alignment`."""
+        return _core.chunk_alignment(self)
+
+    @property
+    def min_token_budget(self) -> int:
+        """The smallest per-step token budget under which a non-final prefill chunk can be
+        scheduled (without ``exact``): a smaller budget schedules 0 tokens of it."""
+        return _core.min_token_budget(self)
+
+    def blocks_for_sequence(self, group: int, tokens: int, max_chunk: int | None = None) -> int:
+        """The most blocks group ``group`` holds for one running sequence of ``tokens`` tokens
+        (prompt and outputs) at any point of its life, when its chunks never exceed
+        ``max_chunk`` tokens (any size when ``None``): what its pool must hold per sequence so
+        that the sequence is never refused for its own blocks.
+
+        Raises:
+            InvalidRequestError: ``group`` is not a group of this configuration.
+        """
+        return _core.blocks_for_sequence(self, group, tokens, max_chunk)
+
 
 @dataclass(frozen=True, slots=True)
 class MultimodalInput:

@@ -127,5 +127,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_config, m)?)?;
     m.add_function(wrap_pyfunction!(_error_samples, m)?)?;
     m.add_function(wrap_pyfunction!(rules::defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(rules::is_exportable_offset, m)?)?;
+    m.add_function(wrap_pyfunction!(rules::nearest_exportable_offsets, m)?)?;
+    m.add_function(wrap_pyfunction!(rules::aligned_geometry, m)?)?;
+    m.add_function(wrap_pyfunction!(rules::chunk_alignment, m)?)?;
+    m.add_function(wrap_pyfunction!(rules::min_token_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(rules::blocks_for_sequence, m)?)?;
     Ok(())
 }
