@@ -121,7 +121,7 @@ def test_a_plan_of_another_manager_is_stale() -> None:
         mgr.schedule(1, 32)
     plan = first.build_plan()
     second.build_plan()
-    with pytest.raises(pc.StalePlanError, match="another CacheManager"):
+    with pytest.raises(pc.StalePlanError, match="built by another manager"):
         second.commit(plan)
     first.commit(plan)
     first.check_invariants()

@@ -199,7 +199,7 @@ def test_bad_uses_of_buffers_are_refused() -> None:
     mgr.add(1, list(range(40)))
     mgr.schedule(1, 40)
     mgr.build_plan_into(buffers)
-    with pytest.raises(pc.StalePlanError, match="another CacheManager"):
+    with pytest.raises(pc.StalePlanError, match="built by another manager"):
         other.commit(buffers)
     with pytest.raises(pc.StepError, match="in flight"):
         mgr.build_plan_into(pc.PlanBuffers())
@@ -275,6 +275,27 @@ def test_decode_step_checks_before_changing_anything() -> None:
     assert buffers.seq_ids[:2].tolist() == [1, 0] and buffers.num_tokens == 2
     with pytest.raises(pc.StepError, match="in flight"):
         mgr.decode_step(pc.PlanBuffers(), [0], [1])  # the step in flight is not in these
+    mgr.check_invariants()
+
+
+def test_decode_step_commits_the_held_step_after_a_refused_build() -> None:
+    """Buffers hold step 1 in flight; a second build into them is refused (a plan is in
+    flight). `decode_step` with the same buffers still commits step 1, the step they hold
+    (found by the API fuzzer: the refused build had dropped the plan the buffers refill,
+    and with it the identity the core decides the commit from)."""
+    mgr = pc.CacheManager(paged_config(num_blocks=16, unit=4, block_size=4))
+    buffers = pc.PlanBuffers(rows=1)
+    mgr.add(1, list(range(10)))
+    mgr.schedule(1, 10)
+    step = mgr.build_plan_into(buffers)
+    with pytest.raises(pc.StepError, match=f"plan of step {step} is in flight"):
+        mgr.build_plan_into(buffers)
+    assert buffers.step_id == step and mgr.plan_in_flight == step
+    assert mgr.decode_step(buffers, [], []).tolist() == []
+    assert mgr.plan_in_flight == buffers.step_id == step + 1 and mgr.num_computed(1) == 10
+    assert mgr.decode_step(buffers, [1], [7]).tolist() == [1]
+    assert mgr.num_tokens(1) == 11 and buffers.seq_ids[:1].tolist() == [1]
+    mgr.commit(buffers)
     mgr.check_invariants()
 
 

@@ -119,9 +119,16 @@ impl PyPlanBuffers {
         self.num_tokens
     }
 
-    /// The core plan to refill (`build_plan_into` hands it back with `keep_scratch`).
+    /// The core plan to refill (`build_plan_into` hands it back with `keep_scratch`), carrying
+    /// the identity of the step these buffers hold (manager and step id; none: manager 0, which
+    /// no core manager has), from which the core's `decode_step` decides whether to commit it.
+    /// The identity is set here, not left from the last refill: a build that failed dropped
+    /// that plan, and the buffers still hold the step before it.
     pub(crate) fn take_scratch(&mut self) -> StepPlan {
-        std::mem::take(&mut self.scratch)
+        let mut plan = std::mem::take(&mut self.scratch);
+        plan.manager = self.owner.as_ref().map_or(0, |o| o.id);
+        plan.step_id = self.step_id.unwrap_or(0);
+        plan
     }
 
     pub(crate) fn keep_scratch(&mut self, plan: StepPlan) {

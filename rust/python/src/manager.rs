@@ -1,23 +1,42 @@
 //! `CacheManager`: the core manager behind a mutex, called from any Python thread.
 //!
-//! Every method converts its arguments with the GIL held, takes the lock, runs one core call,
-//! and maps the result back. A call whose work may be long (hashing a prompt, a lookup, freeing
-//! a long sequence, work proportional to more than `SHORT_WORK` tokens) releases the GIL
-//! (`py.detach`) before it takes the lock. A short call keeps the GIL when the lock is free:
-//! releasing and retaking the GIL costs about 0.1 us, more than a decode step's calls do in the
-//! core; when the lock is held by another thread it waits without the GIL like a long call, so
-//! it never stalls other Python threads. Nothing here decides anything about the cache. The
-//! lock is never held while Python runs (the core never calls into Python, so waiting for the
-//! lock with the GIL held cannot deadlock), and a panic in the core never reaches Python: it is
-//! caught and raised as `InvariantError`, and the mutex it poisoned makes every later call
+//! Every method converts its arguments with the GIL held, runs one core call under the lock,
+//! and maps the result back. Nothing here decides anything about the cache or the step
+//! protocol: whether a plan is this manager's, and whether `decode_step` commits, the core
+//! decides (`CacheManager::commit` / `abort` / `decode_step` read the plan's `manager` and
+//! step id).
+//!
+//! # The GIL policy
+//!
+//! One function takes a manager's lock: [`enter`]. Each call states its [`Work`] under the
+//! lock, and `enter` applies one rule to it:
+//! - work that may exceed `SHORT_WORK` (4,096 tokens or sequences) releases the GIL before it
+//!   takes the lock: hashing (`add`, with or without `extends`), lookups and finishes of long
+//!   sequences, batch calls, plans, commits and decode steps of long chunks, event drains,
+//!   resets, block tables, the invariant check. [`Work::Long`] always releases it;
+//!   [`Work::Sized`] and [`Work::Measured`] release it above `SHORT_WORK`.
+//! - shorter work keeps the GIL when the lock is free at once: releasing and retaking the GIL
+//!   costs about 0.1 us, more than a decode step's calls do in the core (a decode step of 256
+//!   sequences stays under `SHORT_WORK`; a prefill chunk of 8,192 tokens does not). When the
+//!   lock is held by another thread it waits without the GIL, like long work, so it never
+//!   stalls other Python threads.
+//!
+//! The lock is never held while Python runs (the core never calls into Python, so waiting for
+//! the lock with the GIL held cannot deadlock). A panic in the core never reaches Python: it
+//! is caught and raised as `InvariantError`, and the mutex it poisoned makes every later call
 //! raise `InvariantError` too (the manager's state is no longer trustworthy; build a new one).
+//! The one other place the shell releases the GIL is `hash_prefix`, which takes no lock.
+//!
+//! Arguments are copied out of Python objects with the GIL held, never read in place without
+//! it (another thread could change them meanwhile): a long prompt is copied once (about 10 us
+//! for 144K `uint32` tokens, memory bandwidth), which is what `add(.., extends)` of a next turn
+//! pays for running without the GIL; releasing the GIL itself costs about 0.1 us.
 //!
 //! `PlanBuffers` remember the manager whose step they hold; a manager refuses buffers holding
 //! another's step that is still in flight (`refuse_foreign_step`), and `abort_step` /
 //! `commit_step` end the step in flight by its id when its plan object is gone.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 
 use numpy::ndarray::Array2;
@@ -34,12 +53,115 @@ use crate::events;
 use crate::plan::PyStepPlan;
 use crate::results::{PyAdded, PyHit, PyPoolUsage, PyScheduled, PyStats};
 
-/// Identifies managers, so a plan is only committed by the manager that built it.
-static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
-
 /// Work (tokens or sequences) up to which a call keeps the GIL (see the module doc). A
 /// decode step of 256 sequences stays under it; a prefill chunk of 8,192 tokens does not.
 const SHORT_WORK: usize = 4096;
+
+/// How much work a call does under the manager's lock: what decides whether it keeps the GIL
+/// (see the module doc).
+#[derive(Clone, Copy)]
+pub(crate) enum Work<'a> {
+    /// Small and bounded whatever the arguments (counters, one sequence's state).
+    Short,
+    /// Proportional to this many tokens or sequences, known before the lock is taken.
+    Sized(usize),
+    /// Proportional to what this returns of the locked manager (the tokens scheduled, a
+    /// sequence's length).
+    Measured(&'a dyn Fn(&CacheManager) -> usize),
+    /// Possibly long whatever the arguments (hashing, a reset, the invariant check).
+    Long,
+}
+
+/// Runs `f` on the manager behind `lock`, keeping or releasing the GIL as `work` says (the
+/// module doc's policy), and maps core errors and panics to Python exceptions. The only way
+/// the shell takes a manager's lock.
+pub(crate) fn enter<R, F>(
+    py: Python<'_>,
+    lock: &Mutex<CacheManager>,
+    work: Work<'_>,
+    f: F,
+) -> PyResult<R>
+where
+    R: Send,
+    F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
+{
+    let measure: &dyn Fn(&CacheManager) -> usize = match work {
+        Work::Long => return detached(py, lock, f),
+        Work::Sized(n) if n > SHORT_WORK => return detached(py, lock, f),
+        Work::Short | Work::Sized(_) => &|_| 0,
+        Work::Measured(measure) => measure,
+    };
+    let mut pending = Some(f);
+    // The guard lives inside `catch_unwind`, so a panic poisons the mutex as in `detached`.
+    let outcome = catch_unwind(AssertUnwindSafe(|| match lock.try_lock() {
+        Ok(mut manager) if measure(&manager) <= SHORT_WORK => {
+            pending.take().map(|f| f(&mut manager).map_err(Failure::Core))
+        }
+        Ok(_) | Err(TryLockError::WouldBlock) => None,
+        Err(TryLockError::Poisoned(_)) => Some(Err(Failure::Poisoned)),
+    }));
+    match (outcome, pending) {
+        // Long work, or the lock is held: wait for it and run without the GIL.
+        (Ok(None), Some(f)) => detached(py, lock, f),
+        (Ok(Some(result)), _) => outcome_of(py, Ok(result)),
+        (Ok(None), None) => outcome_of(py, Ok(Err(Failure::Poisoned))),
+        (Err(payload), _) => outcome_of(py, Err(payload)),
+    }
+}
+
+/// `enter` without the GIL.
+fn detached<R, F>(py: Python<'_>, lock: &Mutex<CacheManager>, f: F) -> PyResult<R>
+where
+    R: Send,
+    F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
+{
+    let outcome = py.detach(|| {
+        catch_unwind(AssertUnwindSafe(|| match lock.lock() {
+            Ok(mut manager) => f(&mut manager).map_err(Failure::Core),
+            Err(_) => Err(Failure::Poisoned),
+        }))
+    });
+    outcome_of(py, outcome)
+}
+
+/// Maps a locked call's outcome: core errors to their Python classes, panics (now or in an
+/// earlier call) to `InvariantError`.
+fn outcome_of<R>(py: Python<'_>, outcome: std::thread::Result<Result<R, Failure>>) -> PyResult<R> {
+    match outcome {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(Failure::Core(e))) => Err(to_pyerr(py, e)),
+        Ok(Err(Failure::Poisoned)) => Err(to_pyerr(
+            py,
+            CacheError::Invariant {
+                message: "an earlier call panicked inside prefixcache-core, so this manager's \
+                          state cannot be trusted; create a new CacheManager (and please \
+                          report the panic message printed on stderr)"
+                    .to_string(),
+            },
+        )),
+        Err(payload) => Err(to_pyerr(
+            py,
+            CacheError::Invariant {
+                message: format!(
+                    "prefixcache-core panicked: {} (a bug; please report it). This manager is \
+                     unusable from now on; create a new CacheManager",
+                    panic_message(payload.as_ref())
+                ),
+            },
+        )),
+    }
+}
+
+/// The tokens of a sequence (0 for an unknown id, whose call fails at once): the work of
+/// calls that walk one sequence (a lookup, a finish).
+fn sequence_tokens(manager: &CacheManager, seq_id: u64) -> usize {
+    manager.num_tokens(seq_id).map_or(0, |n| n as usize)
+}
+
+/// A plan's identity as the core reads it (`commit` / `abort` refuse another manager's).
+fn plan_identity(manager: u64, step_id: u64) -> StepPlan {
+    StepPlan { manager, step_id, ..StepPlan::default() }
+}
 
 /// Sequence ids are `int64` in plans (and torch), so they are limited to its range.
 const MAX_SEQ_ID: u64 = i64::MAX as u64;
@@ -84,6 +206,7 @@ pub struct PyCacheManager {
     /// Shared with the `PlanBuffers` holding this manager's steps, which ask it whether their
     /// step is still in flight (through a `Weak`: buffers do not keep a manager alive).
     inner: Arc<Mutex<CacheManager>>,
+    /// The core manager's id (`CacheManager::id`), which its plans carry.
     id: u64,
     algorithm: HashAlgorithm,
     chunk_alignment: u32,
@@ -91,99 +214,13 @@ pub struct PyCacheManager {
 }
 
 impl PyCacheManager {
-    /// Runs `f` on the manager without the GIL, mapping errors and panics.
-    fn run<R, F>(&self, py: Python<'_>, f: F) -> PyResult<R>
+    /// `enter` on this manager.
+    fn enter<R, F>(&self, py: Python<'_>, work: Work<'_>, f: F) -> PyResult<R>
     where
         R: Send,
         F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
     {
-        let outcome = py.detach(|| self.locked(f));
-        Self::outcome(py, outcome)
-    }
-
-    /// Runs `f` with the GIL held when `work` is at most `SHORT_WORK` and the lock is free at
-    /// once; else as `run` does (without the GIL).
-    fn run_sized<R, F>(&self, py: Python<'_>, work: usize, f: F) -> PyResult<R>
-    where
-        R: Send,
-        F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
-    {
-        if work > SHORT_WORK {
-            return self.run(py, f);
-        }
-        self.run_measured(py, |_| 0, f)
-    }
-
-    /// Runs `f` with the GIL held when the lock is free at once and `work`, measured on the
-    /// locked manager, is at most `SHORT_WORK`; else unlocks and runs it as `run` does.
-    fn run_measured<R, W, F>(&self, py: Python<'_>, work: W, f: F) -> PyResult<R>
-    where
-        R: Send,
-        W: Fn(&CacheManager) -> usize,
-        F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
-    {
-        let mut pending = Some(f);
-        // The guard lives inside `catch_unwind`, so a panic poisons the mutex as in `locked`.
-        let outcome = catch_unwind(AssertUnwindSafe(|| match self.inner.try_lock() {
-            Ok(mut manager) if work(&manager) <= SHORT_WORK => {
-                pending.take().map(|f| f(&mut manager).map_err(Failure::Core))
-            }
-            Ok(_) | Err(TryLockError::WouldBlock) => None,
-            Err(TryLockError::Poisoned(_)) => Some(Err(Failure::Poisoned)),
-        }));
-        match (outcome, pending) {
-            (Ok(None), Some(f)) => self.run(py, f),
-            (Ok(Some(result)), _) => Self::outcome(py, Ok(result)),
-            (Ok(None), None) => Self::outcome(py, Ok(Err(Failure::Poisoned))),
-            (Err(payload), _) => Self::outcome(py, Err(payload)),
-        }
-    }
-
-    /// `run_sized` for calls whose work is small and bounded (counters, one sequence's state).
-    fn run_short<R, F>(&self, py: Python<'_>, f: F) -> PyResult<R>
-    where
-        R: Send,
-        F: FnOnce(&mut CacheManager) -> Result<R, CacheError> + Send,
-    {
-        self.run_sized(py, 0, f)
-    }
-
-    fn locked<R, F>(&self, f: F) -> std::thread::Result<Result<R, Failure>>
-    where
-        F: FnOnce(&mut CacheManager) -> Result<R, CacheError>,
-    {
-        catch_unwind(AssertUnwindSafe(|| match self.inner.lock() {
-            Ok(mut manager) => f(&mut manager).map_err(Failure::Core),
-            Err(_) => Err(Failure::Poisoned),
-        }))
-    }
-
-    /// Maps a locked call's outcome: core errors to their Python classes, panics (now or in an
-    /// earlier call) to `InvariantError`.
-    fn outcome<R>(py: Python<'_>, outcome: std::thread::Result<Result<R, Failure>>) -> PyResult<R> {
-        match outcome {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(Failure::Core(e))) => Err(to_pyerr(py, e)),
-            Ok(Err(Failure::Poisoned)) => Err(to_pyerr(
-                py,
-                CacheError::Invariant {
-                    message: "an earlier call panicked inside prefixcache-core, so this \
-                              manager's state cannot be trusted; create a new CacheManager \
-                              (and please report the panic message printed on stderr)"
-                        .to_string(),
-                },
-            )),
-            Err(payload) => Err(to_pyerr(
-                py,
-                CacheError::Invariant {
-                    message: format!(
-                        "prefixcache-core panicked: {} (a bug; please report it). This manager \
-                         is unusable from now on; create a new CacheManager",
-                        panic_message(payload.as_ref())
-                    ),
-                },
-            )),
-        }
+        enter(py, &self.inner, work, f)
     }
 }
 
@@ -198,7 +235,7 @@ impl PyCacheManager {
         let algorithm = core_config.hash.algorithm;
         let manager = CacheManager::new(core_config).map_err(|e| to_pyerr(py, e))?;
         Ok(Self {
-            id: NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed),
+            id: manager.id(),
             algorithm,
             chunk_alignment: manager.chunk_alignment(),
             inner: Arc::new(Mutex::new(manager)),
@@ -222,20 +259,20 @@ impl PyCacheManager {
     /// Number of live sequences (added, not finished).
     #[getter]
     fn num_sequences(&self, py: Python<'_>) -> PyResult<usize> {
-        self.run_short(py, |m| Ok(m.num_sequences()))
+        self.enter(py, Work::Short, |m| Ok(m.num_sequences()))
     }
 
     /// Number of finished sequences kept for `add(..., extends=...)`.
     #[getter]
     fn num_finished_cached(&self, py: Python<'_>) -> PyResult<usize> {
-        self.run_short(py, |m| Ok(m.num_finished_cached()))
+        self.enter(py, Work::Short, |m| Ok(m.num_finished_cached()))
     }
 
     /// The step id of the plan in flight (built, not yet committed or aborted), or `None`;
     /// `commit_step` / `abort_step` end it by this id.
     #[getter]
     fn plan_in_flight(&self, py: Python<'_>) -> PyResult<Option<u64>> {
-        self.run_short(py, |m| Ok(m.plan_in_flight()))
+        self.enter(py, Work::Short, |m| Ok(m.plan_in_flight()))
     }
 
     /// Registers a sequence and hashes its full units (without the GIL).
@@ -257,15 +294,17 @@ impl PyCacheManager {
         let extra = convert::extra_keys(extra_keys)?;
         let extends = extends.filter(|e| !e.is_none()).map(|e| self::seq_id(e)).transpose()?;
         // The tokens are copied out with the GIL held (no Python thread can change them
-        // meanwhile); the core compares, copies and hashes without it.
+        // meanwhile); the core compares, copies and hashes without it (`Work::Long`: even a
+        // short prompt may extend a long sequence, whose prefix the core compares).
         let tokens = convert::tokens(tokens, "tokens", SEQUENCE)?;
-        self.run(py, move |m| m.add(id, &tokens, extra, extends)).map(PyAdded::from)
+        self.enter(py, Work::Long, move |m| m.add(id, &tokens, extra, extends)).map(PyAdded::from)
     }
 
     /// The hit the sequence would get now. Changes no cache state (counts a statistic).
     fn lookup(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<PyHit> {
         let id = self::seq_id(seq_id)?;
-        self.run(seq_id.py(), |m| m.lookup(id)).map(PyHit::from)
+        let work = Work::Measured(&|m| sequence_tokens(m, id));
+        self.enter(seq_id.py(), work, |m| m.lookup(id)).map(PyHit::from)
     }
 
     /// Schedules up to `max_tokens` tokens of a sequence for the next plan.
@@ -289,7 +328,8 @@ impl PyCacheManager {
         let max_tokens = u32_arg(max_tokens, "max_tokens", Domain::Request)?;
         let lookahead = u32_or(lookahead, "lookahead", 0)?;
         let work = max_tokens.saturating_add(lookahead) as usize;
-        self.run_sized(seq_id.py(), work, move |m| m.schedule(id, max_tokens, lookahead, exact))
+        let work = Work::Sized(work);
+        self.enter(seq_id.py(), work, move |m| m.schedule(id, max_tokens, lookahead, exact))
             .map(|s| s.map(PyScheduled::from))
     }
 
@@ -334,7 +374,7 @@ impl PyCacheManager {
     ) -> PyResult<()> {
         let id = self::seq_id(seq_id)?;
         let position = u32_arg(position, "position", Domain::Request)?;
-        self.run(seq_id.py(), move |m| m.request_checkpoint(id, position))
+        self.enter(seq_id.py(), Work::Short, move |m| m.request_checkpoint(id, position))
     }
 
     /// For backends without interior checkpoints: how many tokens to schedule so the chunk
@@ -346,19 +386,20 @@ impl PyCacheManager {
     ) -> PyResult<u32> {
         let id = self::seq_id(seq_id)?;
         let budget = u32_arg(token_budget, "token_budget", Domain::Request)?;
-        self.run(seq_id.py(), move |m| m.suggest_chunk(id, budget))
+        let work = Work::Sized(budget as usize);
+        self.enter(seq_id.py(), work, move |m| m.suggest_chunk(id, budget))
     }
 
     /// Builds the plan of every sequence scheduled since the last plan (by any thread) and
     /// puts it in flight (without the GIL when it holds more than 4,096 tokens). Commit or
     /// abort it before the next step.
     fn build_plan(&self, py: Python<'_>) -> PyResult<PyStepPlan> {
-        let plan =
-            self.run_measured(py, CacheManager::scheduled_tokens, CacheManager::build_plan)?;
-        let step_id = plan.step_id;
-        PyStepPlan::new(py, self.id, plan).inspect_err(|_| {
+        let work = Work::Measured(&CacheManager::scheduled_tokens);
+        let plan = self.enter(py, work, CacheManager::build_plan)?;
+        let (step_id, tokens) = (plan.step_id, plan.num_tokens());
+        PyStepPlan::new(py, plan).inspect_err(|_| {
             // The engine never saw the plan: take it out of flight again.
-            let _ = self.run(py, move |m| m.abort_step(step_id));
+            let _ = self.enter(py, Work::Sized(tokens), move |m| m.abort_step(step_id));
         })
     }
 
@@ -373,9 +414,9 @@ impl PyCacheManager {
         this.refuse_foreign_step(py, &target)?;
         // The core refills the plan kept in the buffers (no allocation once it is large enough).
         let mut scratch = target.take_scratch();
-        let plan = this.run_measured(py, CacheManager::scheduled_tokens, move |m| {
-            m.build_plan_into(&mut scratch).map(|()| scratch)
-        })?;
+        let work = Work::Measured(&CacheManager::scheduled_tokens);
+        let plan =
+            this.enter(py, work, move |m| m.build_plan_into(&mut scratch).map(|()| scratch))?;
         Self::deliver(slf, &mut target, plan)
     }
 
@@ -402,13 +443,12 @@ impl PyCacheManager {
         let tokens = convert::tokens(tokens, "tokens", BATCH)?;
         let mut target = buffers::borrow_mut(buffers)?;
         this.refuse_foreign_step(py, &target)?;
-        let held = target.step_id().filter(|_| target.owner().is_some_and(|o| o.id == this.id));
-        // The step to commit may be a long prefill chunk: its tokens count as work too.
-        let work = ids.len() + held.map_or(0, |_| target.scheduled_tokens());
         // The scratch plan is the step the buffers hold: the core commits it iff it is this
-        // manager's plan in flight.
+        // manager's plan in flight. That step may be a long prefill chunk: its tokens count as
+        // work too.
+        let work = Work::Sized(ids.len() + target.scheduled_tokens());
         let mut scratch = target.take_scratch();
-        let (scheduled, plan) = this.run_sized(py, work, move |m| {
+        let (scheduled, plan) = this.enter(py, work, move |m| {
             let scheduled = m.decode_step(&ids, &tokens, &mut scratch)?;
             Ok((scheduled, scratch))
         })?;
@@ -419,15 +459,15 @@ impl PyCacheManager {
     /// Publishes what the plan's step wrote and advances every sequence in it. `plan`: the
     /// `StepPlan` of `build_plan` or the `PlanBuffers` of `build_plan_into`.
     fn commit(&self, plan: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (step_id, work) = self.own_plan(plan, "commit")?;
-        self.run_sized(plan.py(), work, move |m| m.commit_step(step_id))
+        let (manager, step, work) = Self::plan_of(plan, "commit")?;
+        self.enter(plan.py(), Work::Sized(work), move |m| m.commit(&plan_identity(manager, step)))
     }
 
     /// Undoes the plan's step (the forward failed): nothing is published and every sequence
     /// is back where it was.
     fn abort(&self, plan: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (step_id, work) = self.own_plan(plan, "abort")?;
-        self.run_sized(plan.py(), work, move |m| m.abort_step(step_id))
+        let (manager, step, work) = Self::plan_of(plan, "abort")?;
+        self.enter(plan.py(), Work::Sized(work), move |m| m.abort(&plan_identity(manager, step)))
     }
 
     /// `commit` by step id (`plan_in_flight`), for a step whose `StepPlan` or `PlanBuffers` is
@@ -436,7 +476,7 @@ impl PyCacheManager {
     fn commit_step(&self, step_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = step_id.py();
         let step_id = u64_arg(step_id, "step_id", Domain::Request)?;
-        self.run(py, move |m| m.commit_step(step_id))
+        self.enter(py, Work::Long, move |m| m.commit_step(step_id))
     }
 
     /// `abort` by step id (`plan_in_flight`): the way out for a step whose `StepPlan` or
@@ -447,40 +487,43 @@ impl PyCacheManager {
     fn abort_step(&self, step_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = step_id.py();
         let step_id = u64_arg(step_id, "step_id", Domain::Request)?;
-        self.run(py, move |m| m.abort_step(step_id))
+        self.enter(py, Work::Long, move |m| m.abort_step(step_id))
     }
 
     /// Appends sampled (or new user) tokens to a sequence; new full units are hashed.
     fn append(&self, seq_id: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::seq_id(seq_id)?;
         let tokens = convert::tokens(tokens, "tokens", SEQUENCE)?;
-        self.run_sized(seq_id.py(), tokens.len(), move |m| m.append(id, &tokens))
+        self.enter(seq_id.py(), Work::Sized(tokens.len()), move |m| m.append(id, &tokens))
     }
 
     /// One token per sequence (a decode step) in one call; every id is checked first.
     fn append_batch(&self, seq_ids: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = self::seq_ids(seq_ids)?;
         let tokens = convert::tokens(tokens, "tokens", BATCH)?;
-        self.run_sized(seq_ids.py(), tokens.len(), move |m| m.append_batch(&ids, &tokens))
+        let work = Work::Sized(tokens.len());
+        self.enter(seq_ids.py(), work, move |m| m.append_batch(&ids, &tokens))
     }
 
     /// Releases a sequence's blocks (tail first), publishes its decode-tail checkpoint and
     /// keeps its tokens and hashes for `extends`. The id may be added again afterwards.
     fn finish(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::seq_id(seq_id)?;
-        self.run(seq_id.py(), move |m| m.finish(id))
+        let work = Work::Measured(&|m| sequence_tokens(m, id));
+        self.enter(seq_id.py(), work, move |m| m.finish(id))
     }
 
     /// Releases a sequence's blocks; it stays live and restarts from a fresh lookup at its
     /// next `schedule`.
     fn preempt(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::seq_id(seq_id)?;
-        self.run(seq_id.py(), move |m| m.preempt(id))
+        let work = Work::Measured(&|m| sequence_tokens(m, id));
+        self.enter(seq_id.py(), work, move |m| m.preempt(id))
     }
 
     /// Drops every cached block and key; `ResetRefusedError` while sequences hold blocks.
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
-        self.run(py, CacheManager::reset)
+        self.enter(py, Work::Long, CacheManager::reset)
     }
 
     /// Full block-table rows of paged group `group` for `seq_ids`: `int32 [R, C]`, padded
@@ -493,7 +536,8 @@ impl PyCacheManager {
         let py = group.py();
         let group = u32_arg(group, "group", Domain::Request)?;
         let ids = self::seq_ids(seq_ids)?;
-        let (flat, rows, columns) = self.run(py, move |m| m.block_table(group, &ids))?;
+        let (flat, rows, columns) =
+            self.enter(py, Work::Long, move |m| m.block_table(group, &ids))?;
         Array2::from_shape_vec((rows, columns), flat).map(|a| a.into_pyarray(py)).map_err(|e| {
             to_pyerr(py, CacheError::Invariant { message: format!("block table shape: {e}") })
         })
@@ -501,36 +545,36 @@ impl PyCacheManager {
 
     /// Takes the pending block events, oldest first.
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let records = self.run(py, |m| Ok(m.drain_events()))?;
+        let records = self.enter(py, Work::Long, |m| Ok(m.drain_events()))?;
         records.into_iter().map(|r| events::to_python(py, r, self.algorithm)).collect()
     }
 
     /// A snapshot of the counters.
     fn stats(&self, py: Python<'_>) -> PyResult<PyStats> {
-        self.run_short(py, |m| Ok(m.stats())).map(PyStats::from)
+        self.enter(py, Work::Short, |m| Ok(m.stats())).map(PyStats::from)
     }
 
     /// Block usage per pool, in pool order.
     fn pool_usage(&self, py: Python<'_>) -> PyResult<Vec<PyPoolUsage>> {
-        let usage = self.run_short(py, |m| Ok(m.pool_usage()))?;
+        let usage = self.enter(py, Work::Short, |m| Ok(m.pool_usage()))?;
         Ok(usage.into_iter().map(PyPoolUsage::from).collect())
     }
 
     /// Checks every internal invariant; `InvariantError` describes the first violation.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.run(py, |m| m.check_invariants())
+        self.enter(py, Work::Long, |m| m.check_invariants())
     }
 
     /// Tokens of a live sequence computed and committed so far.
     fn num_computed(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<u32> {
         let id = self::seq_id(seq_id)?;
-        self.run_short(seq_id.py(), move |m| m.num_computed(id))
+        self.enter(seq_id.py(), Work::Short, move |m| m.num_computed(id))
     }
 
     /// Tokens of a live sequence (prompt plus appended).
     fn num_tokens(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<u32> {
         let id = self::seq_id(seq_id)?;
-        self.run_short(seq_id.py(), move |m| m.num_tokens(id))
+        self.enter(seq_id.py(), Work::Short, move |m| m.num_tokens(id))
     }
 
     /// Test hook: panics inside the lock, as a core bug would (the manager is unusable after);
@@ -540,15 +584,11 @@ impl PyCacheManager {
         let f = |_: &mut CacheManager| -> Result<(), CacheError> {
             panic!("deliberate panic for testing")
         };
-        if short {
-            self.run_short(py, f)
-        } else {
-            self.run(py, f)
-        }
+        self.enter(py, if short { Work::Short } else { Work::Long }, f)
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        let state = self.run_short(py, |m| Ok((m.num_sequences(), m.plan_in_flight())));
+        let state = self.enter(py, Work::Short, |m| Ok((m.num_sequences(), m.plan_in_flight())));
         match state {
             Ok((live, plan)) => format!(
                 "CacheManager(sequences={live}, plan_in_flight={})",
@@ -577,20 +617,20 @@ impl PyCacheManager {
             convert::int_sequence(max_tokens, "max_tokens", u64::from(u32::MAX), BATCH)?
         };
         let work = budgets.iter().map(|&b| b as usize).fold(ids.len(), usize::saturating_add);
-        self.run_sized(py, work, move |m| m.schedule_batch(&ids, &budgets, exact))
+        self.enter(py, Work::Sized(work), move |m| m.schedule_batch(&ids, &budgets, exact))
     }
 
     /// Writes the plan just built into `target` and keeps it there for the next refill; if the
     /// write fails, the engine never saw the plan, so it is taken out of flight again.
     fn deliver(slf: &Bound<'_, Self>, target: &mut PyPlanBuffers, plan: StepPlan) -> PyResult<u64> {
         let (py, this) = (slf.py(), slf.get());
-        let step_id = plan.step_id;
+        let (step_id, plan_tokens) = (plan.step_id, plan.num_tokens());
         let manager = Arc::downgrade(&this.inner);
         let owner = Owner { id: this.id, manager, address: slf.as_ptr() as usize };
         let written = target.write(py, owner, &plan);
         target.keep_scratch(plan);
         written.inspect_err(|_| {
-            let _ = this.run(py, move |m| m.abort_step(step_id));
+            let _ = this.enter(py, Work::Sized(plan_tokens), move |m| m.abort_step(step_id));
         })?;
         Ok(step_id)
     }
@@ -607,14 +647,8 @@ impl PyCacheManager {
         let Some(other) = owner.manager.upgrade() else {
             return Ok(()); // that manager is gone, and its step with it
         };
-        // A poisoned manager is unusable anyway: nothing to protect.
-        let in_flight = match other.try_lock() {
-            Ok(manager) => manager.plan_in_flight(),
-            Err(TryLockError::WouldBlock) => {
-                py.detach(|| other.lock().ok().and_then(|m| m.plan_in_flight()))
-            }
-            Err(TryLockError::Poisoned(_)) => None,
-        };
+        // A poisoned manager (an error here) is unusable anyway: nothing to protect.
+        let in_flight = enter(py, &other, Work::Short, |m| Ok(m.plan_in_flight())).ok().flatten();
         if in_flight != Some(step) {
             return Ok(());
         }
@@ -632,13 +666,14 @@ impl PyCacheManager {
         ))
     }
 
-    /// The step id and scheduled tokens of a `StepPlan` or `PlanBuffers`, if this manager
-    /// built the step.
-    fn own_plan(&self, plan: &Bound<'_, PyAny>, verb: &str) -> PyResult<(u64, usize)> {
+    /// The identity (the manager that built it, its step id) and the scheduled tokens of a
+    /// `StepPlan` or `PlanBuffers`: the core's `commit` / `abort` decide from the identity
+    /// whether the plan is this manager's to end.
+    fn plan_of(plan: &Bound<'_, PyAny>, verb: &str) -> PyResult<(u64, u64, usize)> {
         let py = plan.py();
         let (manager_id, step_id, tokens) = if let Ok(plan) = plan.cast::<PyStepPlan>() {
             let plan = plan.get();
-            (plan.manager_id, plan.step_id(), plan.scheduled_tokens())
+            (plan.manager_id(), plan.step_id(), plan.scheduled_tokens())
         } else if let Ok(buffers) = plan.cast::<PyPlanBuffers>() {
             let buffers = buffers::borrow(buffers)?;
             let Some(step_id) = buffers.step_id() else {
@@ -658,16 +693,6 @@ impl PyCacheManager {
                 plan.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string())
             )));
         };
-        if manager_id == self.id {
-            Ok((step_id, tokens))
-        } else {
-            Err(to_pyerr(
-                py,
-                CacheError::StalePlan {
-                    plan_step: step_id,
-                    state: "it was built by another CacheManager".to_string(),
-                },
-            ))
-        }
+        Ok((manager_id, step_id, tokens))
     }
 }

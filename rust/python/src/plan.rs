@@ -297,8 +297,9 @@ impl PyStateGroupPlan {
 /// array, and `torch.from_numpy` shares its memory.
 #[pyclass(frozen, name = "StepPlan", module = "prefixcache")]
 pub struct PyStepPlan {
-    /// The manager that built the plan (`commit` on another manager is refused).
-    pub(crate) manager_id: u64,
+    /// The core manager that built the plan (`StepPlan::manager`; another manager's `commit`
+    /// refuses it).
+    manager_id: u64,
     /// Identifies the step; `commit` and `abort` use it.
     #[pyo3(get)]
     step_id: u64,
@@ -313,11 +314,11 @@ pub struct PyStepPlan {
 }
 
 impl PyStepPlan {
-    pub(crate) fn new(py: Python<'_>, manager_id: u64, plan: StepPlan) -> PyResult<Self> {
+    pub(crate) fn new(py: Python<'_>, plan: StepPlan) -> PyResult<Self> {
         let num_tokens = plan.num_tokens();
         let seq_ids: Vec<i64> = plan.seq_ids.iter().map(|&id| id as i64).collect();
         Ok(Self {
-            manager_id,
+            manager_id: plan.manager,
             step_id: plan.step_id,
             seq_ids: PlanArray::vector(py, seq_ids)?,
             query_start_loc: PlanArray::vector(py, plan.query_start_loc)?,
@@ -340,6 +341,10 @@ impl PyStepPlan {
 
     pub(crate) fn step_id(&self) -> u64 {
         self.step_id
+    }
+
+    pub(crate) fn manager_id(&self) -> u64 {
+        self.manager_id
     }
 
     /// Tokens the step schedules (what `commit` and `abort` work through).
