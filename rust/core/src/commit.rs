@@ -99,11 +99,11 @@ impl CacheManager {
         if self.commit_quiet_step(slot) {
             return;
         }
-        let Some(mut seq) = self.seqs[slot].take() else {
+        let Some(mut seq) = self.table.take(slot) else {
             return;
         };
         let Some(mut step) = seq.take_step() else {
-            self.seqs[slot] = Some(seq);
+            self.table.put(slot, seq);
             return;
         };
         let (start, end, unit) = (step.start, step.end, self.unit);
@@ -163,7 +163,7 @@ impl CacheManager {
         (seq.paged, seq.state) = (paged_seqs, state_seqs);
         seq.num_computed = end;
         seq.recycle_step(&mut step);
-        self.seqs[slot] = Some(seq);
+        self.table.put(slot, seq);
     }
 
     /// Commits a step that publishes nothing (most decode steps: no unit boundary crossed, no
@@ -171,9 +171,7 @@ impl CacheManager {
     /// slot. Returns false, having changed nothing, for any other step.
     fn commit_quiet_step(&mut self, slot: usize) -> bool {
         let unit = self.unit;
-        let Some(seq) = self.seqs[slot].as_mut() else {
-            return false;
-        };
+        let seq = self.table.get_mut(slot);
         let Some(step) = seq.step() else {
             return false;
         };
@@ -223,11 +221,11 @@ impl CacheManager {
 
     /// Undoes a scheduled or in-flight step of one sequence.
     pub(crate) fn undo_step(&mut self, slot: usize) {
-        let Some(mut seq) = self.seqs[slot].take() else {
+        let Some(mut seq) = self.table.take(slot) else {
             return;
         };
         let Some(mut step) = seq.take_step() else {
-            self.seqs[slot] = Some(seq);
+            self.table.put(slot, seq);
             return;
         };
         for slot in &self.layout.slots {
@@ -268,7 +266,7 @@ impl CacheManager {
             self.started -= 1;
         }
         seq.recycle_step(&mut step);
-        self.seqs[slot] = Some(seq);
+        self.table.put(slot, seq);
     }
 }
 

@@ -27,7 +27,7 @@ impl CacheManager {
         let mut expected: Vec<Vec<u32>> =
             self.store.pools.iter().map(|p| vec![0; p.num_blocks() as usize]).collect();
         let mut started = 0;
-        for seq in self.seqs.iter().flatten() {
+        for (_, seq) in self.table.iter() {
             started += usize::from(seq.started());
             let (paged_groups, state_groups) = (self.layout.paged.len(), self.layout.state.len());
             let step_shape = seq.step().map(|s| (s.paged.len(), s.state.len()));
@@ -193,7 +193,7 @@ impl CacheManager {
         let pending: u64 = self
             .scheduled
             .iter()
-            .filter_map(|&slot| self.seqs.get(slot)?.as_ref()?.step())
+            .filter_map(|&slot| self.table.get(slot).step())
             .map(|step| u64::from(step.end - step.start))
             .sum();
         if pending != u64::from(self.scheduled_tokens) {
@@ -203,8 +203,7 @@ impl CacheManager {
             )));
         }
         let in_flight: &[usize] = self.in_flight.as_ref().map_or(&[], |f| f.slots.as_slice());
-        for (slot, seq) in self.seqs.iter().enumerate() {
-            let Some(seq) = seq else { continue };
+        for (slot, seq) in self.table.iter() {
             let listed = self.scheduled.contains(&slot) || in_flight.contains(&slot);
             if listed != seq.step().is_some() {
                 return Err(CacheError::invariant(format!(

@@ -22,6 +22,7 @@ mod schedule;
 mod sequence;
 pub mod stats;
 mod store;
+mod table;
 
 pub use config::{
     aligned_geometry, is_exportable_offset, nearest_exportable_offsets, CacheConfig,

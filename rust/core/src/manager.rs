@@ -18,10 +18,7 @@
 //! (see `pool.rs`); a started sequence holds exactly the blocks of its tables, its running
 //! buffers, its resume pin, its decode-tail snapshot and the blocks of its pending step.
 
-use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-use rustc_hash::FxHashMap;
 
 use crate::config::{CacheConfig, CheckpointGrid, GroupLayout, GroupSlot};
 use crate::error::{CacheError, Result};
@@ -30,11 +27,10 @@ use crate::hashing::{validate_sequence, Digest, ExtraKeys, Hasher};
 use crate::hit::{compute_hit, Hit};
 use crate::index::HashIndex;
 use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
-use crate::sequence::{
-    shared_units, Continued, FinishedCache, FinishedSequence, PagedSeq, Phase, Sequence, StateSeq,
-};
+use crate::sequence::{shared_units, PagedSeq, Phase, Sequence, StateSeq};
 use crate::stats::{GroupStats, Stats};
 use crate::store::BlockStore;
+use crate::table::SequenceTable;
 
 pub use crate::limits::MAX_SEQUENCE_TOKENS;
 use crate::limits::{human_bytes, try_vec, MAX_BATCH_SEQUENCES};
@@ -51,9 +47,6 @@ pub(crate) fn check_batch_len(len: usize, call: &str) -> Result<()> {
     }
     Ok(())
 }
-
-/// What `extends` resolves to: tokens, extra keys and unit hashes.
-type ExtendsSource<'a> = (Cow<'a, [u32]>, Cow<'a, ExtraKeys>, Cow<'a, [Digest]>);
 
 /// The plan in flight.
 #[derive(Clone, Debug)]
@@ -98,27 +91,17 @@ pub struct CacheManager {
     /// Pools, index, eviction record and events: every allocation, publication and eviction.
     pub(crate) store: BlockStore,
     pub(crate) hasher: Hasher,
-    pub(crate) seqs: Vec<Option<Sequence>>,
-    pub(crate) free_slots: Vec<usize>,
-    pub(crate) by_id: FxHashMap<u64, usize>,
-    /// With `reuse_live_prefixes`: first-unit digest -> the live sequence added last with it
-    /// (the entry goes when that sequence finishes).
-    pub(crate) live_prefixes: FxHashMap<Digest, u64>,
-    pub(crate) finished: FinishedCache,
+    /// Live sequences by id and slot, the finished ones kept for `extends`, live prefixes.
+    pub(crate) table: SequenceTable,
     /// Slots scheduled since the last plan, in schedule order.
     pub(crate) scheduled: Vec<usize>,
     /// Tokens those slots scheduled, at most `MAX_STEP_TOKENS`.
     pub(crate) scheduled_tokens: u32,
     pub(crate) in_flight: Option<InFlight>,
     pub(crate) next_step: u64,
-    /// Serial of the next sequence added.
-    pub(crate) next_serial: u64,
     /// Started sequences (holding blocks).
     pub(crate) started: usize,
     pub(crate) stats: Stats,
-    /// Per slot, the stamp of the last batch call that named it (see `refuse_repeats`).
-    pub(crate) batch_marks: Vec<u64>,
-    pub(crate) batch_stamp: u64,
 }
 
 /// Most keys the hash index reserves room for up front (one per pool block below it); a
@@ -165,20 +148,13 @@ impl CacheManager {
             grid: config.checkpoint_grid(),
             store,
             hasher,
-            seqs: Vec::new(),
-            free_slots: Vec::new(),
-            by_id: FxHashMap::default(),
-            live_prefixes: FxHashMap::default(),
-            finished: FinishedCache::new(config.finished_cache_bytes),
+            table: SequenceTable::new(config.finished_cache_bytes),
             scheduled: Vec::new(),
             scheduled_tokens: 0,
             in_flight: None,
             next_step: 1,
-            next_serial: 0,
             started: 0,
             stats,
-            batch_marks: Vec::new(),
-            batch_stamp: 0,
             layout,
             config,
         })
@@ -202,22 +178,19 @@ impl CacheManager {
         self.manager_id
     }
 
+    #[inline]
     pub(crate) fn slot(&self, seq_id: u64) -> Result<usize> {
-        // A `match`, not `ok_or(..)`: the error is built only on the miss (an eagerly built
-        // one is dropped on every hit, through `CacheError`'s drop glue).
-        match self.by_id.get(&seq_id) {
-            Some(&slot) => Ok(slot),
-            None => Err(CacheError::UnknownSequence { seq_id }),
-        }
+        self.table.slot(seq_id)
     }
 
+    #[inline]
     pub(crate) fn seq(&self, slot: usize) -> &Sequence {
-        // Slots come from `by_id` or the step lists, which only name live sequences.
-        self.seqs[slot].as_ref().unwrap_or_else(|| unreachable!("slot {slot} is not live"))
+        self.table.get(slot)
     }
 
+    #[inline]
     pub(crate) fn seq_mut(&mut self, slot: usize) -> &mut Sequence {
-        self.seqs[slot].as_mut().unwrap_or_else(|| unreachable!("slot {slot} is not live"))
+        self.table.get_mut(slot)
     }
 
     /// The hit rule applied to a live sequence now, with the full-attention chains it chose.
@@ -245,7 +218,7 @@ impl CacheManager {
         extra: ExtraKeys,
         extends: Option<u64>,
     ) -> Result<Added> {
-        if self.by_id.contains_key(&seq_id) {
+        if self.table.by_id.contains_key(&seq_id) {
             return Err(CacheError::DuplicateSequence { seq_id });
         }
         if tokens.is_empty() {
@@ -262,7 +235,7 @@ impl CacheManager {
             Some(_) => (None, None),
         };
         let (extends_found, (common, n)) =
-            match extends.or(live).and_then(|o| self.extends_source(o)) {
+            match extends.or(live).and_then(|o| self.table.extends_source(o)) {
                 Some((t, e, h)) => {
                     (extends.is_some(), shared_units(unit, tokens, &extra, &t, &e, h.len()))
                 }
@@ -278,15 +251,15 @@ impl CacheManager {
             Some(o) if n > 0 => self.extends_hint(o, shared_tokens),
             _ => Vec::new(),
         };
-        let serial = self.next_serial;
-        self.next_serial += 1;
+        let serial = self.table.next_serial;
+        self.table.next_serial += 1;
         let direct = extends
-            .filter(|&o| n > 0 && !self.by_id.contains_key(&o))
-            .and_then(|o| self.finished.serial_of(o));
+            .filter(|&o| n > 0 && !self.table.by_id.contains_key(&o))
+            .and_then(|o| self.table.finished.serial_of(o));
         let taken = match direct {
-            Some(previous) => {
-                self.continue_finished(previous, seq_id, serial, common, n, capacity)?
-            }
+            Some(previous) => self
+                .table
+                .continue_finished(self.unit, previous, seq_id, serial, common, n, capacity)?,
             None => None,
         };
         let (owned, mut hashes) = if let Some(previous) = taken {
@@ -299,7 +272,7 @@ impl CacheManager {
         } else {
             let mut hashes = try_vec(capacity / unit as usize, "the digests of the prompt")
                 .map_err(CacheError::invalid)?;
-            if let Some((_, _, other_hashes)) = extends.and_then(|o| self.extends_source(o)) {
+            if let Some((_, _, other_hashes)) = extends.and_then(|o| self.table.extends_source(o)) {
                 hashes.extend_from_slice(&other_hashes[..n]);
             }
             let mut owned =
@@ -317,9 +290,9 @@ impl CacheManager {
         self.hasher.extend(&owned, unit, &extra, &mut hashes);
         let hashed_units = (hashes.len() - reused) as u32;
         if let Some(&h) = hashes.first().filter(|_| self.config.reuse_live_prefixes) {
-            self.live_prefixes.insert(h, seq_id);
+            self.table.live_prefixes.insert(h, seq_id);
         }
-        self.finished.unmap(seq_id);
+        self.table.finished.unmap(seq_id);
         let seq = Sequence {
             id: seq_id,
             serial,
@@ -336,60 +309,8 @@ impl CacheManager {
             spare_paged: Vec::new(),
             spare_state: Vec::new(),
         };
-        let slot = if let Some(slot) = self.free_slots.pop() {
-            self.seqs[slot] = Some(seq);
-            slot
-        } else {
-            self.seqs.push(Some(seq));
-            self.seqs.len() - 1
-        };
-        self.by_id.insert(seq_id, slot);
+        self.table.insert(seq);
         Ok(Added { reused_tokens: reused as u32 * unit, hashed_units, extends_found })
-    }
-
-    /// Takes the buffers of finished sequence `serial` over for its continuation `seq_id`
-    /// (serial `by_serial`), which shares its first `common` tokens (measured against exactly
-    /// these tokens) and `units` digests: returns it with its tokens cut to `common` (with room
-    /// for `capacity`) and its digests cut to `units`. What the continuation does not share,
-    /// and the extra keys, stay in a record. The room is reserved before anything changes: on
-    /// failure the finished sequence is kept as it was.
-    fn continue_finished(
-        &mut self,
-        serial: u64,
-        seq_id: u64,
-        by_serial: u64,
-        common: usize,
-        units: usize,
-        capacity: usize,
-    ) -> Result<Option<FinishedSequence>> {
-        let unit = self.unit as usize;
-        if let Err(bytes) = self.finished.reserve(serial, capacity, capacity / unit) {
-            return Err(CacheError::invalid(format!(
-                "the continuation of a finished sequence needs {} more of memory, which could not \
-                 be allocated",
-                human_bytes(bytes)
-            )));
-        }
-        let Some(previous) = self.finished.take_serial(serial) else {
-            return Ok(None);
-        };
-        let (mut owned, mut hashes) = (previous.tokens, previous.hashes);
-        let record = Continued {
-            by: seq_id,
-            by_serial,
-            tokens: common,
-            units,
-            tail_tokens: owned.split_off(common),
-            tail_hashes: hashes.split_off(units),
-            extra: previous.extra,
-        };
-        self.finished.set_continued(previous.serial, previous.id, record);
-        Ok(Some(FinishedSequence {
-            tokens: owned,
-            hashes,
-            extra: ExtraKeys::default(),
-            ..previous
-        }))
     }
 
     /// Without `extends`, a live sequence with the same first unit stands in for it (with
@@ -406,7 +327,7 @@ impl CacheManager {
             return (None, None);
         };
         let first = self.hasher.hash_unit(&self.hasher.seed_digest(), 0, head, extra);
-        (Some(first), self.live_prefixes.get(&first).copied())
+        (Some(first), self.table.live_prefixes.get(&first).copied())
     }
 
     /// Per group, the first blocks of a sequence's full-attention table covering at most
@@ -428,10 +349,12 @@ impl CacheManager {
 
     /// The blocks `extends = id` held for the first `tokens` tokens (live or finished).
     fn extends_hint(&self, id: u64, tokens: usize) -> Vec<Vec<BlockId>> {
-        if let Some(&slot) = self.by_id.get(&id) {
+        if let Some(&slot) = self.table.by_id.get(&id) {
             return self.full_attention_tables(self.seq(slot), tokens);
         }
-        let Some(f) = self.finished.serial_of(id).and_then(|s| self.finished.get_serial(s)) else {
+        let Some(f) =
+            self.table.finished.serial_of(id).and_then(|s| self.table.finished.get_serial(s))
+        else {
             return Vec::new();
         };
         f.chains
@@ -443,55 +366,6 @@ impl CacheManager {
                 chain[..full.min(chain.len())].to_vec()
             })
             .collect()
-    }
-
-    /// The tokens, extra keys and hashes `extends = id` refers to: a live sequence, a finished
-    /// one, or a finished one whose buffers its continuation took over (rebuilt from the
-    /// continuation's prefix and the record's tail: exactly what the finished sequence held).
-    fn extends_source(&self, id: u64) -> Option<ExtendsSource<'_>> {
-        if let Some(&slot) = self.by_id.get(&id) {
-            let s = self.seq(slot);
-            return Some((
-                Cow::Borrowed(&s.tokens),
-                Cow::Borrowed(&s.extra),
-                Cow::Borrowed(&s.hashes),
-            ));
-        }
-        self.source_by_serial(self.finished.serial_of(id)?, id, 0)
-    }
-
-    /// The sequence with this serial, last known under `id`.
-    fn source_by_serial(&self, serial: u64, id: u64, depth: usize) -> Option<ExtendsSource<'_>> {
-        if let Some(s) = self.by_id.get(&id).map(|&slot| self.seq(slot)) {
-            if s.serial == serial {
-                return Some((
-                    Cow::Borrowed(&s.tokens),
-                    Cow::Borrowed(&s.extra),
-                    Cow::Borrowed(&s.hashes),
-                ));
-            }
-        }
-        if let Some(f) = self.finished.get_serial(serial) {
-            return Some((
-                Cow::Borrowed(&f.tokens),
-                Cow::Borrowed(&f.extra),
-                Cow::Borrowed(&f.hashes),
-            ));
-        }
-        // Turn after turn, continuations chain; a bounded depth keeps this cheap and finite.
-        if depth >= 64 {
-            return None;
-        }
-        let record = self.finished.continued(serial)?;
-        let (tokens, _, hashes) = self.source_by_serial(record.by_serial, record.by, depth + 1)?;
-        if tokens.len() < record.tokens || hashes.len() < record.units {
-            return None;
-        }
-        let mut own_tokens = tokens[..record.tokens].to_vec();
-        own_tokens.extend_from_slice(&record.tail_tokens);
-        let mut own_hashes = hashes[..record.units].to_vec();
-        own_hashes.extend_from_slice(&record.tail_hashes);
-        Some((Cow::Owned(own_tokens), Cow::Borrowed(&record.extra), Cow::Owned(own_hashes)))
     }
 
     /// The reconciled hit of a live sequence now. Changes no cache state (counts a statistic).
@@ -534,7 +408,7 @@ impl CacheManager {
             self.check_append(slot, 1)?;
             slots.push(slot);
         }
-        self.refuse_repeats(&slots, "append_batch")?;
+        self.table.refuse_repeats(&slots, "append_batch")?;
         for (&slot, token) in slots.iter().zip(tokens) {
             self.append_slot(slot, std::slice::from_ref(token))?;
         }
@@ -556,7 +430,7 @@ impl CacheManager {
     /// Appends to a live sequence whose length the caller checked (`check_append`).
     pub(crate) fn append_slot(&mut self, slot: usize, tokens: &[u32]) -> Result<()> {
         let unit = self.unit;
-        let seq = self.seqs[slot].as_mut().ok_or_else(|| CacheError::invalid("stale slot"))?;
+        let seq = self.table.get_mut(slot);
         // Beyond the headroom `add` reserved (a decode step's token never is), the new tokens
         // and their digests are reserved fallibly: the caller chose how many there are.
         if seq.tokens.capacity() - seq.tokens.len() < tokens.len() {
@@ -588,26 +462,7 @@ impl CacheManager {
         self.drop_scheduled(slot);
         let chains = self.full_attention_tables(self.seq(slot), usize::MAX);
         self.release_all(slot, true);
-        self.by_id.remove(&seq_id);
-        if let Some(seq) = self.seqs[slot].take() {
-            if let Some(h) = seq.hashes.first() {
-                if self.live_prefixes.get(h) == Some(&seq_id) {
-                    self.live_prefixes.remove(h);
-                }
-            }
-            self.finished.insert(
-                seq_id,
-                FinishedSequence {
-                    id: seq_id,
-                    serial: seq.serial,
-                    chains,
-                    tokens: seq.tokens,
-                    extra: seq.extra,
-                    hashes: seq.hashes,
-                },
-            );
-        }
-        self.free_slots.push(slot);
+        self.table.finish(slot, chains);
         Ok(())
     }
 
@@ -634,7 +489,7 @@ impl CacheManager {
 
     /// Releases every block a started sequence holds, tail first.
     fn release_all(&mut self, slot: usize, publish_decode_tail: bool) {
-        let Some(mut seq) = self.seqs[slot].take() else {
+        let Some(mut seq) = self.table.take(slot) else {
             return;
         };
         if seq.started() {
@@ -667,7 +522,7 @@ impl CacheManager {
         if seq.started() {
             seq.stop();
         }
-        self.seqs[slot] = Some(seq);
+        self.table.put(slot, seq);
     }
 
     /// Drops every cached block and key. Refused while any sequence holds blocks or a plan is
@@ -721,13 +576,13 @@ impl CacheManager {
     /// Number of live sequences.
     #[must_use]
     pub fn num_sequences(&self) -> usize {
-        self.by_id.len()
+        self.table.by_id.len()
     }
 
     /// Number of finished sequences kept for `extends`.
     #[must_use]
     pub fn num_finished_cached(&self) -> usize {
-        self.finished.len()
+        self.table.finished.len()
     }
 
     /// Tokens of a live sequence computed and committed so far.

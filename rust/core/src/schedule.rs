@@ -85,7 +85,7 @@ impl CacheManager {
             self.check_schedulable(slot, 0)?;
             slots.push(slot);
         }
-        self.refuse_repeats(&slots, "schedule_batch")?;
+        self.table.refuse_repeats(&slots, "schedule_batch")?;
         // Collected from an exactly sized iterator (a `collect::<Result<_>>` is not one); an
         // error, a bug in the core (see `take_block`), is returned once the batch is through.
         let mut failure = None;
@@ -139,7 +139,7 @@ impl CacheManager {
             self.check_append(slot, 1)?;
             slots.push(slot);
         }
-        self.refuse_repeats(&slots, "decode_step")?;
+        self.table.refuse_repeats(&slots, "decode_step")?;
         for (&slot, token) in slots.iter().zip(tokens) {
             self.append_slot(slot, std::slice::from_ref(token))?;
         }
@@ -158,28 +158,6 @@ impl CacheManager {
         }
         self.build_plan_into(plan)?;
         Ok(scheduled)
-    }
-
-    /// `StepError` naming a sequence that appears twice in one `call`: each slot is stamped
-    /// with the call's number, in one pass, without sorting or copying the batch.
-    pub(crate) fn refuse_repeats(&mut self, slots: &[usize], call: &str) -> Result<()> {
-        self.batch_stamp += 1;
-        let stamp = self.batch_stamp;
-        if self.batch_marks.len() < self.seqs.len() {
-            self.batch_marks.resize(self.seqs.len(), 0);
-        }
-        for &slot in slots {
-            let mark = &mut self.batch_marks[slot];
-            if *mark == stamp {
-                let id = self.seq(slot).id;
-                return Err(CacheError::step(format!(
-                    "sequence {id} appears twice in one {call}: give each sequence once (several \
-                     tokens of one sequence go in one append call)"
-                )));
-            }
-            *mark = stamp;
-        }
-        Ok(())
     }
 
     /// `StepError` for a sequence already scheduled for the next plan.
