@@ -6,6 +6,7 @@
 //! `add` -> `lookup` -> `schedule` -> `build_plan` -> kernels -> `commit` | `abort`.
 #![forbid(unsafe_code)]
 
+mod admission;
 mod checkpoints;
 mod commit;
 pub mod config;

@@ -1,20 +1,21 @@
-//! `schedule`: admitting a sequence at its hit and giving it the blocks of its next chunk.
+//! The scheduling calls of the protocol: `schedule`, `schedule_batch`, `decode_step` and
+//! `suggest_chunk`, with their argument and state checks and the chunk's end (`CheckpointGrid`).
 //!
 //! The first schedule of a sequence runs the lookup again, pins the hit (reference counts are
 //! taken before anything is allocated, so this call cannot evict its own hit) and starts from
 //! it. Every schedule is atomic: when a pool cannot supply the blocks the sequence itself needs
 //! (paged blocks, copy-on-write destination, running-state buffers) it returns `None` and
-//! changes nothing but a counter. Checkpoint blocks are chosen later, by `build_plan`, and never
-//! make a schedule fail.
+//! changes nothing but a counter. Which blocks a chunk gets is `admission.rs`'s; checkpoint
+//! blocks are chosen later, by `build_plan`, and never make a schedule fail. Nothing here
+//! publishes or builds a plan's rows (beyond `decode_step` calling `build_plan_into`).
 
-use crate::config::GroupSlot;
+use crate::admission::{admission, blocks_available, tables_cover, take_blocks};
 use crate::error::{CacheError, Result};
-use crate::hit::{choose_block, Hit};
+use crate::hit::Hit;
 use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS, MAX_STEP_TOKENS};
 use crate::manager::{check_batch_len, CacheManager};
 use crate::plan::StepPlan;
-use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
-use crate::sequence::{PagedSeq, PagedStep, Phase, Sequence, StateSeq, StateStep, StepRecord};
+use crate::sequence::{PagedStep, Phase, Sequence, StateStep, StepRecord};
 
 /// What `schedule` gave a sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,21 +27,6 @@ pub struct Scheduled {
     pub num_tokens: u32,
     /// The hit this schedule started from (`Some` only on a sequence's first schedule).
     pub hit: Option<Hit>,
-}
-
-/// How a sequence's first step uses its hit in one paged group.
-struct PagedAdmission {
-    /// Table entries (null outside a sliding window).
-    table: Vec<BlockId>,
-    /// Copy-on-write source and tokens to copy.
-    cow: Option<(BlockId, u32)>,
-}
-
-/// How a sequence's first step uses its hit: per paged group of the layout its table, per
-/// state group the checkpoint resumed from (the null block: the zero state).
-struct Admission {
-    paged: Vec<PagedAdmission>,
-    resume: Vec<BlockId>,
 }
 
 impl CacheManager {
@@ -246,12 +232,20 @@ impl CacheManager {
                 hit: Some(hit),
             }));
         }
-        let admissions = self.admissions(slot, hit.tokens, chains);
-        if !self.blocks_available(slot, end + lookahead, Some(&admissions)) {
+        let admission = admission(&self.store, &self.layout, self.seq(slot), hit.tokens, chains);
+        if !blocks_available(
+            &self.store,
+            &self.layout,
+            self.seq(slot),
+            end + lookahead,
+            Some(&admission),
+        ) {
             self.stats.refused_schedules += 1;
             return Ok(None);
         }
-        let (paged, state) = self.take_blocks(slot, end + lookahead, Some(&admissions))?;
+        let seq = self.table.get_mut(slot);
+        let (paged, state) =
+            take_blocks(&mut self.store, &self.layout, seq, end + lookahead, Some(&admission))?;
         let seq = self.seq_mut(slot);
         seq.hint_chains = Vec::new();
         seq.num_computed = start;
@@ -292,7 +286,7 @@ impl CacheManager {
             return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
         }
         let reach = end + lookahead;
-        let (paged, state) = if self.tables_cover(slot, reach) {
+        let (paged, state) = if tables_cover(&self.layout, self.seq(slot), reach) {
             // What `take_blocks` returns when every table covers the chunk, without its
             // per-group block arithmetic (10.2K against 9.1K instructions a hybrid decode
             // step by `baseline hybrid N`).
@@ -305,11 +299,11 @@ impl CacheManager {
             state.resize_with(seq.state.len(), StateStep::default);
             (paged, state)
         } else {
-            if !self.blocks_available(slot, reach, None) {
+            if !blocks_available(&self.store, &self.layout, self.seq(slot), reach, None) {
                 self.stats.refused_schedules += 1;
                 return Ok(None);
             }
-            self.take_blocks(slot, reach, None)?
+            take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?
         };
         let requested = Vec::new();
         self.seq_mut(slot).schedule_step(StepRecord {
@@ -326,15 +320,6 @@ impl CacheManager {
         Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: None }))
     }
 
-    /// Whether every paged table of a started sequence already has the blocks for tokens
-    /// `[0, reach)`.
-    fn tables_cover(&self, slot: usize, reach: u32) -> bool {
-        let seq = self.seq(slot);
-        self.layout.paged.iter().zip(&seq.paged).all(|(group, paged)| {
-            paged.table.len() as u64 * u64::from(group.block_size) >= u64::from(reach)
-        })
-    }
-
     /// Where a chunk of up to `max_tokens` from `start` ends: within what the step has left of
     /// `MAX_STEP_TOKENS`, and a non-final chunk is trimmed to a multiple of the chunk alignment
     /// unless `exact`.
@@ -346,188 +331,6 @@ impl CacheManager {
         } else {
             self.grid.trim_chunk_end(end, total)
         }
-    }
-
-    /// Which published blocks a first step uses, per group, for a hit of `hit` tokens.
-    /// `chains` are the full-attention blocks the hit's lookup chose (possibly empty).
-    fn admissions(&self, slot: usize, hit: u32, mut chains: Vec<Vec<BlockId>>) -> Admission {
-        let seq = self.seq(slot).content();
-        let paged = self
-            .layout
-            .paged
-            .iter()
-            .map(|group| {
-                let (gid, block_size) = (group.index as u32, group.block_size);
-                let first_col = group.window.map_or(0, |w| hit.saturating_sub(w) / block_size);
-                let full = hit / block_size;
-                let chain = chains.get_mut(group.index).map(std::mem::take).unwrap_or_default();
-                let table = if first_col == 0 && chain.len() >= full as usize {
-                    let mut chain = chain;
-                    chain.truncate(full as usize);
-                    chain
-                } else {
-                    (0..full)
-                        .map(|c| {
-                            if c < first_col {
-                                NULL_BLOCK
-                            } else {
-                                choose_block(&self.store, seq, gid, (c + 1) * block_size)
-                            }
-                        })
-                        .collect()
-                };
-                let cow = (hit % block_size != 0)
-                    .then(|| (choose_block(&self.store, seq, gid, hit), hit % block_size));
-                PagedAdmission { table, cow }
-            })
-            .collect();
-        let resume = self
-            .layout
-            .state
-            .iter()
-            .map(|group| {
-                if hit > 0 {
-                    choose_block(&self.store, seq, group.index as u32, hit)
-                } else {
-                    NULL_BLOCK
-                }
-            })
-            .collect();
-        Admission { paged, resume }
-    }
-
-    /// Whether every pool can supply the new blocks this chunk needs, counting the cached
-    /// blocks the hit is about to pin as unavailable.
-    fn blocks_available(&self, slot: usize, end: u32, admission: Option<&Admission>) -> bool {
-        let seq = self.seq(slot);
-        (0..self.store.pools.len()).all(|pool| {
-            let p = &self.store.pools[pool];
-            let cached = |b: &BlockId| *b != NULL_BLOCK && p.is_cached(*b);
-            let mut need = 0u64;
-            for (i, group) in self.layout.paged.iter().enumerate().filter(|(_, g)| g.pool == pool) {
-                let cols = end.div_ceil(group.block_size) as usize;
-                let have = match admission {
-                    Some(a) => {
-                        let a = &a.paged[i];
-                        // Pinning takes these out of the evictable set.
-                        let src = a.cow.as_ref().map(|(src, _)| src);
-                        need += a.table.iter().chain(src).filter(|b| cached(b)).count() as u64;
-                        a.table.len()
-                    }
-                    None => seq.paged[i].table.len(),
-                };
-                need += cols.saturating_sub(have) as u64;
-            }
-            if let Some(a) = admission {
-                for (i, _) in self.layout.state.iter().enumerate().filter(|(_, g)| g.pool == pool) {
-                    // The resume pin, and the two running buffers.
-                    need += u64::from(cached(&a.resume[i])) + 2;
-                }
-            }
-            need <= u64::from(p.num_available())
-        })
-    }
-
-    /// One block the capacity check (`blocks_available`) promised: its absence is a bug in the
-    /// core, reported as an invariant error rather than a null block in a plan.
-    fn take_block(&mut self, pool: usize, kind: BlockKind, g: usize) -> Result<BlockId> {
-        self.store.allocate(pool, kind, g as u32).ok_or_else(|| {
-            CacheError::invariant(format!(
-                "pool {pool} could not supply a {kind:?} block for group {g} after its capacity \
-                 check promised it"
-            ))
-        })
-    }
-
-    /// Pins the hit and allocates the chunk's blocks, group by group in config order; only
-    /// called once `blocks_available`. Returns the step's part of each paged and state group.
-    fn take_blocks(
-        &mut self,
-        slot: usize,
-        end: u32,
-        admission: Option<&Admission>,
-    ) -> Result<(Vec<PagedStep>, Vec<StateStep>)> {
-        let seq = self.seq_mut(slot);
-        let mut paged_steps = std::mem::take(&mut seq.spare_paged);
-        let mut state_steps = std::mem::take(&mut seq.spare_state);
-        // Every group's hit is pinned before any group allocates: groups may share a pool, and
-        // an allocation must not evict a block another group is about to resume from.
-        if let Some(a) = admission {
-            for (g, group) in self.layout.slots.iter().enumerate() {
-                let pool = &mut self.store.pools[self.layout.pool_of[g]];
-                let mut pin = |b: BlockId| {
-                    pool.incref(b);
-                    pool.touch(b);
-                };
-                match *group {
-                    GroupSlot::Paged(i) => {
-                        let a = &a.paged[i];
-                        a.table.iter().copied().for_each(&mut pin);
-                        // (the null resume of a paged group: it advances the pool's clock)
-                        pin(NULL_BLOCK);
-                        a.cow.iter().for_each(|&(src, _)| pin(src));
-                    }
-                    GroupSlot::State(i) => pin(a.resume[i]),
-                }
-            }
-        }
-        for g in 0..self.layout.len() {
-            let pool = self.layout.pool(g);
-            match self.layout.slots[g] {
-                GroupSlot::Paged(i) => {
-                    let cols = end.div_ceil(self.layout.paged[i].block_size) as usize;
-                    let seq = self.seq_mut(slot);
-                    let Some(a) = admission else {
-                        if seq.paged[i].table.len() >= cols {
-                            // A running sequence whose table already covers the chunk (most
-                            // decode steps): nothing to allocate, so its table stays.
-                            let table_len_before = seq.paged[i].table.len();
-                            paged_steps.push(PagedStep { table_len_before, cow: None });
-                            continue;
-                        }
-                        let mut paged = std::mem::take(&mut seq.paged[i]);
-                        let table_len_before = paged.table.len();
-                        while paged.table.len() < cols {
-                            paged.table.push(self.take_block(pool, BlockKind::Paged, g)?);
-                        }
-                        self.seq_mut(slot).paged[i] = paged;
-                        paged_steps.push(PagedStep { table_len_before, cow: None });
-                        continue;
-                    };
-                    let a = &a.paged[i];
-                    let mut paged = PagedSeq {
-                        window_start: a.table.iter().take_while(|&&b| b == NULL_BLOCK).count(),
-                        table: a.table.clone(),
-                        window_reported: 0,
-                    };
-                    let mut cow = None;
-                    if let Some((src, tokens)) = a.cow {
-                        let dst = self.take_block(pool, BlockKind::Paged, g)?;
-                        paged.table.push(dst);
-                        cow = Some((src, dst, tokens));
-                    }
-                    while paged.table.len() < cols {
-                        paged.table.push(self.take_block(pool, BlockKind::Paged, g)?);
-                    }
-                    self.seq_mut(slot).paged[i] = paged;
-                    paged_steps.push(PagedStep { table_len_before: 0, cow });
-                }
-                GroupSlot::State(i) => {
-                    if let Some(a) = admission {
-                        let r0 = self.take_block(pool, BlockKind::Running, g)?;
-                        let r1 = self.take_block(pool, BlockKind::Running, g)?;
-                        self.seq_mut(slot).state[i] = StateSeq {
-                            running: [r0, r1],
-                            current: None,
-                            resume: a.resume[i],
-                            decode_tail: None,
-                        };
-                    }
-                    state_steps.push(StateStep::default());
-                }
-            }
-        }
-        Ok((paged_steps, state_steps))
     }
 
     /// `suggest_chunk` for backends that cannot export interior states (C = 0): how many tokens

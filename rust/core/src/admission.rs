@@ -1,0 +1,230 @@
+//! Admission: how a scheduled chunk gets its blocks. A first chunk pins the blocks of its hit
+//! (full-attention chain, copy-on-write source, the checkpoint a state group resumes from) and
+//! allocates its own (paged blocks, copy-on-write destination, running-state buffers); a later
+//! chunk extends its tables. `blocks_available` is the capacity check that makes `schedule`
+//! atomic; `take_blocks` then cannot fail but for a bug (an invariant error, never a null
+//! block in a table).
+//!
+//! Functions of the store, the layout and one sequence; they allocate through the store and
+//! never publish, evict on purpose or plan checkpoints.
+
+use crate::config::{GroupLayout, GroupSlot};
+use crate::error::{CacheError, Result};
+use crate::hit::choose_block;
+use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
+use crate::sequence::{PagedSeq, PagedStep, Sequence, StateSeq, StateStep};
+use crate::store::BlockStore;
+
+/// How a sequence's first step uses its hit in one paged group.
+pub(crate) struct PagedAdmission {
+    /// Table entries (null outside a sliding window).
+    table: Vec<BlockId>,
+    /// Copy-on-write source and tokens to copy.
+    cow: Option<(BlockId, u32)>,
+}
+
+/// How a sequence's first step uses its hit: per paged group of the layout its table, per
+/// state group the checkpoint resumed from (the null block: the zero state).
+pub(crate) struct Admission {
+    paged: Vec<PagedAdmission>,
+    resume: Vec<BlockId>,
+}
+
+/// Whether every paged table of a started sequence already has the blocks for tokens
+/// `[0, reach)`.
+pub(crate) fn tables_cover(layout: &GroupLayout, seq: &Sequence, reach: u32) -> bool {
+    layout.paged.iter().zip(&seq.paged).all(|(group, paged)| {
+        paged.table.len() as u64 * u64::from(group.block_size) >= u64::from(reach)
+    })
+}
+
+/// Which published blocks a first step uses, per group, for a hit of `hit` tokens.
+/// `chains` are the full-attention blocks the hit's lookup chose (possibly empty).
+pub(crate) fn admission(
+    store: &BlockStore,
+    layout: &GroupLayout,
+    seq: &Sequence,
+    hit: u32,
+    mut chains: Vec<Vec<BlockId>>,
+) -> Admission {
+    let seq = seq.content();
+    let paged = layout
+        .paged
+        .iter()
+        .map(|group| {
+            let (gid, block_size) = (group.index as u32, group.block_size);
+            let first_col = group.window.map_or(0, |w| hit.saturating_sub(w) / block_size);
+            let full = hit / block_size;
+            let chain = chains.get_mut(group.index).map(std::mem::take).unwrap_or_default();
+            let table = if first_col == 0 && chain.len() >= full as usize {
+                let mut chain = chain;
+                chain.truncate(full as usize);
+                chain
+            } else {
+                (0..full)
+                    .map(|c| {
+                        if c < first_col {
+                            NULL_BLOCK
+                        } else {
+                            choose_block(store, seq, gid, (c + 1) * block_size)
+                        }
+                    })
+                    .collect()
+            };
+            let cow = (hit % block_size != 0)
+                .then(|| (choose_block(store, seq, gid, hit), hit % block_size));
+            PagedAdmission { table, cow }
+        })
+        .collect();
+    let resume =
+        layout
+            .state
+            .iter()
+            .map(|group| {
+                if hit > 0 {
+                    choose_block(store, seq, group.index as u32, hit)
+                } else {
+                    NULL_BLOCK
+                }
+            })
+            .collect();
+    Admission { paged, resume }
+}
+
+/// Whether every pool can supply the new blocks this chunk needs, counting the cached
+/// blocks the hit is about to pin as unavailable.
+pub(crate) fn blocks_available(
+    store: &BlockStore,
+    layout: &GroupLayout,
+    seq: &Sequence,
+    end: u32,
+    admission: Option<&Admission>,
+) -> bool {
+    (0..store.pools.len()).all(|pool| {
+        let p = &store.pools[pool];
+        let cached = |b: &BlockId| *b != NULL_BLOCK && p.is_cached(*b);
+        let mut need = 0u64;
+        for (i, group) in layout.paged.iter().enumerate().filter(|(_, g)| g.pool == pool) {
+            let cols = end.div_ceil(group.block_size) as usize;
+            let have = match admission {
+                Some(a) => {
+                    let a = &a.paged[i];
+                    // Pinning takes these out of the evictable set.
+                    let src = a.cow.as_ref().map(|(src, _)| src);
+                    need += a.table.iter().chain(src).filter(|b| cached(b)).count() as u64;
+                    a.table.len()
+                }
+                None => seq.paged[i].table.len(),
+            };
+            need += cols.saturating_sub(have) as u64;
+        }
+        if let Some(a) = admission {
+            for (i, _) in layout.state.iter().enumerate().filter(|(_, g)| g.pool == pool) {
+                // The resume pin, and the two running buffers.
+                need += u64::from(cached(&a.resume[i])) + 2;
+            }
+        }
+        need <= u64::from(p.num_available())
+    })
+}
+
+/// One block the capacity check (`blocks_available`) promised: its absence is a bug in the
+/// core, reported as an invariant error rather than a null block in a plan.
+fn take_block(store: &mut BlockStore, pool: usize, kind: BlockKind, g: usize) -> Result<BlockId> {
+    store.allocate(pool, kind, g as u32).ok_or_else(|| {
+        CacheError::invariant(format!(
+            "pool {pool} could not supply a {kind:?} block for group {g} after its capacity \
+             check promised it"
+        ))
+    })
+}
+
+/// Pins the hit and allocates the chunk's blocks, group by group in config order; only
+/// called once `blocks_available`. Returns the step's part of each paged and state group.
+pub(crate) fn take_blocks(
+    store: &mut BlockStore,
+    layout: &GroupLayout,
+    seq: &mut Sequence,
+    end: u32,
+    admission: Option<&Admission>,
+) -> Result<(Vec<PagedStep>, Vec<StateStep>)> {
+    let mut paged_steps = std::mem::take(&mut seq.spare_paged);
+    let mut state_steps = std::mem::take(&mut seq.spare_state);
+    // Every group's hit is pinned before any group allocates: groups may share a pool, and
+    // an allocation must not evict a block another group is about to resume from.
+    if let Some(a) = admission {
+        for (g, group) in layout.slots.iter().enumerate() {
+            let pool = &mut store.pools[layout.pool_of[g]];
+            let mut pin = |b: BlockId| {
+                pool.incref(b);
+                pool.touch(b);
+            };
+            match *group {
+                GroupSlot::Paged(i) => {
+                    let a = &a.paged[i];
+                    a.table.iter().copied().for_each(&mut pin);
+                    // (the null resume of a paged group: it advances the pool's clock)
+                    pin(NULL_BLOCK);
+                    a.cow.iter().for_each(|&(src, _)| pin(src));
+                }
+                GroupSlot::State(i) => pin(a.resume[i]),
+            }
+        }
+    }
+    for g in 0..layout.len() {
+        let pool = layout.pool(g);
+        match layout.slots[g] {
+            GroupSlot::Paged(i) => {
+                let cols = end.div_ceil(layout.paged[i].block_size) as usize;
+                let Some(a) = admission else {
+                    if seq.paged[i].table.len() >= cols {
+                        // A running sequence whose table already covers the chunk (most
+                        // decode steps): nothing to allocate, so its table stays.
+                        let table_len_before = seq.paged[i].table.len();
+                        paged_steps.push(PagedStep { table_len_before, cow: None });
+                        continue;
+                    }
+                    let mut paged = std::mem::take(&mut seq.paged[i]);
+                    let table_len_before = paged.table.len();
+                    while paged.table.len() < cols {
+                        paged.table.push(take_block(store, pool, BlockKind::Paged, g)?);
+                    }
+                    seq.paged[i] = paged;
+                    paged_steps.push(PagedStep { table_len_before, cow: None });
+                    continue;
+                };
+                let a = &a.paged[i];
+                let mut paged = PagedSeq {
+                    window_start: a.table.iter().take_while(|&&b| b == NULL_BLOCK).count(),
+                    table: a.table.clone(),
+                    window_reported: 0,
+                };
+                let mut cow = None;
+                if let Some((src, tokens)) = a.cow {
+                    let dst = take_block(store, pool, BlockKind::Paged, g)?;
+                    paged.table.push(dst);
+                    cow = Some((src, dst, tokens));
+                }
+                while paged.table.len() < cols {
+                    paged.table.push(take_block(store, pool, BlockKind::Paged, g)?);
+                }
+                seq.paged[i] = paged;
+                paged_steps.push(PagedStep { table_len_before: 0, cow });
+            }
+            GroupSlot::State(i) => {
+                if let Some(a) = admission {
+                    let r0 = take_block(store, pool, BlockKind::Running, g)?;
+                    let r1 = take_block(store, pool, BlockKind::Running, g)?;
+                    seq.state[i] = StateSeq {
+                        running: [r0, r1],
+                        current: None,
+                        resume: a.resume[i],
+                        decode_tail: None,
+                    };
+                }
+                state_steps.push(StateStep::default());
+            }
+        }
+    }
+    Ok((paged_steps, state_steps))
+}
