@@ -228,3 +228,27 @@ pub(crate) fn take_blocks(
     }
     Ok((paged_steps, state_steps))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::take_block;
+    use crate::error::CacheError;
+    use crate::events::EventLog;
+    use crate::hashing::Digest;
+    use crate::index::HashIndex;
+    use crate::pool::{BlockKind, BlockPool, NULL_BLOCK};
+    use crate::store::BlockStore;
+
+    #[test]
+    fn a_block_the_capacity_check_promised_but_the_pool_lacks_is_an_invariant_error() {
+        // One usable block: the first allocation gets it, the second finds the pool empty.
+        let pools = vec![BlockPool::new(2)];
+        let index = HashIndex::new(0, false, 0);
+        let events = EventLog::new(false, 0);
+        let mut store = BlockStore::new(pools, index, events, vec![0], 4, Digest([0; 32]));
+        let first = take_block(&mut store, 0, BlockKind::Paged, 0).expect("one block is free");
+        assert_ne!(first, NULL_BLOCK);
+        let second = take_block(&mut store, 0, BlockKind::Paged, 0);
+        assert!(matches!(second, Err(CacheError::Invariant { .. })), "{second:?}");
+    }
+}

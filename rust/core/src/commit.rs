@@ -1,4 +1,4 @@
-//! `commit` and `abort`: the second phase of a step.
+//! `commit` and `abort`: the second phase of a step (publication goes through the store).
 //!
 //! Publishing rule at commit, for a step that computed `[qs, qe)` of a sequence:
 //! - paged groups: every unit boundary q with `qs < q <= qe` becomes a key of the block holding

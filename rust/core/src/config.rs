@@ -1,9 +1,17 @@
-//! Configuration of a [`crate::CacheManager`]: pools, groups, hashing, retention.
+//! Configuration of a [`crate::CacheManager`]: pools, groups, hashing, retention; the rules
+//! stated once for every caller; and the validated group layout.
 //!
 //! Validation lives here and runs once in `CacheManager::new`; every rule violated yields a
 //! [`CacheError::Config`] whose message names the field and what to change. After validation
 //! the manager relies on: U >= 1, U divides every paged block size, every state alignment A
 //! divides U, windows are at least one block, every pool has at least one usable block.
+//!
+//! The rules the engine and the kernel layer ask for live here, each written once: the
+//! checkpoint-offset rule (`is_exportable_offset`, `nearest_exportable_offsets`), the chunk
+//! grid (`CheckpointGrid`), the smallest token budget, the aligned geometry, the blocks one
+//! sequence holds (`CacheConfig::blocks_for_sequence`) and the retained positions
+//! (`Retention::retained`). `GroupLayout` is the configuration as the manager works with it.
+//! This file holds no state and touches no block.
 
 use crate::error::{CacheError, Result};
 use crate::hashing::HashConfig;

@@ -5,7 +5,8 @@
 //! pins, decode tails, pending checkpoints); keys map only to published blocks of the right
 //! pool and every block key is indexed; state blocks carry exactly one key, on a unit boundary;
 //! no planned checkpoint is off the kernel grid; the checkpoint cap holds; the bookkeeping of
-//! scheduled and started sequences agrees with the sequences themselves.
+//! scheduled and started sequences agrees with the sequences themselves; every sequence's and
+//! step's typed parts match the layout. It reads everything and changes nothing.
 
 use crate::config::{is_exportable_offset, GroupSlot};
 use crate::error::{CacheError, Result};

@@ -4,6 +4,16 @@
 //! planning for models that mix attention layers (paged KV blocks) with recurrent-state layers
 //! (one state snapshot per block). Engines drive it through a two-phase step protocol:
 //! `add` -> `lookup` -> `schedule` -> `build_plan` -> kernels -> `commit` | `abort`.
+//!
+//! Modules, bottom-up (no import circle; `tests/module_graph.rs` checks it): `limits`, `error`,
+//! `hashing` (digests), `pool` (one pool's blocks, reference counts, LRU), `index` (published
+//! keys), `events`, `stats`; `config` (configuration, the rules, the group layout); `store`
+//! (pools + index + events: allocation, publication, eviction); `hit` (what a lookup returns,
+//! and the hit rule over store, layout and a sequence's content); `sequence` (a sequence, its
+//! phase, its per-group blocks and step; the finished cache); `table` (the sequence table);
+//! `admission` and `checkpoints` (the blocks a chunk gets, the checkpoints it exports);
+//! `manager` (the protocol's state and sequence calls); `schedule`, `plan`, `commit`
+//! (the step's calls); `invariants`.
 #![forbid(unsafe_code)]
 
 mod admission;

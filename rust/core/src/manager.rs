@@ -5,12 +5,14 @@
 //! -> `append` (decode) -> ... -> `finish` | `preempt`.
 //!
 //! `CacheManager` is the protocol on top of the parts: the block store (`store.rs`: pools,
-//! index, evictions, events; the only code that allocates, publishes and evicts), the group
-//! layout and rules (`config.rs`), the sequences (`sequence.rs`) and the hit rule (`hit.rs`, a
-//! function of store, layout and one sequence). This file owns sequence bookkeeping (`add`,
-//! `append`, `finish`, `preempt`, `reset`) and statistics; `schedule.rs` admits and extends
-//! sequences, `plan.rs` builds the step plan and selects checkpoints, `commit.rs` publishes or
-//! undoes a step, `invariants.rs` checks it all. No part imports this file. The protocol never
+//! index, evictions, events; the only code that allocates, publishes and evicts), the sequence
+//! table (`table.rs`), the group layout and rules (`config.rs`), the sequences and their phase
+//! (`sequence.rs`), and three functions of store, layout and one sequence: the hit rule
+//! (`hit.rs`), admission (`admission.rs`) and checkpoint planning (`checkpoints.rs`). This file
+//! owns the protocol's state and the calls that register, extend, release and inspect sequences
+//! (`add`, `lookup`, `append`, `finish`, `preempt`, `reset`, statistics); `schedule.rs`,
+//! `plan.rs` and `commit.rs` hold the calls of the step itself, `invariants.rs` checks it all.
+//! No part imports this file or those. The protocol never
 //! allocates, publishes or evicts itself (it asks the store); it pins and releases blocks
 //! through the pools' reference counts.
 //! Invariants kept between calls: nothing is reachable through the index before the commit of
