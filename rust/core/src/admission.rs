@@ -10,7 +10,7 @@
 
 use crate::config::{GroupLayout, GroupSlot};
 use crate::error::{CacheError, Result};
-use crate::hit::choose_block;
+use crate::hit::hit_block;
 use crate::pool::{BlockId, BlockKind, NULL_BLOCK};
 use crate::sequence::{PagedSeq, PagedStep, Sequence, StateSeq, StateStep};
 use crate::store::BlockStore;
@@ -39,56 +39,53 @@ pub(crate) fn tables_cover(layout: &GroupLayout, seq: &Sequence, reach: u32) -> 
 }
 
 /// Which published blocks a first step uses, per group, for a hit of `hit` tokens.
-/// `chains` are the full-attention blocks the hit's lookup chose (possibly empty).
+/// `chains` are the full-attention blocks the hit's lookup chose (possibly empty). A block the
+/// hit counted on that is not published is an invariant error, never a null block in a table.
 pub(crate) fn admission(
     store: &BlockStore,
     layout: &GroupLayout,
     seq: &Sequence,
     hit: u32,
     mut chains: Vec<Vec<BlockId>>,
-) -> Admission {
+) -> Result<Admission> {
     let seq = seq.content();
-    let paged = layout
-        .paged
-        .iter()
-        .map(|group| {
-            let (gid, block_size) = (group.index as u32, group.block_size);
-            let first_col = group.window.map_or(0, |w| hit.saturating_sub(w) / block_size);
-            let full = hit / block_size;
-            let chain = chains.get_mut(group.index).map(std::mem::take).unwrap_or_default();
-            let table = if first_col == 0 && chain.len() >= full as usize {
-                let mut chain = chain;
-                chain.truncate(full as usize);
-                chain
-            } else {
-                (0..full)
-                    .map(|c| {
-                        if c < first_col {
-                            NULL_BLOCK
-                        } else {
-                            choose_block(store, seq, gid, (c + 1) * block_size)
-                        }
-                    })
-                    .collect()
-            };
-            let cow = (hit % block_size != 0)
-                .then(|| (choose_block(store, seq, gid, hit), hit % block_size));
-            PagedAdmission { table, cow }
-        })
-        .collect();
-    let resume =
-        layout
-            .state
-            .iter()
-            .map(|group| {
-                if hit > 0 {
-                    choose_block(store, seq, group.index as u32, hit)
+    let mut paged = Vec::with_capacity(layout.paged.len());
+    for group in &layout.paged {
+        let (gid, block_size) = (group.index as u32, group.block_size);
+        let first_col = group.window.map_or(0, |w| hit.saturating_sub(w) / block_size);
+        let full = hit / block_size;
+        let chain = chains.get_mut(group.index).map(std::mem::take).unwrap_or_default();
+        let table = if first_col == 0 && chain.len() >= full as usize {
+            let mut chain = chain;
+            chain.truncate(full as usize);
+            chain
+        } else {
+            let mut table = Vec::with_capacity(full as usize);
+            for c in 0..full {
+                table.push(if c < first_col {
+                    NULL_BLOCK // outside the window
                 } else {
-                    NULL_BLOCK
-                }
-            })
-            .collect();
-    Admission { paged, resume }
+                    hit_block(store, seq, gid, (c + 1) * block_size)?
+                });
+            }
+            table
+        };
+        let cow = match hit % block_size {
+            0 => None,
+            copied => Some((hit_block(store, seq, gid, hit)?, copied)),
+        };
+        paged.push(PagedAdmission { table, cow });
+    }
+    let mut resume = Vec::with_capacity(layout.state.len());
+    for group in &layout.state {
+        // A hit of 0 resumes from the zero state (the null block).
+        resume.push(if hit > 0 {
+            hit_block(store, seq, group.index as u32, hit)?
+        } else {
+            NULL_BLOCK
+        });
+    }
+    Ok(Admission { paged, resume })
 }
 
 /// Whether every pool can supply the new blocks this chunk needs, counting the cached

@@ -15,9 +15,10 @@
 //! (`compute_hit`); it reads the store and never changes it, and knows nothing of steps.
 
 use crate::config::{GroupLayout, GroupSlot};
+use crate::error::{CacheError, Result};
 use crate::hashing::unit_extra_entries;
 use crate::index::UnitContent;
-use crate::pool::{BlockId, Key, NULL_BLOCK};
+use crate::pool::{BlockId, Key};
 use crate::store::{BlockStore, Content};
 
 /// Why a group's own hit stops where it does.
@@ -122,10 +123,20 @@ enum Kind {
     State,
 }
 
-/// The block a first step uses for group `g`'s key at `position`: one already in use if any,
-/// else the most recently used; the null block when none is published.
-pub(crate) fn choose_block(store: &BlockStore, seq: Content<'_>, g: u32, position: u32) -> BlockId {
-    store.holder(&seq.key_at(g, store.unit(), position)).unwrap_or(NULL_BLOCK)
+/// The block a first step uses for group `g`'s key at `position`, which its hit found
+/// published: one already in use if any, else the most recently used. Its absence is a bug
+/// (the hit and the store disagree): an invariant error.
+pub(crate) fn hit_block(
+    store: &BlockStore,
+    seq: Content<'_>,
+    g: u32,
+    position: u32,
+) -> Result<BlockId> {
+    store.holder(&seq.key_at(g, store.unit(), position)).ok_or_else(|| {
+        CacheError::invariant(format!(
+            "the hit counted on group {g}'s block at position {position}, which is not published"
+        ))
+    })
 }
 
 /// Whether group `g`'s key at `position` of the sequence is published.

@@ -232,7 +232,7 @@ impl CacheManager {
                 hit: Some(hit),
             }));
         }
-        let admission = admission(&self.store, &self.layout, self.seq(slot), hit.tokens, chains);
+        let admission = admission(&self.store, &self.layout, self.seq(slot), hit.tokens, chains)?;
         if !blocks_available(
             &self.store,
             &self.layout,
