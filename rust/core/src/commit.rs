@@ -21,9 +21,9 @@ use crate::sequence::{PagedSeq, PagedStep, Sequence, StateSeq, StateStep};
 
 impl CacheManager {
     fn take_in_flight(&mut self, step_id: u64, verb: &str) -> Result<Vec<usize>> {
-        match &self.in_flight {
+        match &self.steps.in_flight {
             Some(f) if f.step_id == step_id => {
-                Ok(self.in_flight.take().map(|f| f.slots).unwrap_or_default())
+                Ok(self.steps.in_flight.take().map(|f| f.slots).unwrap_or_default())
             }
             Some(f) => Err(CacheError::StalePlan {
                 plan_step: step_id,
@@ -31,7 +31,7 @@ impl CacheManager {
             }),
             None => Err(CacheError::StalePlan {
                 plan_step: step_id,
-                state: if step_id < self.next_step {
+                state: if step_id < self.steps.next_step {
                     format!("it was already committed or aborted; cannot {verb} it again")
                 } else {
                     "no such plan was built".to_string()
@@ -72,9 +72,9 @@ impl CacheManager {
     /// Hands a finished step's slot list back as the next step's (emptied), so that steps
     /// of a steady batch allocate nothing for it.
     fn recycle_slot_list(&mut self, mut slots: Vec<usize>) {
-        if self.scheduled.is_empty() && self.scheduled.capacity() < slots.capacity() {
+        if self.steps.scheduled.is_empty() && self.steps.scheduled.capacity() < slots.capacity() {
             slots.clear();
-            self.scheduled = slots;
+            self.steps.scheduled = slots;
         }
     }
 

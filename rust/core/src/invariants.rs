@@ -192,20 +192,21 @@ impl CacheManager {
 
     fn check_steps(&self) -> Result<()> {
         let pending: u64 = self
+            .steps
             .scheduled
             .iter()
             .filter_map(|&slot| self.table.get(slot).step())
             .map(|step| u64::from(step.end - step.start))
             .sum();
-        if pending != u64::from(self.scheduled_tokens) {
+        if pending != u64::from(self.steps.scheduled_tokens) {
             return Err(CacheError::invariant(format!(
                 "the step's token count is {} but its sequences schedule {pending}",
-                self.scheduled_tokens
+                self.steps.scheduled_tokens
             )));
         }
-        let in_flight: &[usize] = self.in_flight.as_ref().map_or(&[], |f| f.slots.as_slice());
+        let in_flight: &[usize] = self.steps.in_flight.as_ref().map_or(&[], |f| f.slots.as_slice());
         for (slot, seq) in self.table.iter() {
-            let listed = self.scheduled.contains(&slot) || in_flight.contains(&slot);
+            let listed = self.steps.scheduled.contains(&slot) || in_flight.contains(&slot);
             if listed != seq.step().is_some() {
                 return Err(CacheError::invariant(format!(
                     "sequence {}: has a step {} but listed {listed}",

@@ -50,6 +50,19 @@ pub(crate) fn check_batch_len(len: usize, call: &str) -> Result<()> {
     Ok(())
 }
 
+/// The protocol's steps: the one being scheduled (its sequences and tokens) and the plan in
+/// flight.
+#[derive(Debug)]
+pub(crate) struct Steps {
+    /// Slots scheduled since the last plan, in schedule order.
+    pub scheduled: Vec<usize>,
+    /// Tokens those slots scheduled, at most `MAX_STEP_TOKENS`.
+    pub scheduled_tokens: u32,
+    pub in_flight: Option<InFlight>,
+    /// The id of the next plan built.
+    pub next_step: u64,
+}
+
 /// The plan in flight.
 #[derive(Clone, Debug)]
 pub(crate) struct InFlight {
@@ -95,12 +108,8 @@ pub struct CacheManager {
     pub(crate) hasher: Hasher,
     /// Live sequences by id and slot, the finished ones kept for `extends`, live prefixes.
     pub(crate) table: SequenceTable,
-    /// Slots scheduled since the last plan, in schedule order.
-    pub(crate) scheduled: Vec<usize>,
-    /// Tokens those slots scheduled, at most `MAX_STEP_TOKENS`.
-    pub(crate) scheduled_tokens: u32,
-    pub(crate) in_flight: Option<InFlight>,
-    pub(crate) next_step: u64,
+    /// The step being scheduled and the plan in flight.
+    pub(crate) steps: Steps,
     /// Started sequences (holding blocks).
     pub(crate) started: usize,
     pub(crate) stats: Stats,
@@ -151,10 +160,12 @@ impl CacheManager {
             store,
             hasher,
             table: SequenceTable::new(config.finished_cache_bytes),
-            scheduled: Vec::new(),
-            scheduled_tokens: 0,
-            in_flight: None,
-            next_step: 1,
+            steps: Steps {
+                scheduled: Vec::new(),
+                scheduled_tokens: 0,
+                in_flight: None,
+                next_step: 1,
+            },
             started: 0,
             stats,
             layout,
@@ -201,7 +212,7 @@ impl CacheManager {
     }
 
     pub(crate) fn refuse_in_flight(&self, call: &str) -> Result<()> {
-        match &self.in_flight {
+        match &self.steps.in_flight {
             Some(f) => Err(CacheError::step(format!(
                 "{call} is not allowed while the plan of step {} is in flight: commit or abort \
                  it first",
@@ -481,10 +492,10 @@ impl CacheManager {
     fn drop_scheduled(&mut self, slot: usize) {
         if let Some(step) = self.seq(slot).step() {
             // Only a step not yet built is on `scheduled` (a built one is in flight).
-            if self.scheduled.contains(&slot) {
-                self.scheduled_tokens -= step.end - step.start;
+            if self.steps.scheduled.contains(&slot) {
+                self.steps.scheduled_tokens -= step.end - step.start;
             }
-            self.scheduled.retain(|&s| s != slot);
+            self.steps.scheduled.retain(|&s| s != slot);
             self.undo_step(slot);
         }
     }
@@ -534,10 +545,10 @@ impl CacheManager {
         if self.started > 0 {
             return Err(CacheError::ResetRefused { live: self.started });
         }
-        for slot in std::mem::take(&mut self.scheduled) {
+        for slot in std::mem::take(&mut self.steps.scheduled) {
             self.undo_step(slot);
         }
-        self.scheduled_tokens = 0;
+        self.steps.scheduled_tokens = 0;
         self.store.clear();
         Ok(())
     }
@@ -600,13 +611,13 @@ impl CacheManager {
     /// Tokens scheduled for the next plan so far (what `build_plan` will work through).
     #[must_use]
     pub fn scheduled_tokens(&self) -> usize {
-        self.scheduled_tokens as usize
+        self.steps.scheduled_tokens as usize
     }
 
     /// Whether a plan is in flight.
     #[must_use]
     pub fn plan_in_flight(&self) -> Option<u64> {
-        self.in_flight.as_ref().map(|f| f.step_id)
+        self.steps.in_flight.as_ref().map(|f| f.step_id)
     }
 
     /// Full block-table rows of a paged group for the given sequences, padded with the null

@@ -234,7 +234,7 @@ impl CacheManager {
     pub fn build_plan_into(&mut self, plan: &mut StepPlan) -> Result<()> {
         self.refuse_in_flight("build_plan")?;
         // The one array sized by the step's tokens: reserved before anything changes.
-        let tokens = self.scheduled_tokens as usize;
+        let tokens = self.steps.scheduled_tokens as usize;
         for p in &mut plan.paged {
             if p.slot_mapping.try_reserve(tokens.saturating_sub(p.slot_mapping.len())).is_err() {
                 return Err(CacheError::invalid(format!(
@@ -244,10 +244,10 @@ impl CacheManager {
                 )));
             }
         }
-        let slots = std::mem::take(&mut self.scheduled);
-        self.scheduled_tokens = 0;
-        let step_id = self.next_step;
-        self.next_step += 1;
+        let slots = std::mem::take(&mut self.steps.scheduled);
+        self.steps.scheduled_tokens = 0;
+        let step_id = self.steps.next_step;
+        self.steps.next_step += 1;
         plan.clear_for(self.manager_id, step_id, &self.layout);
         plan.query_start_loc.push(0);
         // (state group part, row, column, offset, slot) of every interior checkpoint; empty,
@@ -322,7 +322,7 @@ impl CacheManager {
             out.checkpoint_slots[at] = slot;
         }
         self.stats.copies += (plan.copies.len() / 4) as u64;
-        self.in_flight = Some(InFlight { step_id, slots });
+        self.steps.in_flight = Some(InFlight { step_id, slots });
         Ok(())
     }
 }

@@ -254,8 +254,8 @@ impl CacheManager {
         let requested = Vec::new();
         seq.phase =
             Phase::Scheduled(StepRecord { start, end, first: true, paged, state, requested });
-        self.scheduled.push(slot);
-        self.scheduled_tokens += end - start;
+        self.steps.scheduled.push(slot);
+        self.steps.scheduled_tokens += end - start;
         self.started += 1;
         self.stats.admissions += 1;
         self.stats.admitted_hit_tokens += u64::from(start);
@@ -314,8 +314,8 @@ impl CacheManager {
             state,
             requested,
         });
-        self.scheduled.push(slot);
-        self.scheduled_tokens += end - start;
+        self.steps.scheduled.push(slot);
+        self.steps.scheduled_tokens += end - start;
         self.stats.scheduled_tokens += u64::from(end - start);
         Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: None }))
     }
@@ -324,7 +324,7 @@ impl CacheManager {
     /// `MAX_STEP_TOKENS`, and a non-final chunk is trimmed to a multiple of the chunk alignment
     /// unless `exact`.
     fn chunk_end(&self, start: u32, max_tokens: u32, total: u32, exact: bool) -> u32 {
-        let room = MAX_STEP_TOKENS - self.scheduled_tokens;
+        let room = MAX_STEP_TOKENS - self.steps.scheduled_tokens;
         let end = start.saturating_add(max_tokens.min(room)).min(total);
         if exact {
             end
