@@ -41,7 +41,7 @@ def main() -> None:
     seed_geometry = Geometry(block_size=1536, unit=128, token_budget=8192, max_running=8)
     workload = PresetWorkload("growing-prefix", "profile", spec, seed_geometry)
     geometry = seed_geometry.aligned(model.backend.checkpoint_alignment)
-    config = engine_config_for(workload, geometry)
+    config = engine_config_for(workload, geometry, model.backend)
     activities = [ProfilerActivity.CPU]
     if model.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -56,7 +56,8 @@ def main() -> None:
         kda = sum(r.kda_prefill_seconds for r in later)
         tokens = sum(r.computed_prefill_tokens for r in later)
         print(
-            f"\n== {name}: U={policy.unit}, {run.steps} steps, {seconds:.1f} s; rounds 2-"
+            f"\n== {name}: U={policy.unit}, {run.steps} steps ({run.decode_steps} planned by "
+            f"decode_step), {seconds:.1f} s; rounds 2-"
             f"{args.rounds}: {tokens:,} prefill tokens, KDA prefill {kda * 1e3:.1f} ms "
             f"({kda / max(tokens, 1) * 1e9:.0f} ns/token), prefill "
             f"{sum(r.prefill_seconds for r in later) * 1e3:.1f} ms"

@@ -20,18 +20,18 @@ What it does, in one run:
 It prints a short table last and writes everything to ``<out>/gpu_kernels.json`` and
 ``<out>/gpu_kernels_table.md``.
 
-Run on the device (the ``run`` tool; the wheel and the op library travel as carried, git-ignored
-paths)::
+Run on the device (the ``run`` tool; the wheels and the op library travel as carried, git-ignored
+paths; the prefixcache wheel is the abi3 one built here, ``maturin build --release -o
+.device/wheels``)::
 
-    pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-0.6.0-py3-none-any.whl
+    pip install -q --no-index --no-deps --target /tmp/site .device/wheels/*.whl
     PYTHONPATH=/tmp/site PREFIXCACHE_FLASHKDA_LIB=.device/flashkda/_flashkda_C.abi3.so \\
         python3 benchmarks/gpu_kernels.py --out "$OUT"
 
-``prefixcache.kernels`` is imported from ``python/`` of this checkout. Importing the package
-``prefixcache`` needs the Rust extension ``_core``, which is not built on the device; when that
-import fails the script loads the ``kernels`` folder on its own as a package (the kernels never
-import ``_core``). ``--smoke`` runs the whole script on the CPU with the torch backend and tiny
-shapes, to check the script itself.
+``prefixcache.kernels`` is imported from the installed package, else from ``python/`` of this
+checkout; either way it needs the Rust extension ``_core`` (the kernels ask the core which
+checkpoint offsets are exportable). ``--smoke`` runs the whole script on the CPU with the torch
+backend and tiny shapes, to check the script itself.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import importlib.util
 import json
 import logging
 import math
@@ -58,21 +57,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def import_kernels() -> tuple[ModuleType, str]:
-    """``prefixcache.kernels``, or the same folder loaded as a standalone package."""
-    sys.path.insert(0, str(REPO / "python"))
+    """``prefixcache.kernels`` as installed (the wheel), else from ``python/`` of this checkout."""
     try:
-        return importlib.import_module("prefixcache.kernels"), "prefixcache.kernels"
-    except ImportError as error:
-        folder = REPO / "python" / "prefixcache" / "kernels"
-        spec = importlib.util.spec_from_file_location(
-            "prefixcache_kernels", folder / "__init__.py", submodule_search_locations=[str(folder)]
-        )
-        if spec is None or spec.loader is None:
-            raise
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["prefixcache_kernels"] = module
-        spec.loader.exec_module(module)
-        return module, f"kernels folder loaded standalone (import prefixcache failed: {error})"
+        module = importlib.import_module("prefixcache.kernels")
+    except ImportError:
+        for name in [name for name in sys.modules if name.split(".")[0] == "prefixcache"]:
+            del sys.modules[name]
+        sys.path.insert(0, str(REPO / "python"))
+        module = importlib.import_module("prefixcache.kernels")
+    return module, f"prefixcache.kernels from {Path(str(module.__file__)).parent}"
 
 
 kernels, IMPORTED_AS = import_kernels()

@@ -1,44 +1,18 @@
-"""Shared helpers of the kernel tests: importing the kernels, random layers, plans and naive math.
+"""Shared helpers of the kernel tests: the kernels, random layers, plans and naive math.
 
-The kernel layer is tested with ``PYTHONPATH=python`` and must not need the Rust extension:
-``import_kernels`` imports ``prefixcache.kernels`` and, when ``prefixcache/__init__`` cannot be
-imported (no ``_core`` built), loads the ``kernels`` folder on its own as a package.
+The kernel layer asks the core which checkpoint offsets are exportable, so its tests need the
+Rust extension like every other test (``make install`` builds it).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from prefixcache import kernels
 
-
-def import_kernels() -> ModuleType:
-    """``prefixcache.kernels``, or the same package loaded without ``prefixcache/__init__``."""
-    try:
-        return importlib.import_module("prefixcache.kernels")
-    except ImportError:
-        folder = Path(__file__).resolve().parents[1] / "python" / "prefixcache" / "kernels"
-        name = "prefixcache_kernels"
-        if name in sys.modules:
-            return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(
-            name, folder / "__init__.py", submodule_search_locations=[str(folder)]
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-kernels = import_kernels()
 F64 = torch.float64
 
 

@@ -74,7 +74,7 @@ def run(
     forward: ForwardFn | None = None,
 ) -> RunResult:
     workload = PresetWorkload("test", "test", spec, geometry)
-    config = config or engine_config_for(workload, geometry, check=True)
+    config = config or engine_config_for(workload, geometry, model.backend, check=True)
     engine = Engine(
         model,
         Policy.named(policy, block_size=geometry.block_size, fine_unit=geometry.unit),
@@ -271,7 +271,7 @@ def test_a_forward_that_keeps_failing_propagates_after_the_retries(model: Hybrid
         raise RuntimeError("device lost")
 
     workload = PresetWorkload("test", "test", GROWING, GEOMETRY)
-    config = engine_config_for(workload, GEOMETRY)
+    config = engine_config_for(workload, GEOMETRY, model.backend)
     engine = Engine(
         model, Policy.named("fine", block_size=32, fine_unit=8), config, forward=forward
     )

@@ -358,24 +358,24 @@ def bad(**changes):
 BAD_PLANS = [
     pytest.param(
         bad(checkpoint_offsets=[[16, 24], [16, 0]]),
-        r"offset 24 is not a multiple of backend 'torch''s checkpoint_alignment 16; "
-        r"nearest valid offsets: 16, 32",
+        r"offset 24 is not exportable by backend 'torch' \(checkpoint_alignment 16\) from a "
+        r"query of 40 tokens.*a multiple of 16; nearest valid offsets: 16, 32",
         id="off the grid",
     ),
     pytest.param(
         bad(checkpoint_offsets=[[16, 40], [16, 0]]),
-        r"offset 40 is outside the sequence: it must satisfy 0 < offset < query length 40"
-        r".*snapshot",
+        r"offset 40 is not exportable.*0 < offset < 40 \(the position at the end of the "
+        r"query is taken by a snapshot.*nearest valid offsets: 32",
         id="offset at the query end",
     ),
     pytest.param(
         bad(checkpoint_offsets=[[16, 48], [16, 0]]),
-        r"offset 48 is outside the sequence",
+        r"offset 48 is not exportable.*0 < offset < 40.*nearest valid offsets: 32",
         id="offset beyond the query",
     ),
     pytest.param(
         bad(checkpoint_offsets=[[16, -16], [16, 0]]),
-        r"offset -16 is outside the sequence",
+        r"offset -16 is not exportable.*nearest valid offsets: 16",
         id="negative offset",
     ),
     pytest.param(
@@ -531,10 +531,20 @@ def test_alignment_is_the_backends_and_the_gpu_grids_can_be_exercised_on_cpu():
             )  # fmt: skip
 
 
-def test_nearest_valid_offsets_explains_when_there_is_none():
-    assert kernels.validate.nearest_valid_offsets(8, 16, 200) == "nearest valid offsets: 16"
-    assert kernels.validate.nearest_valid_offsets(40, 16, 200) == "nearest valid offsets: 32, 48"
-    assert "no valid offset" in kernels.validate.nearest_valid_offsets(8, 16, 10)
+@pytest.mark.parametrize(
+    ("offset", "query_len", "hint"),
+    [
+        (8, 200, "nearest valid offsets: 16$"),
+        (40, 200, "nearest valid offsets: 32, 48$"),
+        (8, 10, "the query has no valid offset$"),
+    ],
+)
+def test_a_refused_offset_names_the_nearest_the_core_accepts(offset, query_len, hint):
+    with pytest.raises(kernels.KernelPlanError, match=hint):
+        kernels.check_state_plan(
+            query_start_loc=[0, query_len], initial_slot=[-1], running_slot=[0],
+            checkpoint_offsets=[[offset]], checkpoint_slots=[[1]], num_slots=2, alignment=16,
+        )  # fmt: skip
 
 
 def test_max_checkpoints_per_step_is_enforced():

@@ -311,7 +311,9 @@ def test_flashkda_op_skips_an_unaligned_offset_silently_so_the_plan_check_refuse
     )  # fmt: skip
     assert bool(torch.isnan(staging).all())
     backend = GPU_BACKENDS["flashkda-op"]()
-    with pytest.raises(kernels.KernelPlanError, match="not a multiple of backend 'flashkda-op'"):
+    with pytest.raises(
+        kernels.KernelPlanError, match="offset 8 is not exportable by backend 'flashkda-op'"
+    ):
         backend.check_plan(
             query_start_loc=[0, 40], initial_slot=[-1], running_slot=[0],
             checkpoint_offsets=[[8]], checkpoint_slots=[[1]], num_slots=2,

@@ -1,9 +1,13 @@
 """prefixcache.engine: a reference continuous-batching engine around the cache manager.
 
 - :class:`Engine` / :class:`EngineConfig`: the scheduler loop (admission with ``lookup`` /
-  ``schedule``, chunked prefill under a token budget, ``build_plan`` -> copies -> forward ->
-  snapshots -> ``commit`` or ``abort``, decode with ``append``, preemption by recomputation,
-  ``finish``), timing each request's time to first token.
+  ``schedule``, chunked prefill under a token budget, ``build_plan_into`` one reused
+  ``PlanBuffers`` -> the block tables apply the plan -> the model executes the
+  ``kernels.Step`` (copies, layers, snapshots) -> ``commit`` or ``abort``; decode-only steps
+  through ``decode_step``; preemption by recomputation, ``finish``), timing each request's
+  time to first token.
+- :mod:`.workloads`: the named workloads and their presets; :mod:`.cli`: the ``prefixcache``
+  command (``prefixcache simulate``, also ``python -m prefixcache``).
 - :class:`Policy`: the caching policies compared (``none``, ``block``, ``fine``).
 - :func:`simulate`: every policy over one workload, checked against the no-cache run.
 - :class:`RunResult` / :class:`RequestResult`: what a run produced; :func:`outputs_match`.

@@ -171,16 +171,17 @@ class Engine:
         *,
         forward: ForwardFn | None = None,
     ) -> None:
-        alignment = model.backend.checkpoint_alignment
-        if config.token_budget < alignment:
-            raise ValueError(
-                f"token_budget {config.token_budget} is below the kernel's checkpoint alignment "
-                f"{alignment}: non-final prefill chunks end on multiples of it, so no chunk "
-                f"could ever be scheduled; raise the budget to at least {alignment}"
-            )
         self.model = model
         self.policy = policy
         self.config = config
+        minimum = self.manager_config().min_token_budget
+        if config.token_budget < minimum:
+            raise ValueError(
+                f"token_budget {config.token_budget} is below {minimum}, the cache manager's "
+                f"smallest budget for this configuration (non-final prefill chunks end on the "
+                f"grid of the kernel's checkpoint alignment {model.backend.checkpoint_alignment}"
+                f"), so no chunk could ever be scheduled; raise the budget to at least {minimum}"
+            )
         self.forward: ForwardFn = model.execute if forward is None else forward
 
     def manager_config(self) -> pc.CacheConfig:

@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from ..kernels import KDALayerParams, get_backend
+from ..kernels import KDABackend, KDALayerParams, get_backend
 from ..kernels.backend import ConvImpl
 from ..kernels.ops import conv_function
 from ..models import HybridModel, KernelTimer, ModelConfig
 from ..models.timing import TimingMode
 from .engine import Engine, EngineConfig
-from .policy import POLICY_NAMES, Policy
+from .policy import PAGED_GROUP, POLICY_NAMES, STATE_GROUP, Policy
 from .results import RequestResult, RunResult, outputs_match
 from .workloads import Geometry, GrowingPrefixSpec, PresetWorkload
 
@@ -94,24 +94,39 @@ def build_model(
 
 
 def engine_config_for(
-    workload: PresetWorkload, geometry: Geometry, *, check: bool = False
+    workload: PresetWorkload,
+    geometry: Geometry,
+    backend: KDABackend,
+    *,
+    check: bool = False,
 ) -> EngineConfig:
     """Pools large enough that the preset evicts (almost) nothing it could reuse.
 
-    Attention blocks: the workload's reusable tokens, plus two blocks per request (a partial
-    last block and a copy-on-write destination) and two per running sequence. State slots: four
-    per running sequence (two running buffers and the manager's default reserve of two), three
-    checkpoints per request (tail, junction, decode tail), and one per reusable block as slack.
+    Every running sequence may hold the most blocks the core says one sequence of the
+    workload's longest length holds in chunks of the token budget
+    (``CacheConfig.blocks_for_sequence``, the largest over the policies' configurations for
+    ``backend``); on top of that the pools keep the reusable prefixes (one attention block per
+    block of them, and one state slot as slack) and what each finished request leaves
+    published: two attention blocks (a partial last block and a copy-on-write destination) and
+    three checkpoints (tail, junction, decode tail).
     """
     spec = workload.spec
     cached_blocks = math.ceil(spec.cache_tokens() / geometry.block_size)
     requests = spec.num_requests
     running = geometry.max_running
+    longest = spec.longest_sequence()
+    paged_bound = state_bound = 0
+    for name in POLICY_NAMES:
+        policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
+        config = policy.cache_config(backend, paged_blocks=2, state_blocks=2)
+        budget = geometry.token_budget
+        paged_bound = max(paged_bound, config.blocks_for_sequence(PAGED_GROUP, longest, budget))
+        state_bound = max(state_bound, config.blocks_for_sequence(STATE_GROUP, longest, budget))
     return EngineConfig(
         token_budget=geometry.token_budget,
         max_running=running,
-        paged_blocks=1 + cached_blocks + 2 * requests + 2 * running,
-        state_blocks=1 + 4 * running + 3 * requests + cached_blocks,
+        paged_blocks=1 + cached_blocks + 2 * requests + running * paged_bound,
+        state_blocks=1 + cached_blocks + 3 * requests + running * state_bound,
         check=check,
     )
 
@@ -225,17 +240,18 @@ def simulate(
     first is charged them.
 
     The geometry is the preset's, with U raised to the backend's checkpoint alignment when
-    needed (:meth:`Geometry.aligned`). ``progress(policy, num_requests)`` returns a callback
-    called for every finished request; ``on_policy(report)`` is called after each policy's run
-    (the report then holds the policies run so far, each checked), so a long run's finished
-    policies can be saved before the next one starts.
+    needed (:meth:`Geometry.aligned`, the core's ``aligned_geometry``).
+    ``progress(policy, num_requests)`` returns a callback called for every finished request;
+    ``on_policy(report)`` is called after each policy's run (the report then holds the
+    policies run so far, each checked), so a long run's finished policies can be saved before
+    the next one starts.
     """
     unknown = [name for name in policies if name not in POLICY_NAMES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose among {', '.join(POLICY_NAMES)}")
     names = [name for name in POLICY_NAMES if name in policies or (name == "none" and reference)]
     geometry = workload.geometry.aligned(model.backend.checkpoint_alignment)
-    config = engine_config or engine_config_for(workload, geometry)
+    config = engine_config or engine_config_for(workload, geometry, model.backend)
     rtol = FLOAT32_RTOL if model.dtype in (torch.float32, torch.float64) else LOW_PRECISION_RTOL
     report = SimulationReport(
         workload=workload.name,
@@ -283,7 +299,7 @@ def _warm_up(model: HybridModel, names: Sequence[str], geometry: Geometry) -> No
         output_len=3,
     )
     small = PresetWorkload("growing-prefix", "warm-up", spec, geometry)
-    config = engine_config_for(small, geometry)
+    config = engine_config_for(small, geometry, model.backend)
     timer = model.kda_timer
     backlog, underruns = timer.backlog_cycles, timer.underruns
     for name in names:

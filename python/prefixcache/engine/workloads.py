@@ -40,6 +40,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+import prefixcache as pc
+
 __all__ = [
     "PRESETS",
     "WORKLOAD_NAMES",
@@ -156,6 +158,10 @@ class GrowingPrefixSpec:
         """Tokens worth caching: every stream's last prompt plus the outputs of all rounds."""
         return self.streams * (self.prompt_len(self.rounds) + self.rounds * self.output_len)
 
+    def longest_sequence(self) -> int:
+        """Tokens of the longest request, prompt and outputs (the last round's)."""
+        return self.prompt_len(self.rounds) + self.output_len
+
     def build(self, vocab_size: int, seed: int = 0) -> GrowingPrefix:
         """A fresh workload with these sizes."""
         return GrowingPrefix(self, vocab_size, seed)
@@ -236,6 +242,10 @@ class SharedPromptsSpec:
             self.prompt_len + self.output_len
         )
 
+    def longest_sequence(self) -> int:
+        """Tokens of the longest request, prompt and outputs."""
+        return self.prompt_len + self.output_len
+
     def build(self, vocab_size: int, seed: int = 0) -> SharedPrompts:
         """A fresh workload with these sizes."""
         return SharedPrompts(self, vocab_size, seed)
@@ -315,6 +325,10 @@ class AgenticSpec:
     def cache_tokens(self) -> int:
         """Tokens worth caching: every conversation's last prompt and output."""
         return self.conversations * (self.last_prompt_len() + self.output_len)
+
+    def longest_sequence(self) -> int:
+        """Tokens of the longest request, prompt and outputs (the last turn's)."""
+        return self.last_prompt_len() + self.output_len
 
     def build(self, vocab_size: int, seed: int = 0) -> Agentic:
         """A fresh workload with these sizes."""
@@ -409,6 +423,10 @@ class TraceSpec:
     def cache_tokens(self) -> int:
         """Every prompt and output token of the trace (an upper bound)."""
         return sum(r.prompt_len + r.output_len for r in self.requests)
+
+    def longest_sequence(self) -> int:
+        """Tokens of the longest request, prompt and outputs."""
+        return max(r.prompt_len + r.output_len for r in self.requests)
 
     def build(self, vocab_size: int, seed: int = 0) -> Trace:
         """The trace's requests (already materialised); ids must fit ``vocab_size``."""
@@ -535,10 +553,6 @@ def load_trace(path: str | os.PathLike[str], *, vocab_size: int = 1000, seed: in
 # --- presets --------------------------------------------------------------------------------
 
 
-def _lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
-
-
 @dataclass(frozen=True)
 class Geometry:
     """Cache and scheduler geometry of a workload preset.
@@ -562,10 +576,9 @@ class Geometry:
             raise ValueError(f"the unit {self.unit} must divide the block size {self.block_size}")
 
     def aligned(self, alignment: int) -> Geometry:
-        """This geometry with U raised to a multiple of the kernel alignment A (and B to a
-        multiple of U), as the cache manager requires; unchanged when A already divides U."""
-        unit = _lcm(self.unit, alignment)
-        block = _lcm(self.block_size, unit)
+        """This geometry with the smallest U and B the core accepts for a kernel of checkpoint
+        alignment A (``prefixcache.aligned_geometry``); unchanged when A already divides U."""
+        unit, block = pc.aligned_geometry(self.unit, self.block_size, alignment)
         return replace(self, unit=unit, block_size=block)
 
 

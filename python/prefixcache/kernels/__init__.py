@@ -1,7 +1,9 @@
 """prefixcache.kernels: the KDA / paged-KV kernel layer that executes a step plan.
 
-Independent of the Rust core (this package never imports ``prefixcache._core``): it consumes the
-plan's NumPy arrays and writes recurrent states and KV into the block slots the core hands out.
+It consumes the plan's NumPy arrays and writes recurrent states and KV into the block slots the
+core hands out. It asks the core, through the typed API, for the one rule it checks plans
+against (``prefixcache.is_exportable_offset``: which checkpoint offsets a kernel can write) and
+imports neither the models nor the engine.
 
 - The step: :class:`Step` (built from one step plan, ``Step.from_plan``): the copies, per
   paged group (:class:`PagedStep`) the slot mapping and block tables, per state group

@@ -12,8 +12,10 @@ Rules for a state plan (``R`` rows, ``T`` tokens, ``num_slots`` state blocks):
 - ``running_slot`` in ``[0, num_slots)``; ``initial_slot`` in ``[-1, num_slots)``, never equal to
   the row's running slot;
 - ``checkpoint_offsets`` / ``checkpoint_slots`` ``[R, Cmax]``, padding ``(0, -1)``; a checkpoint
-  has ``0 < offset < query_len`` (``offset == query_len`` is a snapshot's job), ``offset % A == 0``,
-  a slot in ``[0, num_slots)``; no offset twice in a row; at most C per row when C is set;
+  has an offset the core calls exportable for A (``prefixcache.is_exportable_offset``: strictly
+  inside the query, ``offset == query_len`` being a snapshot's job, on the kernel's grid; a
+  refusal names the nearest offsets it accepts, ``prefixcache.nearest_exportable_offsets``), a
+  slot in ``[0, num_slots)``; no offset twice in a row; at most C per row when C is set;
 - every written slot (checkpoints and running slots) is written once and is no row's initial slot.
 """
 
@@ -23,31 +25,29 @@ from collections.abc import Mapping
 
 import torch
 
+from prefixcache import is_exportable_offset, nearest_exportable_offsets
+
 from ._convert import ArrayLike, as_host_tensor
 from .errors import KernelPlanError
 from .plan import Checkpoint, StatePlan
 
-__all__ = [
-    "check_copies",
-    "check_snapshots",
-    "check_state_plan",
-    "nearest_valid_offsets",
-]
+__all__ = ["check_copies", "check_snapshots", "check_state_plan"]
 
 
-def nearest_valid_offsets(offset: int, alignment: int, query_len: int) -> str:
-    """Human-readable nearest valid checkpoint offsets around ``offset`` (for error messages)."""
-    if query_len <= alignment:
-        return (
-            f"no valid offset: query length {query_len} leaves no multiple of {alignment} "
-            f"strictly inside the query"
-        )
-    below = (offset // alignment) * alignment
-    candidates = [o for o in (below, below + alignment) if 0 < o < query_len]
-    if not candidates:
-        last = ((query_len - 1) // alignment) * alignment
-        candidates = [alignment] if offset < alignment else [last]
-    return "nearest valid offsets: " + ", ".join(str(o) for o in candidates)
+def _offset_error(where: str, offset: int, alignment: int, query_len: int, backend: str) -> str:
+    """Why the core's rule refuses ``offset``, with the nearest offsets it accepts."""
+    nearest = nearest_exportable_offsets(offset, alignment, query_len)
+    hint = (
+        "nearest valid offsets: " + ", ".join(str(o) for o in nearest)
+        if nearest
+        else "the query has no valid offset"
+    )
+    return (
+        f"{where}: checkpoint offset {offset} is not exportable by backend {backend!r} "
+        f"(checkpoint_alignment {alignment}) from a query of {query_len} tokens: an interior "
+        f"checkpoint needs 0 < offset < {query_len} (the position at the end of the query is "
+        f"taken by a snapshot after the step) and a multiple of {alignment}; {hint}"
+    )
 
 
 def _host(array: ArrayLike, name: str) -> torch.Tensor:
@@ -173,18 +173,8 @@ def check_state_plan(
                     f"{where}: checkpoint offset {offset} paired with slot {slot}; a checkpoint "
                     f"needs both an offset > 0 and a slot >= 0 (padding is offset 0, slot -1)"
                 )
-            if not 0 < offset < query_len:
-                raise KernelPlanError(
-                    f"{where}: checkpoint offset {offset} is outside the sequence: it must "
-                    f"satisfy 0 < offset < query length {query_len} (a position at the end of "
-                    f"the query is taken by a snapshot after the step)"
-                )
-            if offset % alignment:
-                raise KernelPlanError(
-                    f"{where}: checkpoint offset {offset} is not a multiple of backend "
-                    f"{backend!r}'s checkpoint_alignment {alignment}; "
-                    f"{nearest_valid_offsets(offset, alignment, query_len)}"
-                )
+            if not is_exportable_offset(offset, alignment, query_len):
+                raise KernelPlanError(_offset_error(where, offset, alignment, query_len, backend))
             if not 0 <= slot < num_slots:
                 raise KernelPlanError(
                     f"{where}: checkpoint slot {slot} is out of range [0, {num_slots})"
