@@ -23,6 +23,7 @@ from prefixcache.engine import (
     FLOAT32_RTOL,
     Engine,
     EngineConfig,
+    EngineError,
     ForwardFn,
     Policy,
     PoolTooSmallError,
@@ -43,7 +44,7 @@ from prefixcache.engine.workloads import (
     TraceSpec,
     WorkloadSpec,
 )
-from prefixcache.kernels import Step
+from prefixcache.kernels import BlockTables, Step
 from prefixcache.models import HybridModel, ModelCaches
 
 GROWING = GrowingPrefixSpec(streams=3, first_prompt=150, growth=70, rounds=4, output_len=4)
@@ -198,6 +199,27 @@ def test_a_decode_step_out_of_blocks_falls_back_to_preemption(
     assert result.aborted_steps == 0
     assert result.manager_stats["aborts"] == result.decode_fallbacks
     assert_matches(result, expected)
+
+
+def test_check_mode_catches_block_tables_that_drift_from_the_manager(
+    model: HybridModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The check must be able to fail: on the third plan the tables get a wrong block. The
+    # mismatch is a bug, not a failed step: it propagates at once, without a retry.
+    original = BlockTables.apply_plan
+    calls = 0
+
+    def drifting(self: BlockTables, plan: pc.StepPlanLike) -> None:
+        nonlocal calls
+        calls += 1
+        original(self, plan)
+        if calls == 3:
+            self.apply(plan.seq_ids[:1], [[0, 0, 999]], np.zeros((0, 3), dtype=np.int32))
+
+    monkeypatch.setattr(BlockTables, "apply_plan", drifting)
+    with pytest.raises(EngineError, match="differs from the manager's"):
+        run(model, GROWING, "fine")
+    assert calls == 3
 
 
 def poisoning_forward(model: HybridModel, fail_every: int) -> tuple[ForwardFn, list[int]]:

@@ -391,12 +391,14 @@ class _Loop:
         # Only prefill rows are charged KDA time: a decode-only step runs untimed.
         kda_timer.enabled = any(seq.prefilling for seq in rows)
         underruns = kda_timer.underruns
-        applied = False
         try:
             self.tables.apply_plan(buffers)
-            applied = True
-            if self.config.check:
-                self.check(rows)
+        except Exception:
+            self.manager.abort(buffers)  # a plan the tables refuse is a bug: it propagates
+            raise
+        if self.config.check:
+            self.check(rows)  # a mismatch is a bug too, never a step to retry
+        try:
             step = Step.from_plan(buffers, [self.tables])
             token_ids, logits_indices = self.inputs(rows)
             kda_timer.take()
@@ -407,8 +409,7 @@ class _Loop:
         except Exception as error:
             step_id = buffers.step_id
             self.manager.abort(buffers)
-            if applied:
-                self.tables.rollback()
+            self.tables.rollback()
             if self.config.check:
                 self.check(rows)
             self.result.aborted_steps += 1
