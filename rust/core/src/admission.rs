@@ -127,13 +127,21 @@ pub(crate) fn blocks_available(
 
 /// One block the capacity check (`blocks_available`) promised: its absence is a bug in the
 /// core, reported as an invariant error rather than a null block in a plan.
+#[inline]
 fn take_block(store: &mut BlockStore, pool: usize, kind: BlockKind, g: usize) -> Result<BlockId> {
-    store.allocate(pool, kind, g as u32).ok_or_else(|| {
-        CacheError::invariant(format!(
-            "pool {pool} could not supply a {kind:?} block for group {g} after its capacity \
-             check promised it"
-        ))
-    })
+    match store.allocate(pool, kind, g as u32) {
+        Some(block) => Ok(block),
+        None => Err(unavailable(pool, kind, g)),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn unavailable(pool: usize, kind: BlockKind, g: usize) -> CacheError {
+    CacheError::invariant(format!(
+        "pool {pool} could not supply a {kind:?} block for group {g} after its capacity check \
+         promised it"
+    ))
 }
 
 /// Pins the hit and allocates the chunk's blocks, group by group in config order; only

@@ -78,6 +78,7 @@ impl BlockStore {
     }
 
     /// Allocates one block of `pool`, unindexing whatever the eviction removed.
+    #[inline]
     pub fn allocate(&mut self, pool: usize, kind: BlockKind, group: u32) -> Option<BlockId> {
         let mut evicted = std::mem::take(&mut self.evicted);
         let block = self.pools[pool].allocate(kind, group, &mut evicted);
