@@ -2119,8 +2119,15 @@ class FuzzMachine(RuleBasedStateMachine):
             f"stats: {stats.refused_schedules} refused schedules, {stats.scheduled_tokens} tokens "
             f"scheduled; model {self.refused}, {self.scheduled_tokens}",
         )
+        # The dict holds the counters the attributes do (a counter can never be negative, so
+        # that is no check; a dict that disagrees with its object is one).
         d = stats.to_dict()
-        self.check(all(v >= 0 for v in d.values() if isinstance(v, int)), f"stats: {d}")
+        names = {n for n in dir(stats) if not n.startswith("_") and n not in ("groups", "to_dict")}
+        self.check(
+            set(d) == names | {"groups"} and all(d[n] == getattr(stats, n) for n in names),
+            f"stats.to_dict() {d} disagrees with the attributes",
+        )
+        self.check(d["groups"] == [g.to_dict() for g in stats.groups], "stats.to_dict()['groups']")
         if self.events_exact:
             self.check(
                 stats.events_dropped == 0, "events dropped although drained after every call"
