@@ -56,7 +56,7 @@ pub(crate) fn borrow_mut<'py, T: PyClass<Frozen = pyo3::pyclass::boolean_struct:
 
 /// The manager whose step a `PlanBuffers` holds.
 pub(crate) struct Owner {
-    /// `PyCacheManager`'s id.
+    /// The core manager's id (`CacheManager::id`, which its plans carry).
     pub id: u64,
     /// The manager itself, to ask whether the step is still in flight (it may be gone).
     pub manager: Weak<Mutex<CacheManager>>,
