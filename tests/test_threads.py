@@ -185,6 +185,8 @@ def test_short_calls_keep_the_gil_unless_they_must_wait(long_switch_interval: No
     mgr.add(1, list(range(40)))
     # Releasing the GIL would cost more than these calls: they keep it (no tick).
     assert ticks_during(lambda: [mgr.num_computed(1) for _ in range(20_000)]) == 0
+    short_prompt = np.arange(64, dtype=np.uint32)
+    assert ticks_during(lambda: [pc.hash_prefix(short_prompt) for _ in range(2_000)]) == 0
     ids = np.array([1], dtype=np.int64)
     assert ticks_during(lambda: mgr.schedule_tokens(ids, 1)) == 0
     plan = mgr.build_plan()

@@ -1,9 +1,10 @@
 //! `PyO3` bindings of `prefixcache-core`: the private module `prefixcache._core`.
 //!
 //! A thin shell: it converts arguments (`convert`), maps every core error to its Python class
-//! in one place (`errors`), releases the GIL around core calls (`manager`), and hands plan
-//! arrays to `NumPy` without copying (`plan`). It holds no cache rule; users import the typed
-//! package `prefixcache`, which re-exports what is here with an explicit `__all__`.
+//! in one place (`errors`), releases the GIL around long core calls (one policy, in
+//! `manager`), exposes the core's defaults and rules (`rules`), and hands plan arrays to
+//! `NumPy` without copying (`plan`). It holds no cache rule; users import the typed package
+//! `prefixcache`, which re-exports what is here with an explicit `__all__`.
 
 use prefixcache_core::limits;
 use prefixcache_core::{CacheError, HashConfig};
@@ -26,8 +27,9 @@ mod rules;
 use convert::{u64_arg, Domain};
 
 /// The digests of every full unit of `tokens` (the cache's keys, as bytes: 16 per unit for
-/// `xxh3_128`, 32 for `sha256`), computed without the GIL. For external routers: the same
-/// settings as a manager's `HashConfig` give the same digests.
+/// `xxh3_128`, 32 for `sha256`), computed without the GIL when the tokens are many (the
+/// shell's GIL policy, `manager`'s module doc). For external routers: the same settings as a
+/// manager's `HashConfig` give the same digests.
 #[pyfunction]
 #[pyo3(
     signature = (tokens, unit = None, algorithm = None, seed = None, extra_keys = None),
@@ -60,9 +62,10 @@ fn hash_prefix<'py>(
     };
     let tokens = convert::tokens(tokens, "tokens", convert::SEQUENCE)?;
     let extra = convert::extra_keys(extra_keys)?;
-    let digests = py
-        .detach(|| prefixcache_core::hash_prefix(&config, &tokens, &extra))
-        .map_err(|e| errors::to_pyerr(py, e))?;
+    let digests = manager::unlocked(py, tokens.len(), || {
+        prefixcache_core::hash_prefix(&config, &tokens, &extra)
+    })
+    .map_err(|e| errors::to_pyerr(py, e))?;
     Ok(digests.iter().map(|d| PyBytes::new(py, d.as_bytes(config.algorithm))).collect())
 }
 

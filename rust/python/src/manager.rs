@@ -25,7 +25,7 @@
 //! the lock with the GIL held cannot deadlock). A panic in the core never reaches Python: it
 //! is caught and raised as `InvariantError`, and the mutex it poisoned makes every later call
 //! raise `InvariantError` too (the manager's state is no longer trustworthy; build a new one).
-//! The one other place the shell releases the GIL is `hash_prefix`, which takes no lock.
+//! `hash_prefix`, which takes no lock, follows the same rule through [`unlocked`].
 //!
 //! Arguments are copied out of Python objects with the GIL held, never read in place without
 //! it (another thread could change them meanwhile): a long prompt is copied once (about 10 us
@@ -106,6 +106,20 @@ where
         (Ok(Some(result)), _) => outcome_of(py, Ok(result)),
         (Ok(None), None) => outcome_of(py, Ok(Err(Failure::Poisoned))),
         (Err(payload), _) => outcome_of(py, Err(payload)),
+    }
+}
+
+/// The same rule for work that takes no manager's lock (`hash_prefix`): `f` runs without the
+/// GIL when `work` (tokens) exceeds `SHORT_WORK`, with it otherwise.
+pub(crate) fn unlocked<R, F>(py: Python<'_>, work: usize, f: F) -> R
+where
+    R: Send,
+    F: FnOnce() -> R + Send,
+{
+    if work > SHORT_WORK {
+        py.detach(f)
+    } else {
+        f()
     }
 }
 
