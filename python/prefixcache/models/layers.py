@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels import KDABackend, KDALayerParams, PagedKVCache, StateCache, StatePlan, run_prefill
 from .config import ModelConfig
@@ -75,6 +74,10 @@ def paged_causal_attention(
             # A chunk after a cached prefix: causal aligned to the bottom right. The flash kernel
             # does it without a [query, context] mask (1.3 GB at 8K x 164K); it takes equal head
             # counts, so the key/value heads are repeated for the query groups.
+            # Imported here: torch.nn.attention.bias imports Triton, which the CPU never needs
+            # (and Triton decides at its first import whether it runs interpreted).
+            from torch.nn.attention.bias import causal_lower_right
+
             groups = q.shape[1] // k.shape[1]
             o = F.scaled_dot_product_attention(
                 q,
