@@ -10,7 +10,7 @@
 //! keys), `events`, `stats`; `config` (configuration, the rules, the group layout); `store`
 //! (pools + index + events: allocation, publication, eviction); `hit` (what a lookup returns,
 //! and the hit rule over store, layout and a sequence's content); `sequence` (a sequence, its
-//! phase, its per-group blocks and step; the finished cache); `table` (the sequence table);
+//! phase, its per-group blocks and step); `table` (the sequence table and the finished cache);
 //! `admission` and `checkpoints` (the blocks a chunk gets, the checkpoints it exports);
 //! `manager` (the protocol's state and sequence calls); `schedule`, `plan`, `commit`
 //! (the step's calls); `invariants`.

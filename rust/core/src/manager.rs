@@ -29,10 +29,10 @@ use crate::hashing::{validate_sequence, Digest, ExtraKeys, Hasher};
 use crate::hit::{compute_hit, Hit};
 use crate::index::HashIndex;
 use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
-use crate::sequence::{shared_units, PagedSeq, Phase, Sequence, StateSeq};
+use crate::sequence::{PagedSeq, Phase, Sequence, StateSeq};
 use crate::stats::{GroupStats, Stats};
 use crate::store::BlockStore;
-use crate::table::SequenceTable;
+use crate::table::{shared_units, SequenceTable};
 
 pub use crate::limits::MAX_SEQUENCE_TOKENS;
 use crate::limits::{human_bytes, try_vec, MAX_BATCH_SEQUENCES};

@@ -6,6 +6,7 @@
 //! protocol releases a sequence's blocks before `finish` hands it here).
 
 use std::borrow::Cow;
+use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 
@@ -13,7 +14,7 @@ use crate::error::{CacheError, Result};
 use crate::hashing::{Digest, ExtraKeys};
 use crate::limits::human_bytes;
 use crate::pool::BlockId;
-use crate::sequence::{Continued, FinishedCache, FinishedSequence, Sequence};
+use crate::sequence::Sequence;
 
 /// What `extends` resolves to: tokens, extra keys and unit hashes.
 pub(crate) type ExtendsSource<'a> = (Cow<'a, [u32]>, Cow<'a, ExtraKeys>, Cow<'a, [Digest]>);
@@ -243,5 +244,325 @@ impl SequenceTable {
         let mut own_hashes = hashes[..record.units].to_vec();
         own_hashes.extend_from_slice(&record.tail_hashes);
         Some((Cow::Owned(own_tokens), Cow::Borrowed(&record.extra), Cow::Owned(own_hashes)))
+    }
+}
+
+/// Tokens and hashes of a finished sequence, for `extends`.
+#[derive(Clone, Debug)]
+pub(crate) struct FinishedSequence {
+    /// The id it finished under.
+    pub id: u64,
+    /// The sequence's serial (ids may be reused; serials never are).
+    pub serial: u64,
+    /// Per group, the full-attention block table it held (a hint for the next turn's lookup;
+    /// empty for other groups).
+    pub chains: Vec<Vec<BlockId>>,
+    pub tokens: Vec<u32>,
+    pub extra: ExtraKeys,
+    pub hashes: Vec<Digest>,
+}
+
+impl FinishedSequence {
+    fn bytes(&self) -> usize {
+        self.tokens.len() * 4
+            + self.hashes.len() * std::mem::size_of::<Digest>()
+            + self.chains.iter().map(|c| c.len() * 4).sum::<usize>()
+            + 64
+    }
+}
+
+/// Finished sequences, oldest dropped first once over the byte budget. Entries are keyed by
+/// serial: an id may be added again while continuation records still need the sequence that
+/// last finished under it.
+///
+/// The budget bounds everything held here: an id's entry in `ids` leaves with the last thing
+/// kept under its serial (the finished sequence, or the record of where its buffers went), and
+/// `order` holds one element per thing kept plus at most one stale element per record.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct FinishedCache {
+    /// serial -> finished sequence.
+    entries: FxHashMap<u64, FinishedSequence>,
+    /// id -> serial of the last sequence that finished under it (until the id is added again).
+    ids: FxHashMap<u64, u64>,
+    /// `(serial, id)` of finished sequences and records, oldest first; what is gone is skipped.
+    order: VecDeque<(u64, u64)>,
+    bytes: usize,
+    capacity: usize,
+    /// serial -> where a finished sequence's buffers went when its continuation took them.
+    continued: FxHashMap<u64, Continued>,
+}
+
+/// Where the history of a finished sequence went when another sequence extended it: its
+/// first `tokens` tokens and `units` hashes are the continuing sequence's, the rest (the
+/// outputs the next turn did not send back, typically) is kept here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Continued {
+    pub by: u64,
+    /// Serial of the continuing sequence (its id may later name another sequence).
+    pub by_serial: u64,
+    pub tokens: usize,
+    pub units: usize,
+    pub tail_tokens: Vec<u32>,
+    pub tail_hashes: Vec<Digest>,
+    pub extra: ExtraKeys,
+}
+
+impl Continued {
+    fn bytes(&self) -> usize {
+        self.tail_tokens.len() * 4 + self.tail_hashes.len() * std::mem::size_of::<Digest>() + 128
+    }
+}
+
+impl FinishedCache {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, ..Self::default() }
+    }
+
+    pub fn insert(&mut self, id: u64, entry: FinishedSequence) {
+        let size = entry.bytes();
+        if size > self.capacity {
+            self.ids.remove(&id);
+            return;
+        }
+        self.ids.insert(id, entry.serial);
+        self.bytes += size;
+        self.order.push_back((entry.serial, id));
+        self.entries.insert(entry.serial, entry);
+        self.shrink();
+    }
+
+    /// Drops the oldest finished sequences and continuation records until within the budget.
+    fn shrink(&mut self) {
+        while self.bytes > self.capacity {
+            let Some((old, id)) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(e) = self.entries.remove(&old) {
+                self.bytes -= e.bytes();
+            } else if let Some(r) = self.continued.remove(&old) {
+                self.bytes -= r.bytes();
+            }
+            // Nothing is kept under this serial any more: `extends` of its id finds nothing.
+            let gone = !self.entries.contains_key(&old) && !self.continued.contains_key(&old);
+            if gone && self.ids.get(&id) == Some(&old) {
+                self.ids.remove(&id);
+            }
+        }
+    }
+
+    /// The serial of the last sequence finished under `id`, if the id is not live again.
+    pub fn serial_of(&self, id: u64) -> Option<u64> {
+        self.ids.get(&id).copied()
+    }
+
+    pub fn get_serial(&self, serial: u64) -> Option<&FinishedSequence> {
+        self.entries.get(&serial)
+    }
+
+    /// Grows the buffers of finished sequence `serial` to hold `tokens` tokens and `units`
+    /// digests, fallibly (their lengths, which the budget counts, do not change). `Err` carries
+    /// the bytes that could not be allocated; nothing changes then.
+    pub fn reserve(&mut self, serial: u64, tokens: usize, units: usize) -> Result<(), usize> {
+        let Some(entry) = self.entries.get_mut(&serial) else {
+            return Ok(());
+        };
+        let tokens = tokens.saturating_sub(entry.tokens.len());
+        let units = units.saturating_sub(entry.hashes.len());
+        let bytes = tokens.saturating_mul(4) + units.saturating_mul(std::mem::size_of::<Digest>());
+        entry.tokens.try_reserve(tokens).map_err(|_| bytes)?;
+        entry.hashes.try_reserve(units).map_err(|_| bytes)?;
+        Ok(())
+    }
+
+    /// Takes a finished sequence's buffers out (its continuation owns them now).
+    pub fn take_serial(&mut self, serial: u64) -> Option<FinishedSequence> {
+        let entry = self.entries.remove(&serial)?;
+        self.bytes -= entry.bytes();
+        Some(entry)
+    }
+
+    /// The id is live again: `extends` of it means the live sequence from now on.
+    pub fn unmap(&mut self, id: u64) {
+        self.ids.remove(&id);
+    }
+
+    /// Records where the buffers of finished sequence `serial` went. The record's tail counts
+    /// against the same byte budget as finished sequences.
+    pub fn set_continued(&mut self, serial: u64, id: u64, continued: Continued) {
+        self.bytes += continued.bytes();
+        if let Some(old) = self.continued.insert(serial, continued) {
+            self.bytes -= old.bytes();
+        }
+        self.order.push_back((serial, id));
+        self.shrink();
+    }
+
+    /// Ids mapped to a finished serial (for the bound test).
+    #[cfg(test)]
+    fn num_ids(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn continued(&self, serial: u64) -> Option<&Continued> {
+        self.continued.get(&serial)
+    }
+
+    /// Finished sequences kept (their buffers, not continuation records).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+/// Length of the common prefix of two token lists, compared 64 tokens at a time (a memcmp)
+/// before the last partial run.
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    const RUN: usize = 64;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + RUN <= n && a[i..i + RUN] == b[i..i + RUN] {
+        i += RUN;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+/// What two sequences share: `(common tokens, shared units)`. The units are the leading units
+/// whose hashes can be reused: the common token prefix, cut before the first unit that any
+/// differing multimodal input touches, at most `other_units`. With a different salt or adapter
+/// nothing is shared (and the common prefix is not computed: `(0, 0)`).
+///
+/// The inputs that differ are those from the first list index where the two lists disagree on:
+/// every input there or after it, in either list, may enter a unit's digest in another place,
+/// so the cut is at the earliest start among all of them. For lists in order of start (which
+/// `add` requires) that is the earlier start of the two entries at that index.
+pub(crate) fn shared_units(
+    unit: u32,
+    tokens: &[u32],
+    extra: &ExtraKeys,
+    other_tokens: &[u32],
+    other_extra: &ExtraKeys,
+    other_units: usize,
+) -> (usize, usize) {
+    if extra.cache_salt != other_extra.cache_salt || extra.lora_id != other_extra.lora_id {
+        return (0, 0);
+    }
+    let common = common_prefix(tokens, other_tokens);
+    let (a, b) = (&extra.multimodal, &other_extra.multimodal);
+    let same = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let differing_start =
+        a[same..].iter().chain(&b[same..]).map(|m| m.start as usize).min().unwrap_or(usize::MAX);
+    let limit = common.min(differing_start);
+    (common, (limit / unit as usize).min(other_units))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hashing::MultimodalInput;
+
+    fn finished(serial: u64, tokens: usize) -> FinishedSequence {
+        FinishedSequence {
+            id: serial,
+            serial,
+            chains: Vec::new(),
+            tokens: vec![7; tokens],
+            extra: ExtraKeys::default(),
+            hashes: vec![Digest::default(); tokens / 4],
+        }
+    }
+
+    fn record(by_serial: u64, tail: usize) -> Continued {
+        Continued {
+            by: by_serial,
+            by_serial,
+            tokens: 0,
+            units: 0,
+            tail_tokens: vec![1; tail],
+            tail_hashes: Vec::new(),
+            extra: ExtraKeys::default(),
+        }
+    }
+
+    fn image(start: u32, end: u32, hash: &[u8]) -> MultimodalInput {
+        MultimodalInput { start, end, hash: hash.to_vec() }
+    }
+
+    fn with(multimodal: Vec<MultimodalInput>) -> ExtraKeys {
+        ExtraKeys { multimodal, ..ExtraKeys::default() }
+    }
+
+    #[test]
+    fn digest_reuse_stops_at_the_earliest_differing_input_whatever_its_list_index() {
+        let tokens: Vec<u32> = (0..20).collect();
+        let none = ExtraKeys::default();
+        // The image at [4, 8) differs, listed first or after a later input: reuse stops at
+        // unit 2 (U = 2) either way.
+        for other in [
+            with(vec![image(4, 8, b"X"), image(9, 10, b"img1")]),
+            with(vec![image(9, 10, b"img1"), image(4, 8, b"X")]),
+        ] {
+            assert_eq!(shared_units(2, &tokens, &none, &tokens, &other, 10), (20, 2));
+            assert_eq!(shared_units(2, &tokens, &other, &tokens, &none, 10), (20, 2));
+        }
+        // Equal leading inputs are shared; the first that differs (another hash) cuts.
+        let a = with(vec![image(2, 4, b"p"), image(10, 12, b"q")]);
+        let b = with(vec![image(2, 4, b"p"), image(10, 12, b"r")]);
+        assert_eq!(shared_units(2, &tokens, &a, &tokens, &b, 10), (20, 5));
+        // An input only one side has cuts at its start; none differing shares everything.
+        let c = with(vec![image(2, 4, b"p"), image(10, 12, b"q"), image(15, 16, b"s")]);
+        assert_eq!(shared_units(2, &tokens, &a, &tokens, &c, 10), (20, 7));
+        assert_eq!(shared_units(2, &tokens, &a, &tokens, &a, 10), (20, 10));
+        // Different salts share nothing.
+        let salted = ExtraKeys { cache_salt: Some(b"t".to_vec()), ..ExtraKeys::default() };
+        assert_eq!(shared_units(2, &tokens, &salted, &tokens, &none, 10), (0, 0));
+    }
+
+    #[test]
+    fn the_byte_budget_bounds_the_ids_of_finished_sequences_too() {
+        let entry_bytes = finished(0, 100).bytes();
+        let mut cache = FinishedCache::new(4 * entry_bytes);
+        for serial in 0..100_000 {
+            cache.insert(serial, finished(serial, 100));
+            assert!(cache.num_ids() <= 4 && cache.order.len() <= 4, "at {serial}");
+        }
+        assert_eq!(cache.serial_of(99_999), Some(99_999));
+        assert_eq!(cache.serial_of(0), None);
+        // A record keeps its id mapped until the record itself leaves.
+        let taken = cache.take_serial(99_999).expect("kept");
+        cache.set_continued(taken.serial, taken.id, record(7, 10));
+        assert_eq!(cache.serial_of(99_999), Some(99_999));
+        for serial in 100_000..100_010 {
+            cache.insert(serial, finished(serial, 100));
+        }
+        assert_eq!(cache.serial_of(99_999), None);
+        assert!(cache.num_ids() <= 4 && cache.order.len() <= 5);
+    }
+
+    #[test]
+    fn continuation_records_share_the_byte_budget_oldest_first() {
+        let entry_bytes = finished(0, 100).bytes();
+        let mut cache = FinishedCache::new(3 * entry_bytes);
+        for serial in 0..3 {
+            cache.insert(serial, finished(serial, 100));
+        }
+        assert_eq!(cache.len(), 3);
+        // Serial 0 is continued: its buffers leave, a record of its 60-token tail stays.
+        assert!(cache.take_serial(0).is_some());
+        cache.set_continued(0, 0, record(9, 60));
+        assert!(cache.bytes <= cache.capacity);
+        assert!(cache.continued(0).is_some());
+        // A fourth sequence pushes the oldest things out, the record first (it is serial 0's).
+        cache.insert(3, finished(3, 100));
+        assert!(cache.bytes <= cache.capacity);
+        assert!(cache.continued(0).is_none());
+        assert!(cache.get_serial(3).is_some());
+        // A record larger than what is left evicts finished sequences too, never overshooting.
+        cache.set_continued(1, 1, record(9, 150));
+        assert!(cache.bytes <= cache.capacity, "{} > {}", cache.bytes, cache.capacity);
+        let accounted: usize = cache.entries.values().map(FinishedSequence::bytes).sum::<usize>()
+            + cache.continued.values().map(Continued::bytes).sum::<usize>();
+        assert_eq!(accounted, cache.bytes);
     }
 }
