@@ -1,4 +1,5 @@
-//! `check_invariants`: the whole-manager consistency check that tests run after every call.
+//! `check_invariants`: the whole-manager consistency check that tests run after every call (the
+//! store checks its own pools and index; this file checks what the protocol holds).
 //!
 //! It verifies: each pool's own partition (free / owned / cached, LRU integrity, null block);
 //! reference counts equal the number of holders (tables, copy sources, running buffers, resume
@@ -11,16 +12,14 @@
 use crate::config::{is_exportable_offset, GroupSlot};
 use crate::error::{CacheError, Result};
 use crate::manager::CacheManager;
-use crate::pool::{BlockKind, NULL_BLOCK};
+use crate::pool::NULL_BLOCK;
 
 impl CacheManager {
     /// Checks every invariant; `Err(Invariant)` describes the first violation found.
     pub fn check_invariants(&self) -> Result<()> {
-        for (i, pool) in self.store.pools.iter().enumerate() {
-            pool.check().map_err(|m| CacheError::invariant(format!("pool {i}: {m}")))?;
-        }
+        self.store.check_pools()?;
         self.check_holders()?;
-        self.check_index()?;
+        self.store.check_index(&self.layout)?;
         self.check_steps()
     }
 
@@ -109,80 +108,6 @@ impl CacheManager {
                 if have != want {
                     return Err(CacheError::invariant(format!(
                         "pool {i} block {b}: reference count {have} but {want} holders"
-                    )));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn check_index(&self) -> Result<()> {
-        let mut indexed = 0usize;
-        for (fingerprint, block) in self.store.index.entries() {
-            indexed += 1;
-            // Some group's pool holds the block, and it carries a key with this fingerprint.
-            let known = (0..self.layout.len()).any(|g| {
-                self.store.pools[self.layout.pool(g)]
-                    .keys(block)
-                    .iter()
-                    .any(|k| k.key.group == g as u32 && k.key.fingerprint() == fingerprint)
-            });
-            if !known {
-                return Err(CacheError::invariant(format!(
-                    "index maps fingerprint {fingerprint:#x} to block {block}, which carries no \
-                     key with it in any group"
-                )));
-            }
-        }
-        let mut carried = 0usize;
-        for (i, pool) in self.store.pools.iter().enumerate() {
-            for b in 1..pool.num_blocks() {
-                let keys = pool.keys(b);
-                carried += keys.len();
-                for k in keys {
-                    if !self.store.index.get(&k.key, |x| pool.carries(x, &k.key)).any(|x| x == b) {
-                        return Err(CacheError::invariant(format!(
-                            "pool {i} block {b} carries a key at {} that is not indexed",
-                            k.position
-                        )));
-                    }
-                    if k.position == 0 || k.position % self.unit != 0 {
-                        return Err(CacheError::invariant(format!(
-                            "pool {i} block {b} keyed at {}, not a unit boundary",
-                            k.position
-                        )));
-                    }
-                    let state =
-                        matches!(self.layout.slots[k.key.group as usize], GroupSlot::State(_));
-                    if state && (keys.len() != 1 || !pool.kind(b).is_checkpoint()) {
-                        return Err(CacheError::invariant(format!(
-                            "pool {i} block {b}: a state key on a block labelled {:?} with {} \
-                             keys (a checkpoint holds exactly one position)",
-                            pool.kind(b),
-                            keys.len()
-                        )));
-                    }
-                    if !state && pool.kind(b) != BlockKind::Paged {
-                        return Err(CacheError::invariant(format!(
-                            "pool {i} block {b}: a paged key on a block labelled {:?}",
-                            pool.kind(b)
-                        )));
-                    }
-                }
-            }
-        }
-        if carried != indexed {
-            return Err(CacheError::invariant(format!(
-                "{indexed} index entries but {carried} block keys"
-            )));
-        }
-        for group in &self.layout.state {
-            if let Some(cap) = group.config.checkpoint_cap {
-                let n = self.store.pools[group.pool].num_checkpoints_of(group.index as u32);
-                if n > cap {
-                    return Err(CacheError::invariant(format!(
-                        "group {} holds {n} checkpoint blocks, more than its cap {cap}",
-                        group.index
                     )));
                 }
             }

@@ -6,8 +6,11 @@
 //! It owns no sequence and no step: callers say which group, block and positions, and hand in
 //! the content the keys are computed from ([`Content`]). It never decides what to allocate or
 //! publish: that is the protocol's (`schedule`, `build_plan`, `commit`). Lookups read it through
-//! `has_key`, `holder` and `miss_reason`.
+//! `has_key`, `holder` and `recently_evicted`; `check_pools` and `check_index` verify its own
+//! invariants.
 
+use crate::config::{GroupLayout, GroupSlot};
+use crate::error::{CacheError, Result};
 use crate::events::{CacheEvent, EventLog};
 use crate::hashing::{unit_extra_entries, Digest, ExtraKeys};
 use crate::index::{HashIndex, UnitContent};
@@ -292,5 +295,89 @@ impl BlockStore {
         }
         self.index.clear();
         self.events.push(CacheEvent::AllBlocksCleared);
+    }
+
+    /// Every pool's own partition (free / owned / cached, LRU integrity, null block).
+    pub fn check_pools(&self) -> Result<()> {
+        for (i, pool) in self.pools.iter().enumerate() {
+            pool.check().map_err(|m| CacheError::invariant(format!("pool {i}: {m}")))?;
+        }
+        Ok(())
+    }
+
+    /// The index and the pools agree: every entry names a block carrying its key in the right
+    /// group's pool, every block key is indexed, keys sit on unit boundaries, a state key is a
+    /// checkpoint's only key and a paged key a paged block's, the checkpoint caps hold.
+    pub fn check_index(&self, layout: &GroupLayout) -> Result<()> {
+        let mut indexed = 0usize;
+        for (fingerprint, block) in self.index.entries() {
+            indexed += 1;
+            // Some group's pool holds the block, and it carries a key with this fingerprint.
+            let known = (0..layout.len()).any(|g| {
+                self.pools[layout.pool(g)]
+                    .keys(block)
+                    .iter()
+                    .any(|k| k.key.group == g as u32 && k.key.fingerprint() == fingerprint)
+            });
+            if !known {
+                return Err(CacheError::invariant(format!(
+                    "index maps fingerprint {fingerprint:#x} to block {block}, which carries no \
+                     key with it in any group"
+                )));
+            }
+        }
+        let mut carried = 0usize;
+        for (i, pool) in self.pools.iter().enumerate() {
+            for b in 1..pool.num_blocks() {
+                let keys = pool.keys(b);
+                carried += keys.len();
+                for k in keys {
+                    if !self.index.get(&k.key, |x| pool.carries(x, &k.key)).any(|x| x == b) {
+                        return Err(CacheError::invariant(format!(
+                            "pool {i} block {b} carries a key at {} that is not indexed",
+                            k.position
+                        )));
+                    }
+                    if k.position == 0 || k.position % self.unit != 0 {
+                        return Err(CacheError::invariant(format!(
+                            "pool {i} block {b} keyed at {}, not a unit boundary",
+                            k.position
+                        )));
+                    }
+                    let state = matches!(layout.slots[k.key.group as usize], GroupSlot::State(_));
+                    if state && (keys.len() != 1 || !pool.kind(b).is_checkpoint()) {
+                        return Err(CacheError::invariant(format!(
+                            "pool {i} block {b}: a state key on a block labelled {:?} with {} \
+                             keys (a checkpoint holds exactly one position)",
+                            pool.kind(b),
+                            keys.len()
+                        )));
+                    }
+                    if !state && pool.kind(b) != BlockKind::Paged {
+                        return Err(CacheError::invariant(format!(
+                            "pool {i} block {b}: a paged key on a block labelled {:?}",
+                            pool.kind(b)
+                        )));
+                    }
+                }
+            }
+        }
+        if carried != indexed {
+            return Err(CacheError::invariant(format!(
+                "{indexed} index entries but {carried} block keys"
+            )));
+        }
+        for group in &layout.state {
+            if let Some(cap) = group.config.checkpoint_cap {
+                let n = self.pools[group.pool].num_checkpoints_of(group.index as u32);
+                if n > cap {
+                    return Err(CacheError::invariant(format!(
+                        "group {} holds {n} checkpoint blocks, more than its cap {cap}",
+                        group.index
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 }
