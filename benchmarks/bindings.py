@@ -21,8 +21,8 @@ arrays, and releasing the GIL for long calls):
 
 Reports medians (and minima, which machine load disturbs least), with the garbage collector off
 while timing (as ``timeit`` does), next to the same cases timed the same way in pure Rust by
-``rust/python/examples/baseline.rs`` when its binary is built (``cargo build --release -p
-prefixcache-python --example baseline``): the difference is the crossing cost.
+``rust/core/examples/baseline.rs`` when its binary is built (``cargo build --release -p
+prefixcache-core --example baseline``): the difference is the crossing cost.
 
 Run: ``python benchmarks/bindings.py`` (release build of the extension: ``make install``).
 """
@@ -193,15 +193,18 @@ def bench_hybrid_decode(call: str, steps: int) -> list[float]:
 
 def read_plan(plan: pc.StepPlan) -> None:
     """Every array of a plan, as an engine building its forward's inputs reads them."""
-    for array in (plan.seq_ids, plan.query_start_loc, plan.num_computed, plan.num_scheduled):
-        assert array.size >= 0
+    rows, tokens = plan.num_rows, plan.num_tokens
+    for array in (plan.seq_ids, plan.num_computed, plan.num_scheduled):
+        assert array.shape == (rows,)
+    assert plan.query_start_loc.shape == (rows + 1,) and int(plan.query_start_loc[-1]) == tokens
     assert plan.copies.shape[1] == 4
     for paged in plan.paged:
-        assert paged.appended.ndim == paged.replaced.ndim == 2 and paged.slot_mapping.ndim == 1
+        assert paged.appended.ndim == paged.replaced.ndim == 2
+        assert paged.slot_mapping.shape == (tokens,)
     for state in plan.state:
-        arrays = (state.running_slot, state.initial_slot, state.checkpoint_offsets)
-        assert all(a.size >= 0 for a in arrays)
-        assert state.checkpoint_slots.ndim == state.snapshots.ndim == 2
+        assert state.running_slot.shape == state.initial_slot.shape == (rows,)
+        assert state.checkpoint_offsets.shape == state.checkpoint_slots.shape
+        assert state.checkpoint_offsets.shape[0] == rows and state.snapshots.ndim == 2
 
 
 TURN = 142_000

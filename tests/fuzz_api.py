@@ -37,7 +37,7 @@ What every call must satisfy, checked by a model kept here in plain Python:
   a block no other live sequence holds; a block is shared by two sequences only as a full
   block of a prefix both computed with the same extra keys, and never by two groups;
 * every published key is the ``hash_prefix`` digest of a prefix of a sequence that the
-  publishing call committed or finished (and ``hash_prefix`` equals the README's reference
+  publishing call committed or finished (and ``hash_prefix`` equals the reference
   encoding); a removed block loses exactly the keys it was given; statistics count what the
   model counted; an ``AlignmentError`` says nothing false about the offset;
 * at the end the manager is still usable: the plan in flight ends, every sequence finishes,
@@ -174,7 +174,7 @@ class Expect:
 
 
 # ---------------------------------------------------------------------------------------------
-# Independent helpers: the README's digest encoding, token containers, extra keys.
+# Independent helpers: the digest encoding of docs/HASHING.md, token containers, extra keys.
 
 
 def reference_digests(
@@ -186,7 +186,7 @@ def reference_digests(
     lora: int | None,
     multimodal: Iterable[tuple[int, int, bytes]],
 ) -> list[bytes]:
-    """The README's reference encoding."""
+    """The reference encoding of docs/HASHING.md."""
     return reference_encoding.reference(tokens, unit, algorithm, seed, salt, lora, multimodal)
 
 
@@ -1448,7 +1448,7 @@ class FuzzMachine(RuleBasedStateMachine):
                 ref = reference_digests(tokens, self.unit, h.algorithm, h.seed, salt, lora, mm)
                 self.check(
                     got == ref,
-                    f"hash_prefix({tokens}, {extra_obj!r}) is not the README's reference encoding",
+                    f"hash_prefix({tokens}, {extra_obj!r}) is not the reference encoding",
                 )
         if isinstance(added, BaseException):
             self.absorb_events(None, "add (refused)")
@@ -2177,7 +2177,7 @@ class FuzzMachine(RuleBasedStateMachine):
             )
 
     def hash_prefix_matches(self, who: object, form: str) -> None:
-        """hash_prefix of a live sequence in any container equals its digests, and the README's
+        """hash_prefix of a live sequence in any container equals its digests, and the
         reference encoding."""
         _, seq = self.seq_of(who)
         if seq is None:
@@ -2199,7 +2199,7 @@ class FuzzMachine(RuleBasedStateMachine):
         )
         self.check(
             got == ref,
-            f"hash_prefix of sequence {seq.seq_id} differs from the README's reference",
+            f"hash_prefix of sequence {seq.seq_id} differs from the reference encoding",
         )
 
     def read_buffers_while_another_thread_builds(self) -> None:

@@ -1,4 +1,4 @@
-"""The README's "Prefix hashing" (encoding version 1) written independently in plain Python,
+"""docs/HASHING.md (encoding version 1) written independently in plain Python,
 for the tests that check the Rust hasher against the specification (test_hashing.py, the API
 fuzzer). xxh3_128 uses the `xxhash` package (in the test extras: `pip install -e '.[test]'`),
 so a run without it fails instead of leaving the default algorithm unchecked."""
@@ -21,7 +21,7 @@ def reference(
     lora_id: int | None = None,
     multimodal: Iterable[tuple[int, int, bytes]] = (),
 ) -> list[bytes]:
-    """The digest of every full unit of `tokens`, byte for byte as the README specifies."""
+    """The digest of every full unit of `tokens`, byte for byte as docs/HASHING.md specifies."""
 
     def digest(data: bytes) -> bytes:
         if algorithm == "sha256":

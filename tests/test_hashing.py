@@ -1,4 +1,4 @@
-"""`hash_prefix`: the encoding in README.md ("Prefix hashing"), its vectors, and the cache keys."""
+"""`hash_prefix`: the encoding in docs/HASHING.md, its vectors, and the cache keys."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_encoding import reference
 
-# (tokens, keyword arguments, algorithm, h[0] hex, h[1] hex) from the README.
+# (tokens, keyword arguments, algorithm, h[0] hex, h[1] hex) from docs/HASHING.md.
 VECTORS = [
     (
         range(32),

@@ -192,7 +192,7 @@ Group: TypeAlias = FullAttention | SlidingWindow | StateGroup
 
 @dataclass(frozen=True, slots=True)
 class HashConfig:
-    """How sequences are hashed (the encoding is specified in the README).
+    """How sequences are hashed (the encoding is specified in docs/HASHING.md).
 
     Attributes:
         algorithm: ``"xxh3_128"`` (default) or ``"sha256"``.

@@ -8,7 +8,7 @@
    (what an engine would do without in-kernel export);
 3. the float64 torch reference on the same inputs.
 
-The contract (DESIGN.md section 7): (1) equals (2) bit for bit for fp32 state paths on the
+The contract: (1) equals (2) bit for bit for fp32 state paths on the
 backend's grid, except that fla's ``h`` checkpoints equal the bf16 rounding of (2)'s state; (1)
 and (3) agree to bf16 accuracy (relative L2 < 2e-2); nothing outside the plan's slots changes;
 exporting checkpoints does not change the outputs. :func:`unaligned_plan_error` shows that an

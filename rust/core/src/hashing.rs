@@ -30,7 +30,7 @@
 //!   overlaps the unit's range `[i*U, (i+1)*U)`, in the order the inputs are given.
 //!
 //! The seed enters only through `h[-1]` (XXH3's own seed is always 0), so the whole chain depends
-//! on it. The README ("Prefix hashing") carries test vectors and an independent Python
+//! on it. docs/HASHING.md carries test vectors and an independent Python
 //! implementation.
 //!
 //! # Invariants

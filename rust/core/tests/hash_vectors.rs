@@ -1,7 +1,7 @@
-//! Test vectors of the version-1 byte encoding (README.md, "Prefix hashing").
+//! Test vectors of the version-1 byte encoding (docs/HASHING.md).
 //!
 //! The expected digests were computed once by the independent Python implementation printed in
-//! the README (the `xxhash` and `hashlib` modules), not by this crate. A failure here means
+//! docs/HASHING.md (the `xxhash` and `hashlib` modules), not by this crate. A failure here means
 //! the encoding changed: every cache key, every external router and every stored event would
 //! disagree with the previous release, so bump `ENCODING_VERSION` and publish new vectors instead
 //! of editing these.

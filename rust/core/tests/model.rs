@@ -8,9 +8,9 @@
 //! each. It predicts every key a commit publishes (unit boundaries of the chunk, copy-on-write
 //! destinations, the checkpoints the plan wrote) and requires the `BlockStored` events to be
 //! exactly those; a `BlockRemoved` event must name an unpinned block with exactly the keys the
-//! model recorded for it. From those sets it recomputes every hit by the DESIGN rule, candidate
-//! by candidate, and compares it with `lookup` (reconciled hit, per-group hits and stop reasons,
-//! junction) for every live sequence after every call, and with the hit each first `schedule`
+//! model recorded for it. From those sets it recomputes every hit by its own statement of the
+//! hit rule, candidate by candidate, and compares it with `lookup` (reconciled hit, per-group
+//! hits and stop reasons, junction) for every live sequence after every call, and with the hit each first `schedule`
 //! used; every hit must also rest only on keys that committed steps published. Checkpoints
 //! (which positions have a state) are predicted position by position and compared with the plan
 //! and the skip counters. Block accounting (free blocks before cached ones, pins, evictions) is

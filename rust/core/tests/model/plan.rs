@@ -186,7 +186,7 @@ impl Model {
                 }
             }
         } else {
-            // DESIGN 4, "What a step exports": the retained positions of `(qs, qe]`, requests
+            // What a step exports: the retained positions of `(qs, qe]`, requests
             // first, then tail, junction, intervals latest first; each unit boundary is tested
             // against the retention predicate (the core generates them instead).
             let retained = Retained::of(retention, unit, seq.prefill_target, seq.junction);

@@ -706,7 +706,7 @@ impl Model {
             else {
                 continue;
             };
-            // DESIGN 4, "Chunking with C = 0": the next retained position within the budget,
+            // Chunking with C = 0: the next retained position within the budget,
             // found by walking the unit boundaries (every retained position is one).
             let retained = Retained::of(&state.retention, self.unit, target, junction);
             let next = boundaries(self.unit, start, start + budget).find(|&p| retained.holds(p));

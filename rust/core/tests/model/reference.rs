@@ -5,10 +5,11 @@
 //! pool, the keys each block carries. Keys enter only through commits and
 //! `finish` (whose `BlockStored` events must equal the model's own prediction) and leave only
 //! through `BlockRemoved` events (which must name an unpinned block with exactly its recorded
-//! keys) or `reset`. From these sets `expected_hit` applies the hit rule of DESIGN section 3
-//! candidate by candidate, with no shortcut: full attention bounds the range in which every other
-//! group's own hit is searched, and the junction comes from those own hits. Sequences are mirrored with their committed
-//! position, their scheduled or in-flight step and what the plan gave it.
+//! keys) or `reset`. From these sets `expected_hit` applies the hit rule, stated here on its own,
+//! candidate by candidate, with no shortcut: full attention bounds the range in which every
+//! other group's own hit is searched, and the junction comes from those own hits. Sequences are
+//! mirrored with their committed position, their scheduled or in-flight step and what the plan
+//! gave it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -137,7 +138,7 @@ impl SeqModel {
 }
 
 /// Unit boundaries q with `from < q <= to`.
-/// A sequence's retained positions (DESIGN 4, "Checkpoints"), stated as a predicate on unit
+/// A sequence's retained positions (the retention rule), stated as a predicate on unit
 /// boundaries: the tail `((N - 1) // U) * U` of the tokens N known at the prefill's schedule,
 /// the junction of its lookup, and every multiple of the interval K.
 pub(crate) struct Retained {
@@ -381,7 +382,7 @@ impl Model {
         }
     }
 
-    /// The hit rule of DESIGN section 3 for `seq`, candidate by candidate. Full attention is
+    /// The hit rule for `seq`, candidate by candidate. Full attention is
     /// downward closed and bounds the range: every other group's own hit is the largest
     /// candidate at or below that bound it can resume from (a state or window that survives
     /// above it is neither a hit nor a junction). Without full attention the bound is the
