@@ -4,10 +4,11 @@
 //!
 //! Run: `cargo run --release -p prefixcache-core --example baseline`.
 //!
-//! `baseline decode N` / `baseline hybrid N` / `baseline request N` / `baseline lookup N` run
-//! only N steps (requests, lookups) of one case (and its set-up), for instruction counts: `valgrind --tool=callgrind` of N2 and N1 steps, the
-//! difference divided by N2 - N1, is the instructions of one step, a figure machine load does
-//! not move.
+//! `baseline decode N` / `baseline decode_state N` / `baseline hybrid N` / `baseline request N`
+//! / `baseline lookup N` run only N steps (requests, lookups) of one case (and its set-up), for
+//! instruction counts: `valgrind --tool=callgrind` of N2 and N1 steps, the difference divided by
+//! N2 - N1, is the instructions of one step, a figure machine load does not move.
+//! `decode_state` is `decode` with a state group (the core's `decode_step/256x164k_b16_state`).
 use std::time::Instant;
 
 use prefixcache_core::{
@@ -185,6 +186,7 @@ fn main() {
         let steps: u64 = steps.parse().expect("a number of steps");
         match case.as_str() {
             "decode" => drop(decode(false, steps)),
+            "decode_state" => drop(decode(true, steps)),
             "hybrid" => drop(hybrid_decode(steps)),
             "request" => half_hit_requests(steps),
             "lookup" => cached_lookups(steps),
