@@ -2387,6 +2387,8 @@ class FuzzMachine(RuleBasedStateMachine):
             {"groups": []},
             {"pools": [pc.PoolConfig(2**31)], "groups": [pc.FullAttention(unit)]},
             {"hash": pc.HashConfig(algorithm="md5", unit=unit)},  # type: ignore[arg-type]
+            {"max_steps_in_flight": 0},
+            {"max_steps_in_flight": pc.MAX_STEPS_IN_FLIGHT + 1},
         ]
         fields = {"pools": pools, "groups": groups, "hash": hashing} | cases[which % len(cases)]
         self.call(

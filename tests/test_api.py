@@ -49,6 +49,7 @@ def test_the_limits_are_exported_as_the_bindings_enforce_them() -> None:
         "MAX_LOOKAHEAD_TOKENS",
         "MAX_POOLS",
         "MAX_SEQUENCE_TOKENS",
+        "MAX_STEPS_IN_FLIGHT",
     }
     for name in limits:
         value = getattr(pc, name)

@@ -33,6 +33,7 @@ __all__ = [
     "MAX_POOLS",
     "MAX_RECENTLY_EVICTED",
     "MAX_SEQUENCE_TOKENS",
+    "MAX_STEPS_IN_FLIGHT",
     "MAX_STEP_TOKENS",
     "Added",
     "AlignmentError",
@@ -88,6 +89,7 @@ MAX_EXTRA_KEY_BYTES: int  # a cache salt or multimodal hash, in bytes
 MAX_GROUPS: int
 MAX_HASH_UNIT: int
 MAX_LOOKAHEAD_TOKENS: int
+MAX_STEPS_IN_FLIGHT: int
 MAX_MULTIMODAL_INPUTS: int  # of one sequence
 MAX_PENDING_EVENTS: int
 MAX_POOLS: int
@@ -191,6 +193,13 @@ class Hit:
     @property
     def junction(self) -> int | None:
         """The largest own hit of any group, when it exceeds `tokens` by two units or more."""
+    @property
+    def pending_tokens(self) -> int:
+        """The hit once the plans in flight commit (at least `tokens`): hold the request for a
+        step instead of recomputing a prefix another request is computing."""
+    @property
+    def pending_plan(self) -> int | None:
+        """The plan `pending_tokens` waits for, or `None` when nothing in flight extends it."""
     @property
     def groups(self) -> list[GroupHit]:
         """Each group's own hit and why it stops, in group order."""
@@ -588,6 +597,9 @@ class CacheManager:
     def plan_in_flight(self) -> int | None:
         """The step id of the plan in flight, or `None`; `commit_step` / `abort_step` end it
         by this id."""
+    @property
+    def plans_in_flight(self) -> list[int]:
+        """Every plan in flight, oldest first (at most `config.max_steps_in_flight`)."""
     def add(
         self,
         seq_id: int,
@@ -632,16 +644,36 @@ class CacheManager:
         blocks. Buffers holding another manager's step still in flight are refused."""
     def commit(self, plan: StepPlan | PlanBuffers) -> None:
         """Publishes what the plan's step wrote and advances every sequence in it."""
-    def abort(self, plan: StepPlan | PlanBuffers) -> None:
-        """Undoes the plan's step: every sequence is back where it was."""
+    def abort(self, plan: StepPlan | PlanBuffers) -> list[int]:
+        """Undoes the plan's step, and every later plan in flight: every sequence is back where
+        it was. Returns the ids of the plans ended, oldest first."""
     def commit_step(self, step_id: int) -> None:
         """`commit` by step id (`plan_in_flight`), for a step whose plan object is no longer at
         hand; only once the forward of that very plan has run."""
-    def abort_step(self, step_id: int) -> None:
+    def abort_step(self, step_id: int) -> list[int]:
         """`abort` by step id (`plan_in_flight`): the way out for a step whose `StepPlan` or
         `PlanBuffers` was lost or overwritten; `StalePlanError` unless it is in flight."""
-    def append(self, seq_id: int, tokens: _Ints) -> None:
-        """Appends tokens to a sequence."""
+    def append(self, seq_id: int, tokens: _Ints, placeholders: int | None = None) -> None:
+        """Appends tokens to a sequence, then `placeholders` tokens not yet sampled."""
+    def append_placeholders(self, seq_ids: _Ints) -> None:
+        """One placeholder per sequence (an overlapped decode step) in one call."""
+    def resolve(self, seq_id: int, tokens: _Ints) -> None:
+        """Fills the oldest placeholders with the sampled tokens; publishes what became known."""
+    def resolve_batch(self, seq_ids: _Ints, tokens: _Ints) -> None:
+        """`resolve` of one token per sequence in one call."""
+    def num_placeholders(self, seq_id: int) -> int:
+        """Placeholder tokens of a live sequence not yet resolved."""
+    def decode_step_overlapped(
+        self,
+        buffers: PlanBuffers,
+        seq_ids: _Ints,
+        resolve_ids: _Ints | None = None,
+        tokens: _Ints | None = None,
+        commit: int | None = None,
+    ) -> npt.NDArray[np.int32]:
+        """Commits step `commit`, resolves `tokens` into `resolve_ids`, appends a placeholder to
+        each of `seq_ids`, schedules one token each and writes the plan into `buffers` (which
+        must not hold a plan in flight): tokens scheduled, -1 when out of blocks."""
     def append_batch(self, seq_ids: _Ints, tokens: _Ints) -> None:
         """One token per sequence (a decode step) in one call."""
     def finish(self, seq_id: int) -> None:
@@ -705,6 +737,7 @@ class _CacheDefaults(TypedDict):
     recently_evicted_capacity: int
     enable_events: bool
     max_pending_events: int
+    max_steps_in_flight: int
 
 class _Defaults(TypedDict):
     cache: _CacheDefaults

@@ -226,6 +226,11 @@ class CacheConfig:
             one of them evicted it.
         enable_events: record block events for ``drain_events``.
         max_pending_events: events kept before the oldest are dropped (and counted).
+        max_steps_in_flight: D, how many plans may be in flight at once (1 to
+            ``MAX_STEPS_IN_FLIGHT``). 1, the default, is the classic protocol; with D > 1 the
+            next steps are scheduled and planned while earlier ones run (overlapped steps:
+            placeholders, ``resolve``, ``decode_step_overlapped``), and a running sequence may
+            hold up to D + 1 running-state blocks per state group instead of two.
 
     Raises:
         ConfigError: a rule is violated (the message says which field to change).
@@ -240,6 +245,7 @@ class CacheConfig:
     recently_evicted_capacity: int = _CACHE["recently_evicted_capacity"]
     enable_events: bool = _CACHE["enable_events"]
     max_pending_events: int = _CACHE["max_pending_events"]
+    max_steps_in_flight: int = _CACHE["max_steps_in_flight"]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", _as_tuple(self.pools, "pools"))

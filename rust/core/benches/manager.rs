@@ -11,7 +11,12 @@
 //!   schedule of an 8,192-token chunk + plan + commit (no target of its own; the growing-prefix
 //!   workload is made of these);
 //! - `decode_step/256x164k_*`: a decode step of 256 running sequences at 164K context, append +
-//!   schedule + plan + commit: <= 50 us in total (block tables are incremental).
+//!   schedule + plan + commit: <= 50 us in total (block tables are incremental);
+//! - `decode_step/256x164k_*_fast_d1` and `_overlapped_d2`: the same step through the one-call
+//!   fast paths, `decode_step` with one plan in flight at most and `decode_step_overlapped`
+//!   with two (commit of the oldest, resolve, placeholders, schedule, plan): the overlapped
+//!   one within 10 % of the other;
+//! - `request/4096_half_hit_b16_d2`: the 4,096-token request's lifecycle at D = 2.
 //!
 //! Run: `cargo bench -p prefixcache-core --bench manager` (add `-- --quick` for a fast look).
 use std::time::{Duration, Instant};
@@ -19,10 +24,21 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use prefixcache_core::{
     CacheConfig, CacheManager, ExtraKeys, GroupConfig, GroupKind, HashConfig, PoolConfig,
-    StateGroupConfig,
+    StateGroupConfig, StepPlan,
 };
 
 const CONTEXT: u32 = 164_000;
+
+fn config_d(
+    block: u32,
+    unit: u32,
+    state: bool,
+    blocks: u32,
+    state_blocks: u32,
+    depth: u32,
+) -> CacheConfig {
+    CacheConfig { max_steps_in_flight: depth, ..config(block, unit, state, blocks, state_blocks) }
+}
 
 fn config(block: u32, unit: u32, state: bool, blocks: u32, state_blocks: u32) -> CacheConfig {
     let mut groups =
@@ -80,12 +96,14 @@ fn bench_lookup(c: &mut Criterion) {
 fn bench_request(c: &mut Criterion) {
     // Without and with a state group (what checkpoint planning adds): the state group resumes
     // from the first prompt's tail checkpoint at 2,032, the last unit boundary before 2,048.
-    for (name, state, hit) in [
-        ("request/4096_half_hit_b16", false, 2048),
-        ("request/4096_half_hit_b16_state", true, 2032),
+    for (name, state, hit, depth) in [
+        ("request/4096_half_hit_b16", false, 2048, 1),
+        ("request/4096_half_hit_b16_state", true, 2032, 1),
+        ("request/4096_half_hit_b16_d2", false, 2048, 2),
+        ("request/4096_half_hit_b16_state_d2", true, 2032, 2),
     ] {
         let prompt = tokens(7, 4096);
-        let mut m = CacheManager::new(config(16, 16, state, 4096, 64)).unwrap();
+        let mut m = CacheManager::new(config_d(16, 16, state, 4096, 64, depth)).unwrap();
         prefill(&mut m, 1, &prompt[..2048]);
         let mut id = 10u64;
         c.bench_function(name, |b| {
@@ -141,9 +159,13 @@ fn bench_turn(c: &mut Criterion) {
 
 /// 256 sequences sharing a 164K-token context (each with its own last token), all decoding.
 fn decode_setup(state: bool) -> (CacheManager, Vec<u64>) {
+    decode_setup_d(state, 1)
+}
+
+fn decode_setup_d(state: bool, depth: u32) -> (CacheManager, Vec<u64>) {
     let rows = 256u32;
     let blocks = CONTEXT / 16 + rows * (2048 / 16 + 4);
-    let mut m = CacheManager::new(config(16, 16, state, blocks, rows * 8)).unwrap();
+    let mut m = CacheManager::new(config_d(16, 16, state, blocks, rows * 8, depth)).unwrap();
     let mut prompt = tokens(3, CONTEXT);
     prefill(&mut m, 0, &prompt);
     let ids: Vec<u64> = (1..=u64::from(rows)).collect();
@@ -192,5 +214,58 @@ fn bench_decode(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench_lookup, bench_request, bench_turn, bench_decode);
+/// The decode step through the one-call fast paths: `decode_step` at D = 1 against
+/// `decode_step_overlapped` at D = 2 (two plans in flight in steady state, one placeholder a
+/// sequence pending, a ring of two plans).
+fn bench_decode_fast(c: &mut Criterion) {
+    const MAX_STEPS: u64 = 2048;
+    let mut group = c.benchmark_group("decode_step");
+    for state in [false, true] {
+        for depth in [1u32, 2] {
+            let name = match (state, depth) {
+                (false, 1) => "256x164k_b16_fast_d1",
+                (false, _) => "256x164k_b16_overlapped_d2",
+                (true, 1) => "256x164k_b16_state_fast_d1",
+                (true, _) => "256x164k_b16_state_overlapped_d2",
+            };
+            let (mut m, mut ids) = decode_setup_d(state, depth);
+            let mut plans = [StepPlan::default(), StepPlan::default()];
+            let mut steps = 0u64;
+            group.bench_function(name, |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        if steps == MAX_STEPS {
+                            (m, ids) = decode_setup_d(state, depth);
+                            plans = [StepPlan::default(), StepPlan::default()];
+                            steps = 0;
+                        }
+                        steps += 1;
+                        let sampled: Vec<u32> = ids.iter().map(|&i| (i + steps) as u32).collect();
+                        let ring = (steps % 2) as usize;
+                        let start = Instant::now();
+                        let scheduled = if depth == 1 {
+                            m.decode_step(&ids, &sampled, &mut plans[0]).unwrap()
+                        } else {
+                            let full = m.plans_in_flight().len() == 2;
+                            let oldest = m.plan_in_flight().filter(|_| full);
+                            let resolve: &[u64] = if full { &ids } else { &[] };
+                            let tokens: &[u32] = if full { &sampled } else { &[] };
+                            let plan = &mut plans[ring];
+                            m.decode_step_overlapped(oldest, resolve, tokens, &ids, plan).unwrap()
+                        };
+                        total += start.elapsed();
+                        assert!(scheduled
+                            .iter()
+                            .all(|s| s.as_ref().is_some_and(|s| s.num_tokens == 1)));
+                    }
+                    total
+                });
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_lookup, bench_request, bench_turn, bench_decode, bench_decode_fast);
 criterion_main!(benches);

@@ -96,6 +96,7 @@ pub(crate) fn blocks_available(
     seq: &Sequence,
     end: u32,
     admission: Option<&Admission>,
+    continuation: bool,
 ) -> bool {
     (0..store.pools.len()).all(|pool| {
         let p = &store.pools[pool];
@@ -119,6 +120,12 @@ pub(crate) fn blocks_available(
             for (i, _) in layout.state.iter().enumerate().filter(|(_, g)| g.pool == pool) {
                 // The resume pin, and the two running buffers.
                 need += u64::from(cached(&a.resume[i])) + 2;
+            }
+        }
+        if continuation {
+            for (i, _) in layout.state.iter().enumerate().filter(|(_, g)| g.pool == pool) {
+                // A further running buffer, unless a spare one is free.
+                need += u64::from(seq.spare_buffer(i).is_none());
             }
         }
         need <= u64::from(p.num_available())
@@ -186,7 +193,7 @@ pub(crate) fn take_blocks(
                         // A running sequence whose table already covers the chunk (most
                         // decode steps): nothing to allocate, so its table stays.
                         let table_len_before = seq.paged[i].table.len();
-                        paged_steps.push(PagedStep { table_len_before, cow: None });
+                        paged_steps.push(PagedStep { table_len_before, cow: None, reported_to: 0 });
                         continue;
                     }
                     let mut paged = std::mem::take(&mut seq.paged[i]);
@@ -195,7 +202,7 @@ pub(crate) fn take_blocks(
                         paged.table.push(take_block(store, pool, BlockKind::Paged, g)?);
                     }
                     seq.paged[i] = paged;
-                    paged_steps.push(PagedStep { table_len_before, cow: None });
+                    paged_steps.push(PagedStep { table_len_before, cow: None, reported_to: 0 });
                     continue;
                 };
                 let a = &a.paged[i];
@@ -214,7 +221,7 @@ pub(crate) fn take_blocks(
                     paged.table.push(take_block(store, pool, BlockKind::Paged, g)?);
                 }
                 seq.paged[i] = paged;
-                paged_steps.push(PagedStep { table_len_before: 0, cow });
+                paged_steps.push(PagedStep { table_len_before: 0, cow, reported_to: 0 });
             }
             GroupSlot::State(i) => {
                 if let Some(a) = admission {
@@ -222,6 +229,7 @@ pub(crate) fn take_blocks(
                     let r1 = take_block(store, pool, BlockKind::Running, g)?;
                     seq.state[i] = StateSeq {
                         running: [r0, r1],
+                        extra: Vec::new(),
                         current: None,
                         resume: a.resume[i],
                         decode_tail: None,
@@ -232,6 +240,37 @@ pub(crate) fn take_blocks(
         }
     }
     Ok((paged_steps, state_steps))
+}
+
+/// Chooses the running buffers a scheduled step reads and writes, per state group. A step of
+/// a sequence with no step in flight reads the committed state (or its resume checkpoint, or
+/// the zero state) and writes the other buffer of its pair; a `continuation` reads what the
+/// step before it writes and writes a spare buffer, allocated when there is none (its
+/// capacity was checked by `blocks_available`).
+pub(crate) fn assign_running(
+    store: &mut BlockStore,
+    layout: &GroupLayout,
+    seq: &mut Sequence,
+    state_steps: &mut [StateStep],
+    continuation: bool,
+) -> Result<()> {
+    for (i, group) in layout.state.iter().enumerate() {
+        if !continuation {
+            let state = &seq.state[i];
+            (state_steps[i].write, state_steps[i].read) = (state.write_block(), state.read_slot());
+            continue;
+        }
+        let read = seq.step().map_or(-1, |s| s.state[i].write as i32);
+        let write = if let Some(b) = seq.spare_buffer(i) {
+            b
+        } else {
+            let b = take_block(store, group.pool, BlockKind::Running, group.index)?;
+            seq.state[i].extra.push(b);
+            b
+        };
+        (state_steps[i].write, state_steps[i].read) = (write, read);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

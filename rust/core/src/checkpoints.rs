@@ -34,15 +34,19 @@ fn explicit_candidates(requested: &[u32], retained: Retained, start: u32, end: u
 
 /// Chooses and allocates the checkpoints of one scheduled sequence, in every state group, and
 /// counts the positions it skips (`stats`, per group). `running`: the sequences holding blocks
-/// (each keeps `reserve_per_sequence` blocks of a pool out of checkpoints' reach).
+/// (each keeps `reserve_per_sequence` blocks of a pool out of checkpoints' reach, and one more
+/// per further step it may have in flight: `depth` is `max_steps_in_flight`).
 pub(crate) fn plan_checkpoints(
     store: &mut BlockStore,
     layout: &GroupLayout,
     stats: &mut [GroupStats],
     running: usize,
+    depth: u32,
     seq: &mut Sequence,
 ) {
     let unit = store.unit();
+    // Positions beyond the known tokens (placeholders) have no key yet: never already cached.
+    let known = seq.hashes.len() as u32 * unit;
     for (i, group) in layout.state.iter().enumerate() {
         let (g, config, pool) = (group.index, &group.config, group.pool);
         let Some(step) = seq.step() else { return };
@@ -91,7 +95,7 @@ pub(crate) fn plan_checkpoints(
         let mut planned: Vec<(u32, BlockKind)> = Vec::new();
         let mut planned_interior = 0;
         for (p, kind) in wanted.iter().copied().chain(intervals) {
-            let reason = if has_key(store, seq.content(), g as u32, p) {
+            let reason = if p <= known && has_key(store, seq.content(), g as u32, p) {
                 SkipReason::AlreadyCached
             } else if p != end && !is_exportable_offset(p - start, config.alignment, end - start) {
                 SkipReason::Unaligned
@@ -110,7 +114,7 @@ pub(crate) fn plan_checkpoints(
             skipped[reason.index()] += 1;
         }
         for (p, kind) in planned {
-            match allocate_checkpoint(store, running, pool, g as u32, config, kind) {
+            match allocate_checkpoint(store, running, depth, pool, g as u32, config, kind) {
                 Some(block) => {
                     let c = PlannedCheckpoint {
                         position: p,
@@ -131,7 +135,8 @@ pub(crate) fn plan_checkpoints(
             *total += count;
         }
         if let Some(step) = seq.step_mut() {
-            step.state[i] = StateStep { interior, snapshot };
+            let StateStep { write, read, .. } = step.state[i];
+            step.state[i] = StateStep { write, read, interior, snapshot };
         }
     }
 }
@@ -142,12 +147,14 @@ pub(crate) fn plan_checkpoints(
 fn allocate_checkpoint(
     store: &mut BlockStore,
     running: usize,
+    depth: u32,
     pool: usize,
     group: u32,
     config: &StateGroupConfig,
     kind: BlockKind,
 ) -> Option<BlockId> {
-    let reserve = u64::from(config.reserve_per_sequence) * running as u64;
+    let per_sequence = u64::from(config.reserve_per_sequence) + u64::from(depth.max(1) - 1);
+    let reserve = per_sequence * running as u64;
     let p = &store.pools[pool];
     if u64::from(p.num_available()) < reserve + 1 {
         return None;

@@ -11,6 +11,12 @@
 //!
 //! `abort` publishes nothing, frees the step's new blocks and copies, and puts every sequence
 //! back at its pre-step position (a first step gives its pinned hit back).
+//!
+//! With several plans in flight (`max_steps_in_flight` > 1) plans end in the order they were
+//! built; `abort` of the oldest ends every later one too (they may read what it wrote), newest
+//! first, and drops the placeholders appended to their sequences since it was built. A key
+//! whose prefix holds a placeholder at commit is published by the `resolve` that makes it
+//! known (`publish_known`).
 
 use crate::config::GroupSlot;
 use crate::error::{CacheError, Result};
@@ -20,10 +26,16 @@ use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
 use crate::sequence::{PagedSeq, PagedStep, Sequence, StateSeq, StateStep};
 
 impl CacheManager {
-    fn take_in_flight(&mut self, step_id: u64, verb: &str) -> Result<Vec<usize>> {
-        match &self.steps.in_flight {
-            Some(f) if f.step_id == step_id => {
-                Ok(self.steps.in_flight.take().map(|f| f.slots).unwrap_or_default())
+    /// Checks that `step_id` is the oldest plan in flight (the only one that may end).
+    fn check_oldest(&self, step_id: u64, verb: &str) -> Result<()> {
+        match self.steps.in_flight.front() {
+            Some(f) if f.step_id == step_id => Ok(()),
+            Some(f) if self.steps.in_flight.iter().any(|p| p.step_id == step_id) => {
+                Err(CacheError::step(format!(
+                    "plans end in the order they were built: step {step_id} is in flight behind \
+                     step {}; {verb} step {} first",
+                    f.step_id, f.step_id
+                )))
             }
             Some(f) => Err(CacheError::StalePlan {
                 plan_step: step_id,
@@ -38,6 +50,11 @@ impl CacheManager {
                 },
             }),
         }
+    }
+
+    fn take_in_flight(&mut self, step_id: u64, verb: &str) -> Result<Vec<usize>> {
+        self.check_oldest(step_id, verb)?;
+        Ok(self.steps.in_flight.pop_front().map(|f| f.slots).unwrap_or_default())
     }
 
     /// Publishes what the plan's step wrote and advances every sequence. A plan another
@@ -64,6 +81,11 @@ impl CacheManager {
         for &slot in &slots {
             self.commit_slot(slot);
         }
+        if self.config.max_steps_in_flight > 1 {
+            for &slot in &slots {
+                self.after_step_ended(slot);
+            }
+        }
         self.recycle_slot_list(slots);
         self.stats.commits += 1;
         Ok(())
@@ -79,19 +101,75 @@ impl CacheManager {
     }
 
     /// Undoes the plan's step: nothing is published, every sequence is back where it was.
-    pub fn abort(&mut self, plan: &StepPlan) -> Result<()> {
+    /// Every later plan in flight is aborted too; returns the ids of the plans it ended,
+    /// oldest first.
+    pub fn abort(&mut self, plan: &StepPlan) -> Result<Vec<u64>> {
         self.refuse_foreign(plan, "abort")?;
         self.abort_step(plan.step_id)
     }
 
     /// `abort` by step id.
-    pub fn abort_step(&mut self, step_id: u64) -> Result<()> {
-        let slots = self.take_in_flight(step_id, "abort")?;
-        for &slot in slots.iter().rev() {
+    pub fn abort_step(&mut self, step_id: u64) -> Result<Vec<u64>> {
+        self.check_oldest(step_id, "abort")?;
+        if self.steps.in_flight.len() == 1 && self.config.max_steps_in_flight == 1 {
+            let slots = self.take_in_flight(step_id, "abort")?;
+            for &slot in slots.iter().rev() {
+                self.undo_step(slot);
+            }
+            self.recycle_slot_list(slots);
+            self.stats.aborts += 1;
+            return Ok(vec![step_id]);
+        }
+        let plans: Vec<_> = self.steps.in_flight.drain(..).collect();
+        // The steps scheduled for the next plan that continue an aborted one go first.
+        for &slot in plans.iter().flat_map(|p| &p.slots) {
+            if self.seq(slot).step().is_some_and(|s| s.plan == 0) {
+                self.drop_scheduled(slot);
+            }
+        }
+        for plan in plans.iter().rev() {
+            for &slot in plan.slots.iter().rev() {
+                self.undo_step(slot);
+            }
+        }
+        let mut ended = Vec::with_capacity(plans.len());
+        for plan in plans {
+            for &slot in &plan.slots {
+                self.drop_placeholders_since(slot, step_id);
+                self.after_step_ended(slot);
+            }
+            ended.push(plan.step_id);
+            self.stats.aborts += 1;
+            self.recycle_slot_list(plan.slots);
+        }
+        Ok(ended)
+    }
+
+    /// Ends the newest plan in flight, `step_id`, which no engine saw (the caller could not
+    /// hand it over): nothing ran it, so no later step depends on it. Its steps are undone as
+    /// `abort` would, and the steps scheduled since that continue them are dropped. `StalePlan`
+    /// for any other plan.
+    pub fn withdraw_plan(&mut self, step_id: u64) -> Result<()> {
+        if self.steps.in_flight.back().map(|f| f.step_id) != Some(step_id) {
+            return Err(CacheError::StalePlan {
+                plan_step: step_id,
+                state: "only the newest plan in flight can be withdrawn".to_string(),
+            });
+        }
+        let Some(plan) = self.steps.in_flight.pop_back() else { return Ok(()) };
+        for &slot in &plan.slots {
+            if self.seq(slot).step().is_some_and(|s| s.plan == 0) {
+                self.drop_scheduled(slot);
+            }
+        }
+        for &slot in plan.slots.iter().rev() {
             self.undo_step(slot);
         }
-        self.recycle_slot_list(slots);
+        for &slot in &plan.slots {
+            self.after_step_ended(slot);
+        }
         self.stats.aborts += 1;
+        self.recycle_slot_list(plan.slots);
         Ok(())
     }
 
@@ -102,11 +180,17 @@ impl CacheManager {
         let Some(mut seq) = self.table.take(slot) else {
             return;
         };
-        let Some(mut step) = seq.take_step() else {
+        let Some(mut step) = seq.take_oldest() else {
             self.table.put(slot, seq);
             return;
         };
-        let (start, end, unit) = (step.start, step.end, self.unit);
+        let (start, unit) = (step.start, self.unit);
+        // Keys whose prefix holds a placeholder wait for `resolve` (`publish_known`).
+        let known = seq.hashes.len() as u32 * unit;
+        let end = step.end.min(known.max(start));
+        if step.end / unit * unit > end {
+            seq.keys_pending_from.get_or_insert(end);
+        }
         // The groups' blocks are taken out while the keys are computed from the sequence.
         let (mut paged_seqs, mut state_seqs) =
             (std::mem::take(&mut seq.paged), std::mem::take(&mut seq.state));
@@ -138,20 +222,32 @@ impl CacheManager {
                     if let Some(window) = group.window {
                         // The plan reported the releases up to here; an aborted plan's
                         // are reported again by the next one.
-                        paged.window_reported = paged.window_start;
-                        release_window(&mut self.store.pools[pool], paged, end, window, block_size);
+                        paged.window_reported =
+                            paged.window_reported.max(step.paged[i].reported_to);
+                        let computed = step.end;
+                        release_window(
+                            &mut self.store.pools[pool],
+                            paged,
+                            computed,
+                            window,
+                            block_size,
+                        );
                     }
                 }
                 GroupSlot::State(i) => {
                     let (pool, state) = (self.layout.state[i].pool, &mut state_seqs[i]);
-                    let StateStep { interior, snapshot } = &step.state[i];
-                    advance_running_state(&mut self.store.pools[pool], state);
+                    let StateStep { write, interior, snapshot, .. } = &step.state[i];
+                    advance_running_state(&mut self.store.pools[pool], state, *write);
                     for c in interior.iter().chain(snapshot.iter()) {
                         if c.decode_tail {
                             if let Some((old, _)) = state.decode_tail.replace((c.block, c.position))
                             {
                                 self.store.pools[pool].decref(old, LruEnd::MostRecent);
                             }
+                            continue;
+                        }
+                        if c.position > known {
+                            seq.pending_checkpoints.push((g, c.block, c.position));
                             continue;
                         }
                         self.publish_checkpoint(g, &seq, c.block, c.position);
@@ -161,8 +257,53 @@ impl CacheManager {
             }
         }
         (seq.paged, seq.state) = (paged_seqs, state_seqs);
-        seq.num_computed = end;
+        seq.num_computed = step.end;
         seq.recycle_step(&mut step);
+        self.table.put(slot, seq);
+    }
+
+    /// Publishes what `resolve` made known of a sequence's committed steps: the paged keys
+    /// of every unit boundary in `(keys_pending_from, num_computed]` its tokens now cover (a
+    /// block a sliding window released meanwhile is skipped), and the checkpoints waiting for
+    /// their prefix.
+    pub(crate) fn publish_known(&mut self, slot: usize) {
+        let Some(mut seq) = self.table.take(slot) else {
+            return;
+        };
+        let unit = self.unit;
+        let known = seq.hashes.len() as u32 * unit;
+        if let Some(from) = seq.keys_pending_from {
+            let to = seq.num_computed.min(known);
+            if to > from {
+                for (i, group) in self.layout.paged.iter().enumerate() {
+                    let (g, block_size, table) =
+                        (group.index, group.block_size, &seq.paged[i].table);
+                    let mut q = (from / unit + 1) * unit;
+                    while q <= to {
+                        let col = ((q - 1) / block_size) as usize;
+                        let block_end = ((col as u32 + 1) * block_size).min(to);
+                        let block = table.get(col).copied().unwrap_or(NULL_BLOCK);
+                        if block != NULL_BLOCK {
+                            self.store.publish_range(g, seq.content(), block, q - unit, block_end);
+                        }
+                        q = (block_end / unit + 1) * unit;
+                    }
+                }
+            }
+            seq.keys_pending_from =
+                (seq.num_computed / unit * unit > to.max(from)).then_some(to.max(from));
+        }
+        if !seq.pending_checkpoints.is_empty() {
+            let pending = std::mem::take(&mut seq.pending_checkpoints);
+            for (g, block, position) in pending {
+                if position > known {
+                    seq.pending_checkpoints.push((g, block, position));
+                    continue;
+                }
+                self.publish_checkpoint(g, &seq, block, position);
+                self.store.pools[self.layout.pool(g)].decref(block, LruEnd::MostRecent);
+            }
+        }
         self.table.put(slot, seq);
     }
 
@@ -172,7 +313,7 @@ impl CacheManager {
     fn commit_quiet_step(&mut self, slot: usize) -> bool {
         let unit = self.unit;
         let seq = self.table.get_mut(slot);
-        let Some(step) = seq.step() else {
+        let Some(step) = seq.oldest_step() else {
             return false;
         };
         let boundary = (step.start / unit + 1) * unit <= step.end;
@@ -186,11 +327,11 @@ impl CacheManager {
         if !quiet {
             return false;
         }
-        let Some(mut step) = seq.take_step() else {
+        let Some(mut step) = seq.take_oldest() else {
             return false;
         };
-        for (state, group) in seq.state.iter_mut().zip(&layout.state) {
-            advance_running_state(&mut self.store.pools[group.pool], state);
+        for ((state, group), s) in seq.state.iter_mut().zip(&layout.state).zip(&step.state) {
+            advance_running_state(&mut self.store.pools[group.pool], state, s.write);
         }
         seq.num_computed = step.end;
         seq.recycle_step(&mut step);
@@ -219,12 +360,12 @@ impl CacheManager {
         self.store.pools[self.layout.pool(g)].decref(block, LruEnd::LeastRecent);
     }
 
-    /// Undoes a scheduled or in-flight step of one sequence.
+    /// Undoes the newest (scheduled or in-flight) step of one sequence.
     pub(crate) fn undo_step(&mut self, slot: usize) {
         let Some(mut seq) = self.table.take(slot) else {
             return;
         };
-        let Some(mut step) = seq.take_step() else {
+        let Some(mut step) = seq.take_newest() else {
             self.table.put(slot, seq);
             return;
         };
@@ -232,7 +373,7 @@ impl CacheManager {
             match *slot {
                 GroupSlot::Paged(i) => {
                     let pool = &mut self.store.pools[self.layout.paged[i].pool];
-                    let (paged, PagedStep { table_len_before, cow }) =
+                    let (paged, PagedStep { table_len_before, cow, .. }) =
                         (&mut seq.paged[i], step.paged[i]);
                     for &block in paged.table[table_len_before..].iter().rev() {
                         pool.decref(block, LruEnd::MostRecent);
@@ -247,12 +388,15 @@ impl CacheManager {
                 }
                 GroupSlot::State(i) => {
                     let pool = &mut self.store.pools[self.layout.state[i].pool];
-                    let (state, StateStep { interior, snapshot }) =
+                    let (state, StateStep { interior, snapshot, .. }) =
                         (&mut seq.state[i], &step.state[i]);
                     for c in interior.iter().chain(snapshot.iter()) {
                         pool.decref(c.block, LruEnd::MostRecent);
                     }
                     if step.first {
+                        for &block in state.extra.iter().rev() {
+                            pool.decref(block, LruEnd::MostRecent);
+                        }
                         for block in [state.running[1], state.running[0], state.resume] {
                             pool.decref(block, LruEnd::MostRecent);
                         }
@@ -271,11 +415,21 @@ impl CacheManager {
 }
 
 /// A committed step's effect on a state group's running buffers, whatever else the step
-/// publishes: the buffer the step wrote becomes the current one, and the checkpoint the
-/// sequence resumed from (its first step only) is released.
-fn advance_running_state(pool: &mut BlockPool, state: &mut StateSeq) {
-    let written = usize::from(state.current == Some(0));
-    state.current = Some(written);
+/// publishes: the buffer the step wrote (`write`) becomes the current one, and the checkpoint
+/// the sequence resumed from (its first step only) is released. A buffer beyond the pair
+/// (a step deeper in flight wrote it) takes the current one's place in the pair, which
+/// becomes a spare.
+fn advance_running_state(pool: &mut BlockPool, state: &mut StateSeq, write: BlockId) {
+    if let Some(i) = state.running.iter().position(|&b| b == write) {
+        state.current = Some(i);
+    } else {
+        let c = state.current.unwrap_or(0);
+        if let Some(e) = state.extra.iter().position(|&b| b == write) {
+            state.extra[e] = state.running[c];
+            state.running[c] = write;
+        }
+        state.current = Some(c);
+    }
     if state.resume != NULL_BLOCK {
         pool.decref(state.resume, LruEnd::MostRecent);
         state.resume = NULL_BLOCK;

@@ -19,6 +19,7 @@ use crate::hashing::HashConfig;
 pub use crate::limits::MAX_BLOCKS_PER_POOL;
 use crate::limits::{
     MAX_BLOCK_SIZE, MAX_GROUPS, MAX_HASH_UNIT, MAX_PENDING_EVENTS, MAX_POOLS, MAX_RECENTLY_EVICTED,
+    MAX_STEPS_IN_FLIGHT,
 };
 
 /// One block pool: ids `0..num_blocks`, id 0 being the null block.
@@ -264,6 +265,11 @@ pub struct CacheConfig {
     pub enable_events: bool,
     /// Pending events kept before the oldest are dropped (and counted).
     pub max_pending_events: usize,
+    /// D: how many plans may be in flight at once (built, not yet committed or aborted). 1,
+    /// the default, is the classic protocol; with D > 1 the next steps are scheduled and
+    /// planned while earlier ones run (overlapped steps), and a sequence in j in-flight steps
+    /// holds j + 1 running-state blocks per state group (two at rest).
+    pub max_steps_in_flight: u32,
 }
 
 impl Default for CacheConfig {
@@ -277,6 +283,7 @@ impl Default for CacheConfig {
             recently_evicted_capacity: 4096,
             enable_events: true,
             max_pending_events: 1 << 20,
+            max_steps_in_flight: 1,
         }
     }
 }
@@ -460,14 +467,17 @@ impl CacheConfig {
     /// - full attention: its table, `ceil(tokens / B)`, plus the copy-on-write source pinned
     ///   during its first step when a hit may end inside a block (`U < B`; the destination is
     ///   a table entry);
-    /// - sliding window: the table entries the window still reads while a chunk is scheduled,
-    ///   `ceil((W + chunk + B - 1) / B)` at most (the window's blocks plus one for a decode
-    ///   step), never more than the table, plus the copy-on-write source as above;
-    /// - state: the two running buffers, plus either the checkpoint resumed from (pinned until
-    ///   the first commit) or the private decode-tail snapshot (held from a decode step on),
-    ///   plus what one step plans before its commit: at most C interior checkpoints (bounded
-    ///   by the unit boundaries inside a chunk) and one snapshot at the chunk end; the
-    ///   checkpoint cap bounds every checkpoint block of the group, so these together.
+    /// - sliding window: the table entries the window still reads while chunks are scheduled,
+    ///   `ceil((W + D * chunk + B - 1) / B)` at most (the window's blocks plus those of the D
+    ///   chunks in flight), never more than the table, plus the copy-on-write source as above;
+    /// - state: the running buffers (two, and one more per further step in flight: D + 1),
+    ///   plus either the checkpoint resumed from (pinned until the first commit) or the private
+    ///   decode-tail snapshot (held from a decode step on), plus what the D steps in flight
+    ///   plan before their commits: each at most C interior checkpoints (bounded by the unit
+    ///   boundaries inside a chunk) and one snapshot at the chunk end; the checkpoint cap
+    ///   bounds every checkpoint block of the group, so these together.
+    ///
+    /// D is `max_steps_in_flight`; with D = 1 these are the classic figures.
     ///
     /// A sequence of 0 tokens holds nothing. `group` out of range, or a count beyond `u32`,
     /// is an `InvalidRequest`.
@@ -488,6 +498,7 @@ impl CacheConfig {
         }
         let unit = u64::from(self.hash.unit.max(1));
         let (tokens, chunk) = (u64::from(tokens), u64::from(max_chunk.clamp(1, tokens)));
+        let depth = u64::from(self.max_steps_in_flight.max(1));
         // A hit ends inside a block only when units are smaller than blocks and the sequence
         // has a unit boundary before its last token.
         let cow_source = |block: u64| u64::from(unit < block && tokens > unit);
@@ -498,7 +509,7 @@ impl CacheConfig {
             }
             GroupKind::SlidingWindow { block_size, window } => {
                 let block = u64::from(*block_size);
-                let read = (u64::from(*window) + chunk + block - 1).div_ceil(block);
+                let read = (u64::from(*window) + depth * chunk + block - 1).div_ceil(block);
                 tokens.div_ceil(block).min(read) + cow_source(block)
             }
             GroupKind::State(state) => {
@@ -506,13 +517,13 @@ impl CacheConfig {
                 let inside = (chunk - 1).div_ceil(unit).min((tokens - 1) / unit);
                 let interior =
                     state.max_checkpoints_per_step.map_or(inside, |c| inside.min(u64::from(c)));
-                let planned = if tokens >= unit { interior + 1 } else { 0 };
+                let planned = if tokens >= unit { depth * (interior + 1) } else { 0 };
                 // A hit (hence a resume pin) is a unit boundary below the last token.
                 let resume = u64::from(tokens > unit);
                 let decode_tail = u64::from(state.retention.decode_tail && tokens >= unit);
                 // Every checkpoint block of the group, held or cached, counts against its cap.
                 let capped = |n: u64| state.checkpoint_cap.map_or(n, |cap| n.min(u64::from(cap)));
-                2 + capped(resume + planned).max(capped(decode_tail + planned))
+                1 + depth + capped(resume + planned).max(capped(decode_tail + planned))
             }
         };
         u32::try_from(blocks).map_err(|_| {
@@ -558,6 +569,13 @@ impl CacheConfig {
             return Err(CacheError::config(format!(
                 "recently_evicted_capacity = {} is more than the supported {MAX_RECENTLY_EVICTED}",
                 self.recently_evicted_capacity
+            )));
+        }
+        if self.max_steps_in_flight == 0 || self.max_steps_in_flight > MAX_STEPS_IN_FLIGHT {
+            return Err(CacheError::config(format!(
+                "max_steps_in_flight = {} must be between 1 (one plan in flight, no overlap) \
+                 and {MAX_STEPS_IN_FLIGHT}",
+                self.max_steps_in_flight
             )));
         }
         if self.max_pending_events > MAX_PENDING_EVENTS {

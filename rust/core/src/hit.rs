@@ -14,9 +14,12 @@
 //! The rule is a function of the block store, the group layout and one sequence's content
 //! (`compute_hit`); it reads the store and never changes it, and knows nothing of steps.
 
+use rustc_hash::FxHashMap;
+
 use crate::config::{GroupLayout, GroupSlot};
 use crate::error::{CacheError, Result};
 use crate::hashing::unit_extra_entries;
+use crate::hashing::Digest;
 use crate::index::UnitContent;
 use crate::pool::{BlockId, Key};
 use crate::store::{BlockStore, Content};
@@ -69,6 +72,12 @@ pub struct Hit {
     /// The largest own hit above L when it exceeds L by at least 2U (another request diverged
     /// there; a retained `junction` checkpoint is taken at it).
     pub junction: Option<u32>,
+    /// The hit the sequence would get once the plans in flight commit (their keys whose
+    /// prefix is known): at least `tokens`; `tokens` when nothing in flight extends it.
+    pub pending_tokens: u32,
+    /// The plan whose commit `pending_tokens` waits for (the latest one it needs), or `None`
+    /// when `pending_tokens == tokens`. `schedule` never uses pending content.
+    pub pending_plan: Option<u64>,
 }
 
 enum Probe {
@@ -89,7 +98,12 @@ struct Lookup<'a> {
     /// Per group, the blocks a sequence this one extends held (see `Sequence::hint_chains`).
     hint_chains: &'a [Vec<BlockId>],
     unit: u32,
+    /// Keys in-flight steps will publish (`pending_hit`), counted as published.
+    pending: Option<&'a PendingKeys>,
 }
+
+/// Keys (group, digest) that plans in flight will publish at commit, with the plan.
+pub(crate) type PendingKeys = FxHashMap<(u32, Digest), u64>;
 
 /// The reconciled hit of a sequence, and per group the blocks chosen for the full-attention
 /// chain (empty for other groups). Changes nothing.
@@ -99,7 +113,47 @@ pub(crate) fn compute_hit(
     seq: Content<'_>,
     hint_chains: &[Vec<BlockId>],
 ) -> (Hit, Vec<Vec<BlockId>>) {
-    let groups = layout
+    let groups = kinds(layout);
+    Lookup { store, groups, seq, hint_chains, unit: store.unit(), pending: None }.compute()
+}
+
+/// The hit rule with the keys in-flight steps will publish counted as published: the hit
+/// (at least `hit`) and the latest plan among those whose keys it needs (`None` when it is
+/// no longer than `hit`).
+pub(crate) fn pending_hit(
+    store: &BlockStore,
+    layout: &GroupLayout,
+    seq: Content<'_>,
+    pending: &PendingKeys,
+    hit: u32,
+) -> (u32, Option<u64>) {
+    if pending.is_empty() {
+        return (hit, None);
+    }
+    let groups = kinds(layout);
+    let lookup =
+        Lookup { store, groups, seq, hint_chains: &[], unit: store.unit(), pending: Some(pending) };
+    let tokens = lookup.compute().0.tokens;
+    if tokens <= hit {
+        return (hit, None);
+    }
+    let unit = store.unit();
+    let mut plan = None;
+    for i in 1..=tokens / unit {
+        let digest = seq.hashes[(i - 1) as usize];
+        for g in 0..layout.len() as u32 {
+            if let Some(&p) = pending.get(&(g, digest)) {
+                if !store.has_key(&Key { group: g, digest }) {
+                    plan = plan.max(Some(p));
+                }
+            }
+        }
+    }
+    (tokens, plan)
+}
+
+fn kinds(layout: &GroupLayout) -> Vec<Kind> {
+    layout
         .slots
         .iter()
         .map(|slot| match *slot {
@@ -111,8 +165,7 @@ pub(crate) fn compute_hit(
             },
             GroupSlot::State(_) => Kind::State,
         })
-        .collect();
-    Lookup { store, groups, seq, hint_chains, unit: store.unit() }.compute()
+        .collect()
 }
 
 /// What the rule needs of a group.
@@ -146,7 +199,13 @@ pub(crate) fn has_key(store: &BlockStore, seq: Content<'_>, g: u32, position: u3
 
 impl Lookup<'_> {
     fn has_key(&self, group: u32, position: u32) -> bool {
-        has_key(self.store, self.seq, group, position)
+        has_key(self.store, self.seq, group, position) || self.is_pending(group, position)
+    }
+
+    fn is_pending(&self, group: u32, position: u32) -> bool {
+        self.pending.is_some_and(|p| {
+            p.contains_key(&(group, self.seq.hashes[(position / self.unit - 1) as usize]))
+        })
     }
 
     fn miss_reason(&self, group: u32, position: u32) -> MissReason {
@@ -184,6 +243,10 @@ impl Lookup<'_> {
                 Some(&b) if pool.sole_holder_of(b, &key) => chain.push(b),
                 _ => match self.store.holder_in(pool, &key) {
                     Some(b) => chain.push(b),
+                    // (the pending answer only: no block to pin there)
+                    None if self.pending.is_some_and(|p| p.contains_key(&(group, key.digest))) => {
+                        chain.push(0);
+                    }
                     None => break,
                 },
             }
@@ -333,6 +396,14 @@ impl Lookup<'_> {
         // bound merely lost fewer blocks; no request diverged there.
         let top = groups.iter().map(|g| g.tokens.min(bound)).max().unwrap_or(0);
         let junction = (top >= tokens + 2 * unit).then_some(top);
-        (Hit { tokens, max_tokens, groups, junction }, chains)
+        let hit = Hit {
+            tokens,
+            max_tokens,
+            groups,
+            junction,
+            pending_tokens: tokens,
+            pending_plan: None,
+        };
+        (hit, chains)
     }
 }

@@ -30,9 +30,12 @@ impl CacheManager {
         for (_, seq) in self.table.iter() {
             started += usize::from(seq.started());
             let (paged_groups, state_groups) = (self.layout.paged.len(), self.layout.state.len());
-            let step_shape = seq.step().map(|s| (s.paged.len(), s.state.len()));
+            let step_shape = seq
+                .steps()
+                .map(|s| (s.paged.len(), s.state.len()))
+                .find(|&shape| shape != (paged_groups, state_groups));
             if (seq.paged.len(), seq.state.len()) != (paged_groups, state_groups)
-                || step_shape.is_some_and(|shape| shape != (paged_groups, state_groups))
+                || step_shape.is_some()
             {
                 return Err(CacheError::invariant(format!(
                     "sequence {}: {} paged and {} state parts (step {step_shape:?}) for a layout \
@@ -61,14 +64,21 @@ impl CacheManager {
                 match *slot {
                     GroupSlot::Paged(i) => {
                         seq.paged[i].table.iter().copied().for_each(&mut hold);
-                        if let Some((src, _, _)) = seq.step().and_then(|s| s.paged[i].cow) {
-                            hold(src);
+                        for step in seq.steps() {
+                            if let Some((src, _, _)) = step.paged[i].cow {
+                                hold(src);
+                            }
                         }
                     }
                     GroupSlot::State(i) => {
                         let s = &seq.state[i];
-                        s.running.iter().copied().for_each(&mut hold);
+                        s.running.iter().chain(&s.extra).copied().for_each(&mut hold);
                         hold(s.resume);
+                        for &(pg, b, _) in &seq.pending_checkpoints {
+                            if pg == g {
+                                hold(b);
+                            }
+                        }
                         let pool = &self.store.pools[self.layout.pool(g)];
                         let resumable = pool.kind(s.resume).is_checkpoint()
                             && pool
@@ -85,7 +95,7 @@ impl CacheManager {
                         if let Some((b, _)) = s.decode_tail {
                             hold(b);
                         }
-                        if let Some(step) = seq.step() {
+                        for step in seq.steps() {
                             let st = &step.state[i];
                             st.interior
                                 .iter()
@@ -129,16 +139,8 @@ impl CacheManager {
                 self.steps.scheduled_tokens
             )));
         }
-        let in_flight: &[usize] = self.steps.in_flight.as_ref().map_or(&[], |f| f.slots.as_slice());
-        for (slot, seq) in self.table.iter() {
-            let listed = self.steps.scheduled.contains(&slot) || in_flight.contains(&slot);
-            if listed != seq.step().is_some() {
-                return Err(CacheError::invariant(format!(
-                    "sequence {}: has a step {} but listed {listed}",
-                    seq.id,
-                    seq.step().is_some()
-                )));
-            }
+        self.check_step_chains()?;
+        for (_, seq) in self.table.iter() {
             let Some(step) = seq.step() else { continue };
             if step.start >= step.end || step.end > seq.num_tokens() {
                 return Err(CacheError::invariant(format!(
@@ -179,6 +181,78 @@ impl CacheManager {
                         "sequence {}: {} interior checkpoints exceed C = {limit}",
                         seq.id,
                         interior.len()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Plans in flight within D, each sequence's steps contiguous from its committed position
+    /// (only the newest unbuilt, each built one listed in its plan), each step writing a
+    /// running buffer of its own that it does not read, and at most D steps and D + 1 running
+    /// buffers per state group.
+    fn check_step_chains(&self) -> Result<()> {
+        let depth = self.config.max_steps_in_flight as usize;
+        if self.steps.in_flight.len() > depth {
+            return Err(CacheError::invariant(format!(
+                "{} plans in flight, more than max_steps_in_flight = {depth}",
+                self.steps.in_flight.len()
+            )));
+        }
+        let in_plan = |plan: u64, slot: usize| {
+            self.steps.in_flight.iter().any(|f| f.step_id == plan && f.slots.contains(&slot))
+        };
+        for (slot, seq) in self.table.iter() {
+            let scheduled = self.steps.scheduled.contains(&slot);
+            let newest_unbuilt = seq.step().is_some_and(|s| s.plan == 0);
+            if scheduled != newest_unbuilt {
+                return Err(CacheError::invariant(format!(
+                    "sequence {}: a step for the next plan {newest_unbuilt} but listed {scheduled}",
+                    seq.id
+                )));
+            }
+            let mut position = seq.num_computed;
+            for (k, step) in seq.steps().enumerate() {
+                let built_ok = if step.plan == 0 {
+                    k + 1 == seq.num_steps()
+                } else {
+                    in_plan(step.plan, slot)
+                };
+                if !built_ok || step.start != position {
+                    return Err(CacheError::invariant(format!(
+                        "sequence {}: step {k} [{}, {}) of plan {} does not follow position \
+                         {position} or is not listed in its plan",
+                        seq.id, step.start, step.end, step.plan
+                    )));
+                }
+                position = step.end;
+                for (st, s) in step.state.iter().zip(&seq.state) {
+                    let own = s.running.iter().chain(&s.extra).any(|&b| b == st.write);
+                    if !own || st.read == st.write as i32 {
+                        return Err(CacheError::invariant(format!(
+                            "sequence {}: a step writes running block {} (reads {}), not one of \
+                             its own buffers or the one it reads",
+                            seq.id, st.write, st.read
+                        )));
+                    }
+                }
+            }
+            if seq.num_steps() > depth || seq.state.iter().any(|s| s.extra.len() + 1 > depth) {
+                return Err(CacheError::invariant(format!(
+                    "sequence {}: {} steps and running buffers beyond max_steps_in_flight = \
+                     {depth}",
+                    seq.id,
+                    seq.num_steps()
+                )));
+            }
+        }
+        for flight in &self.steps.in_flight {
+            for &slot in &flight.slots {
+                if !self.table.get(slot).steps().any(|s| s.plan == flight.step_id) {
+                    return Err(CacheError::invariant(format!(
+                        "plan {} lists slot {slot}, which has no step in it",
+                        flight.step_id
                     )));
                 }
             }

@@ -44,6 +44,10 @@ pub const MAX_STEP_TOKENS: u32 = i32::MAX as u32;
 /// Most speculative (lookahead) tokens one `schedule` may reserve blocks for.
 pub const MAX_LOOKAHEAD_TOKENS: u32 = 1 << 16;
 
+/// Most plans in flight at once (`CacheConfig::max_steps_in_flight`, D). A sequence in j
+/// in-flight steps holds j + 1 running-state blocks per state group, so D bounds that too.
+pub const MAX_STEPS_IN_FLIGHT: u32 = 8;
+
 /// Most keys remembered as recently evicted (`CacheConfig::recently_evicted_capacity`).
 pub const MAX_RECENTLY_EVICTED: usize = 1 << 24;
 

@@ -16,10 +16,14 @@
 //! allocates, publishes or evicts itself (it asks the store); it pins and releases blocks
 //! through the pools' reference counts.
 //! Invariants kept between calls: nothing is reachable through the index before the commit of
-//! the step that wrote it; one plan at most is in flight; every block is free, owned or cached
-//! (see `pool.rs`); a started sequence holds exactly the blocks of its tables, its running
-//! buffers, its resume pin, its decode-tail snapshot and the blocks of its pending step.
+//! the step that wrote it, nor before every token of its prefix is known (placeholders); at
+//! most `max_steps_in_flight` plans are in flight, ending in build order; every block is free,
+//! owned or cached (see `pool.rs`); a started sequence holds exactly the blocks of its tables,
+//! its running buffers (the pair, and one more per further step in flight), its resume pin,
+//! its decode-tail snapshot, its committed checkpoints waiting for their tokens and the
+//! blocks of its scheduled and in-flight steps.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::{CacheConfig, CheckpointGrid, GroupLayout, GroupSlot};
@@ -29,13 +33,15 @@ use crate::hashing::{validate_sequence, Digest, ExtraKeys, Hasher};
 use crate::hit::{compute_hit, Hit};
 use crate::index::HashIndex;
 use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
-use crate::sequence::{PagedSeq, Phase, Sequence, StateSeq};
+use crate::sequence::{PagedSeq, Phase, Retiring, Sequence, StateSeq};
 use crate::stats::{GroupStats, Stats};
 use crate::store::BlockStore;
 use crate::table::{shared_units, SequenceTable};
 
+use crate::hit::pending_hit;
 pub use crate::limits::MAX_SEQUENCE_TOKENS;
 use crate::limits::{human_bytes, try_vec, MAX_BATCH_SEQUENCES};
+use rustc_hash::FxHashMap;
 
 /// The id of the next manager built (0 is no manager's: a default `StepPlan` is foreign).
 static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(1);
@@ -50,15 +56,15 @@ pub(crate) fn check_batch_len(len: usize, call: &str) -> Result<()> {
     Ok(())
 }
 
-/// The protocol's steps: the one being scheduled (its sequences and tokens) and the plan in
-/// flight.
+/// The protocol's steps: the one being scheduled (its sequences and tokens) and the plans in
+/// flight (at most `max_steps_in_flight`, oldest first).
 #[derive(Debug)]
 pub(crate) struct Steps {
     /// Slots scheduled since the last plan, in schedule order.
     pub scheduled: Vec<usize>,
     /// Tokens those slots scheduled, at most `MAX_STEP_TOKENS`.
     pub scheduled_tokens: u32,
-    pub in_flight: Option<InFlight>,
+    pub in_flight: VecDeque<InFlight>,
     /// The id of the next plan built.
     pub next_step: u64,
 }
@@ -68,6 +74,15 @@ pub(crate) struct Steps {
 pub(crate) struct InFlight {
     pub step_id: u64,
     pub slots: Vec<usize>,
+}
+
+/// The step error of a call refused while a plan is in flight.
+#[cold]
+fn refused_in_flight(call: &str, step_id: u64) -> CacheError {
+    CacheError::step(format!(
+        "{call} is not allowed while the plan of step {step_id} is in flight: commit or abort it \
+         first"
+    ))
 }
 
 /// What `add` did with the prompt's hashes.
@@ -163,7 +178,7 @@ impl CacheManager {
             steps: Steps {
                 scheduled: Vec::new(),
                 scheduled_tokens: 0,
-                in_flight: None,
+                in_flight: VecDeque::new(),
                 next_step: 1,
             },
             started: 0,
@@ -212,14 +227,55 @@ impl CacheManager {
     }
 
     pub(crate) fn refuse_in_flight(&self, call: &str) -> Result<()> {
-        match &self.steps.in_flight {
-            Some(f) => Err(CacheError::step(format!(
-                "{call} is not allowed while the plan of step {} is in flight: commit or abort \
-                 it first",
-                f.step_id
-            ))),
+        match self.steps.in_flight.front() {
+            Some(f) => Err(refused_in_flight(call, f.step_id)),
             None => Ok(()),
         }
+    }
+
+    /// `refuse_in_flight` with one plan in flight at most (D = 1); with D > 1 the call is
+    /// allowed while plans are in flight (overlapped steps).
+    #[inline]
+    pub(crate) fn refuse_in_flight_classic(&self, call: &str) -> Result<()> {
+        if self.config.max_steps_in_flight > 1 {
+            return Ok(());
+        }
+        self.refuse_in_flight(call)
+    }
+
+    /// The overlay of `lookup`'s pending answer: every key an in-flight step will publish at
+    /// its commit (its prefix known), with the plan that publishes it (the oldest, if two do).
+    fn pending_keys(&self) -> FxHashMap<(u32, Digest), u64> {
+        let unit = self.unit;
+        let mut keys: FxHashMap<(u32, Digest), u64> = FxHashMap::default();
+        let mut add = |group: usize, digest: Digest, plan: u64| {
+            keys.entry((group as u32, digest)).and_modify(|p| *p = (*p).min(plan)).or_insert(plan);
+        };
+        for flight in &self.steps.in_flight {
+            for &slot in &flight.slots {
+                let seq = self.seq(slot);
+                let known = seq.hashes.len() as u32 * unit;
+                let Some(step) = seq.steps().find(|s| s.plan == flight.step_id) else {
+                    continue;
+                };
+                let mut q = (step.start / unit + 1) * unit;
+                while q <= step.end.min(known) {
+                    for group in &self.layout.paged {
+                        add(group.index, seq.hashes[(q / unit - 1) as usize], flight.step_id);
+                    }
+                    q += unit;
+                }
+                for (state, group) in step.state.iter().zip(&self.layout.state) {
+                    for c in state.interior.iter().chain(&state.snapshot) {
+                        if !c.decode_tail && c.position <= known {
+                            let digest = seq.hashes[(c.position / unit - 1) as usize];
+                            add(group.index, digest, flight.step_id);
+                        }
+                    }
+                }
+            }
+        }
+        keys
     }
 
     /// Registers a sequence and hashes its full units. `extends` names a live or recently
@@ -321,6 +377,12 @@ impl CacheManager {
             hint_chains,
             spare_paged: Vec::new(),
             spare_state: Vec::new(),
+            older: Vec::new(),
+            placeholders: 0,
+            placeholder_log: Vec::new(),
+            keys_pending_from: None,
+            pending_checkpoints: Vec::new(),
+            retiring: None,
         };
         self.table.insert(seq);
         Ok(Added { reused_tokens: reused as u32 * unit, hashed_units, extends_found })
@@ -382,9 +444,18 @@ impl CacheManager {
     }
 
     /// The reconciled hit of a live sequence now. Changes no cache state (counts a statistic).
+    /// With plans in flight it also reports the hit the sequence would get once they commit
+    /// (`Hit::pending_tokens`) and the plan that commit waits for (`Hit::pending_plan`).
     pub fn lookup(&mut self, seq_id: u64) -> Result<Hit> {
         let slot = self.slot(seq_id)?;
-        let (hit, chains) = self.hit_of(self.seq(slot));
+        let (mut hit, chains) = self.hit_of(self.seq(slot));
+        if !self.steps.in_flight.is_empty() {
+            let pending = self.pending_keys();
+            let seq = self.seq(slot);
+            let (tokens, plan) =
+                pending_hit(&self.store, &self.layout, seq.content(), &pending, hit.tokens);
+            (hit.pending_tokens, hit.pending_plan) = (tokens, plan);
+        }
         self.stats.lookups += 1;
         self.stats.lookup_hit_tokens += u64::from(hit.tokens);
         let generation = self.store.index.generation();
@@ -396,7 +467,7 @@ impl CacheManager {
 
     /// Appends sampled (or new user) tokens; new full units are hashed incrementally.
     pub fn append(&mut self, seq_id: u64, tokens: &[u32]) -> Result<()> {
-        self.refuse_in_flight("append")?;
+        self.refuse_in_flight_classic("append")?;
         let slot = self.slot(seq_id)?;
         self.check_append(slot, tokens.len())?;
         self.append_slot(slot, tokens)
@@ -405,7 +476,7 @@ impl CacheManager {
     /// `append` for many sequences, one token each (a decode step): one crossing from Python.
     /// Every id is checked before anything changes.
     pub fn append_batch(&mut self, seq_ids: &[u64], tokens: &[u32]) -> Result<()> {
-        self.refuse_in_flight("append")?;
+        self.refuse_in_flight_classic("append")?;
         if seq_ids.len() != tokens.len() {
             return Err(CacheError::invalid(format!(
                 "append_batch got {} sequence ids but {} tokens: give one token per sequence",
@@ -428,10 +499,24 @@ impl CacheManager {
         Ok(())
     }
 
-    /// Whether `count` more tokens fit sequence `slot` (`MAX_SEQUENCE_TOKENS`).
+    /// Whether `count` more known tokens fit sequence `slot` (`MAX_SEQUENCE_TOKENS`) and
+    /// may be appended (no placeholder is pending before them).
     pub(crate) fn check_append(&self, slot: usize, count: usize) -> Result<()> {
         let seq = self.seq(slot);
-        if seq.tokens.len().saturating_add(count) > MAX_SEQUENCE_TOKENS {
+        if seq.placeholders > 0 {
+            return Err(CacheError::step(format!(
+                "sequence {} has {} placeholder token(s) not yet resolved: resolve them before \
+                 appending known tokens after them",
+                seq.id, seq.placeholders
+            )));
+        }
+        self.check_length(slot, count)
+    }
+
+    /// Whether `count` more tokens (known or placeholders) fit sequence `slot`.
+    fn check_length(&self, slot: usize, count: usize) -> Result<()> {
+        let seq = self.seq(slot);
+        if (seq.num_tokens() as usize).saturating_add(count) > MAX_SEQUENCE_TOKENS {
             return Err(CacheError::invalid(format!(
                 "appending {count} token(s) to sequence {} would exceed {MAX_SEQUENCE_TOKENS} tokens",
                 seq.id
@@ -469,11 +554,21 @@ impl CacheManager {
     /// Releases a sequence's blocks (tail first), publishes its decode-tail checkpoint, and
     /// keeps its tokens and hashes for `extends`. A sequence scheduled for a step not yet built
     /// is dropped from that step.
+    ///
+    /// With steps of it in flight (D > 1) its id is free and its record kept for `extends`
+    /// at once, but its blocks are released (tail first) when the last of them ends; their
+    /// keys are published at commit as far as its tokens are known (its placeholders are never
+    /// resolved).
     pub fn finish(&mut self, seq_id: u64) -> Result<()> {
-        self.refuse_in_flight("finish")?;
+        self.refuse_in_flight_classic("finish")?;
         let slot = self.slot(seq_id)?;
         self.drop_scheduled(slot);
         let chains = self.full_attention_tables(self.seq(slot), usize::MAX);
+        if self.seq(slot).num_steps() > 0 {
+            self.seq_mut(slot).retiring = Some(Retiring::Finish);
+            self.table.retire(slot, chains);
+            return Ok(());
+        }
         self.release_all(slot, true);
         self.table.finish(slot, chains);
         Ok(())
@@ -481,22 +576,64 @@ impl CacheManager {
 
     /// Releases a sequence's blocks (publishing nothing new); it stays live and is recomputed
     /// from a fresh lookup at its next `schedule`.
+    ///
+    /// With steps of it in flight (D > 1) its blocks are released when the last of them ends;
+    /// it cannot be scheduled before.
     pub fn preempt(&mut self, seq_id: u64) -> Result<()> {
-        self.refuse_in_flight("preempt")?;
+        self.refuse_in_flight_classic("preempt")?;
         let slot = self.slot(seq_id)?;
         self.drop_scheduled(slot);
+        if self.seq(slot).num_steps() > 0 {
+            self.seq_mut(slot).retiring = Some(Retiring::Preempt);
+            return Ok(());
+        }
         self.release_all(slot, false);
         Ok(())
     }
 
-    fn drop_scheduled(&mut self, slot: usize) {
-        if let Some(step) = self.seq(slot).step() {
+    /// Drops the sequence's step scheduled for the next plan, if it has one (not one in
+    /// flight).
+    pub(crate) fn drop_scheduled(&mut self, slot: usize) {
+        if let Some(step) = self.seq(slot).step().filter(|s| s.plan == 0) {
             // Only a step not yet built is on `scheduled` (a built one is in flight).
             if self.steps.scheduled.contains(&slot) {
                 self.steps.scheduled_tokens -= step.end - step.start;
             }
             self.steps.scheduled.retain(|&s| s != slot);
             self.undo_step(slot);
+        }
+    }
+
+    /// What follows the end (commit or undo) of a step of `slot`: a sequence left without a
+    /// step gives its extra running buffers back, and one finished or preempted while it was
+    /// in flight is released now.
+    #[inline]
+    pub(crate) fn after_step_ended(&mut self, slot: usize) {
+        if !self.table.is_live(slot) {
+            return; // released already (a finished sequence in several ended plans)
+        }
+        let seq = self.seq(slot);
+        if seq.num_steps() > 0 {
+            return;
+        }
+        if seq.state.iter().any(|s| !s.extra.is_empty()) {
+            for (i, group) in self.layout.state.iter().enumerate() {
+                let extra = std::mem::take(&mut self.table.get_mut(slot).state[i].extra);
+                for block in extra.into_iter().rev() {
+                    self.store.pools[group.pool].decref(block, LruEnd::MostRecent);
+                }
+            }
+        }
+        match self.seq(slot).retiring {
+            None => {}
+            Some(Retiring::Preempt) => {
+                self.seq_mut(slot).retiring = None;
+                self.release_all(slot, false);
+            }
+            Some(Retiring::Finish) => {
+                self.release_all(slot, true);
+                self.table.drop_retired(slot);
+            }
         }
     }
 
@@ -519,11 +656,16 @@ impl CacheManager {
                 }
                 GroupSlot::State(i) => {
                     let state = std::mem::take(&mut seq.state[i]);
+                    for &block in state.extra.iter().rev() {
+                        self.store.pools[pool].decref(block, LruEnd::MostRecent);
+                    }
                     for block in [state.running[1], state.running[0], state.resume] {
                         self.store.pools[pool].decref(block, LruEnd::MostRecent);
                     }
                     if let Some((block, position)) = state.decode_tail {
-                        if publish_decode_tail {
+                        // (a tail over a placeholder never resolved has no key to publish)
+                        let known = seq.hashes.len() as u32 * self.unit;
+                        if publish_decode_tail && position <= known {
                             self.publish_decode_tail(g, &seq, block, position);
                         } else {
                             self.store.pools[pool].decref(block, LruEnd::MostRecent);
@@ -531,6 +673,9 @@ impl CacheManager {
                     }
                 }
             }
+        }
+        for (g, block, _) in std::mem::take(&mut seq.pending_checkpoints) {
+            self.store.pools[self.layout.pool(g)].decref(block, LruEnd::MostRecent);
         }
         if seq.started() {
             seq.stop();
@@ -614,10 +759,203 @@ impl CacheManager {
         self.steps.scheduled_tokens as usize
     }
 
-    /// Whether a plan is in flight.
+    /// The oldest plan in flight (the one to commit or abort next), if any.
     #[must_use]
     pub fn plan_in_flight(&self) -> Option<u64> {
-        self.steps.in_flight.as_ref().map(|f| f.step_id)
+        self.steps.in_flight.front().map(|f| f.step_id)
+    }
+
+    /// Every plan in flight, oldest first (at most `max_steps_in_flight`).
+    #[must_use]
+    pub fn plans_in_flight(&self) -> Vec<u64> {
+        self.steps.in_flight.iter().map(|f| f.step_id).collect()
+    }
+
+    /// Placeholder tokens of a live sequence not yet resolved.
+    pub fn num_placeholders(&self, seq_id: u64) -> Result<u32> {
+        Ok(self.seq(self.slot(seq_id)?).placeholders)
+    }
+
+    /// Appends `count` placeholder tokens: tokens a step in flight is sampling, whose ids are
+    /// not known yet. They count in the sequence's length (a step may be scheduled over them)
+    /// but no unit holding one is hashed or published; `resolve` fills them in, oldest first.
+    pub fn append_placeholders(&mut self, seq_id: u64, count: u32) -> Result<()> {
+        self.refuse_in_flight_classic("append")?;
+        let slot = self.slot(seq_id)?;
+        self.check_length(slot, count as usize)?;
+        self.add_placeholders(slot, count);
+        Ok(())
+    }
+
+    /// `append` of known tokens followed by `count` placeholders, in one call: both are
+    /// checked before either changes anything.
+    pub fn append_with_placeholders(
+        &mut self,
+        seq_id: u64,
+        tokens: &[u32],
+        count: u32,
+    ) -> Result<()> {
+        self.refuse_in_flight_classic("append")?;
+        let slot = self.slot(seq_id)?;
+        if tokens.is_empty() {
+            self.check_length(slot, count as usize)?;
+        } else {
+            self.check_append(slot, tokens.len().saturating_add(count as usize))?;
+            self.append_slot(slot, tokens)?;
+        }
+        self.add_placeholders(slot, count);
+        Ok(())
+    }
+
+    /// `append_placeholders` of one placeholder for each of many sequences (an overlapped
+    /// decode step). Every id is checked before anything changes.
+    pub fn append_placeholders_batch(&mut self, seq_ids: &[u64]) -> Result<()> {
+        self.refuse_in_flight_classic("append")?;
+        check_batch_len(seq_ids.len(), "append_placeholders_batch")?;
+        let slots = self
+            .batch_slots(seq_ids, "append_placeholders_batch", |m, slot| m.check_length(slot, 1))?;
+        for slot in slots {
+            self.add_placeholders(slot, 1);
+        }
+        Ok(())
+    }
+
+    /// The slots of a batch's ids, each checked by `check`, none repeated.
+    pub(crate) fn batch_slots(
+        &mut self,
+        seq_ids: &[u64],
+        call: &str,
+        check: impl Fn(&Self, usize) -> Result<()>,
+    ) -> Result<Vec<usize>> {
+        let mut slots =
+            try_vec(seq_ids.len(), "the batch's sequence slots").map_err(CacheError::invalid)?;
+        for &id in seq_ids {
+            let slot = self.slot(id)?;
+            check(self, slot)?;
+            slots.push(slot);
+        }
+        self.table.refuse_repeats(&slots, call)?;
+        Ok(slots)
+    }
+
+    /// `check_resolve` of one token (the overlapped decode step).
+    pub(crate) fn check_resolve_one(&self, slot: usize) -> Result<()> {
+        self.check_resolve(slot, 1)
+    }
+
+    /// `check_length` of one more token (the overlapped decode step).
+    pub(crate) fn check_length_one(&self, slot: usize) -> Result<()> {
+        self.check_length(slot, 1)
+    }
+
+    /// `resolve_slot` of one token, checked (the overlapped decode step).
+    pub(crate) fn resolve_one(&mut self, slot: usize, token: u32) -> Result<()> {
+        self.resolve_slot(slot, std::slice::from_ref(&token))
+    }
+
+    /// One placeholder appended to a checked sequence (the overlapped decode step).
+    pub(crate) fn add_placeholder_one(&mut self, slot: usize) {
+        self.add_placeholders(slot, 1);
+    }
+
+    fn add_placeholders(&mut self, slot: usize, count: u32) {
+        if count == 0 {
+            return;
+        }
+        let stamp = self.steps.next_step - 1;
+        let seq = self.seq_mut(slot);
+        seq.placeholders += count;
+        match seq.placeholder_log.last_mut() {
+            Some((s, n)) if *s == stamp => *n += count,
+            _ => seq.placeholder_log.push((stamp, count)),
+        }
+        seq.forget_hit();
+    }
+
+    /// Fills the oldest placeholders of a sequence with the tokens sampled for them; the
+    /// units they complete are hashed, and every key whose step has committed and whose
+    /// prefix is now known is published (with its events). More tokens than placeholders is
+    /// an `InvalidRequest`, changing nothing.
+    pub fn resolve(&mut self, seq_id: u64, tokens: &[u32]) -> Result<()> {
+        let slot = self.slot(seq_id)?;
+        self.check_resolve(slot, tokens.len())?;
+        self.resolve_slot(slot, tokens)
+    }
+
+    /// `resolve` of one token for each of many sequences: one crossing from Python. Every id
+    /// is checked before anything changes.
+    pub fn resolve_batch(&mut self, seq_ids: &[u64], tokens: &[u32]) -> Result<()> {
+        if seq_ids.len() != tokens.len() {
+            return Err(CacheError::invalid(format!(
+                "resolve_batch got {} sequence ids but {} tokens: give one token per sequence",
+                seq_ids.len(),
+                tokens.len()
+            )));
+        }
+        check_batch_len(seq_ids.len(), "resolve_batch")?;
+        let slots =
+            self.batch_slots(seq_ids, "resolve_batch", |m, slot| m.check_resolve(slot, 1))?;
+        for (&slot, token) in slots.iter().zip(tokens) {
+            self.resolve_slot(slot, std::slice::from_ref(token))?;
+        }
+        Ok(())
+    }
+
+    fn check_resolve(&self, slot: usize, count: usize) -> Result<()> {
+        let seq = self.seq(slot);
+        if count > seq.placeholders as usize {
+            return Err(CacheError::invalid(format!(
+                "resolve got {count} token(s) for sequence {}, which has {} placeholder(s): \
+                 resolve fills placeholders appended earlier, oldest first",
+                seq.id, seq.placeholders
+            )));
+        }
+        Ok(())
+    }
+
+    fn resolve_slot(&mut self, slot: usize, tokens: &[u32]) -> Result<()> {
+        let unit = self.unit;
+        let seq = self.table.get_mut(slot);
+        if seq.tokens.try_reserve(tokens.len()).is_err() {
+            return Err(CacheError::invalid("the resolved tokens could not be allocated"));
+        }
+        let placeholders = seq.placeholders;
+        seq.placeholders -= tokens.len() as u32;
+        let mut left = tokens.len() as u32;
+        while left > 0 {
+            let Some((_, n)) = seq.placeholder_log.first_mut() else { break };
+            let used = left.min(*n);
+            *n -= used;
+            left -= used;
+            if *n == 0 {
+                seq.placeholder_log.remove(0);
+            }
+        }
+        debug_assert!(placeholders >= tokens.len() as u32);
+        let before = seq.hashes.len();
+        seq.forget_hit();
+        seq.tokens.extend_from_slice(tokens);
+        self.hasher.extend(&seq.tokens, unit, &seq.extra, &mut seq.hashes);
+        if seq.hashes.len() > before {
+            self.publish_known(slot);
+        }
+        Ok(())
+    }
+
+    /// Drops the placeholders of `slot` appended since plan `plan` was built (an abort of
+    /// that plan: the tokens they stand for will never be sampled).
+    pub(crate) fn drop_placeholders_since(&mut self, slot: usize, plan: u64) {
+        if !self.table.is_live(slot) {
+            return;
+        }
+        let seq = self.seq_mut(slot);
+        while let Some(&(stamp, n)) = seq.placeholder_log.last() {
+            if stamp < plan {
+                break;
+            }
+            seq.placeholders -= n;
+            seq.placeholder_log.pop();
+        }
     }
 
     /// Full block-table rows of a paged group for the given sequences, padded with the null

@@ -13,7 +13,7 @@ use crate::error::{CacheError, Result};
 use crate::limits::human_bytes;
 use crate::manager::{CacheManager, InFlight};
 use crate::pool::NULL_BLOCK;
-use crate::sequence::{PagedSeq, StateStep};
+use crate::sequence::{PagedSeq, Phase, Sequence, StateStep};
 
 /// Per paged group: what changed in the block tables, and where this step's KV goes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -151,15 +151,25 @@ fn emit_paged(
     }
 }
 
+/// What the plan being built reports of a sequence's sliding-window releases: its commit's
+/// mark (`PagedStep::reported_to`).
+fn mark_window_reports(seq: &mut Sequence) {
+    if let Phase::Scheduled(step) = &mut seq.phase {
+        for (s, p) in step.paged.iter_mut().zip(&seq.paged) {
+            s.reported_to = p.window_start;
+        }
+    }
+}
+
 impl CacheManager {
     /// Asks for a checkpoint at `position` in the chunk scheduled for the next plan, on top of
     /// the retention policy (it is considered first). Raises `Alignment` for a position the
     /// kernel cannot write.
     pub fn request_checkpoint(&mut self, seq_id: u64, position: u32) -> Result<()> {
-        self.refuse_in_flight("request_checkpoint")?;
+        self.refuse_in_flight_classic("request_checkpoint")?;
         let slot = self.slot(seq_id)?;
         let seq = self.seq(slot);
-        let Some(step) = seq.step() else {
+        let Some(step) = seq.step().filter(|s| s.plan == 0) else {
             return Err(CacheError::step(format!(
                 "sequence {seq_id} is not scheduled: request checkpoints between schedule and \
                  build_plan"
@@ -221,7 +231,25 @@ impl CacheManager {
         })
     }
 
+    /// `StepError` when `max_steps_in_flight` plans are in flight (with D = 1: any).
+    fn refuse_build_at_depth(&self) -> Result<()> {
+        let depth = self.config.max_steps_in_flight;
+        if depth == 1 {
+            return self.refuse_in_flight("build_plan");
+        }
+        if self.steps.in_flight.len() >= depth as usize {
+            let oldest = self.plan_in_flight().unwrap_or(0);
+            return Err(CacheError::step(format!(
+                "build_plan: {depth} plans are in flight, the most max_steps_in_flight = {depth} \
+                 allows: commit or abort the oldest, step {oldest}, first"
+            )));
+        }
+        Ok(())
+    }
+
     /// Builds the plan of every sequence scheduled since the last plan and puts it in flight.
+    /// With `max_steps_in_flight` plans in flight already it raises a step error naming the
+    /// oldest (with D = 1: while any plan is in flight).
     pub fn build_plan(&mut self) -> Result<StepPlan> {
         let mut plan = StepPlan::default();
         self.build_plan_into(&mut plan)?;
@@ -232,7 +260,8 @@ impl CacheManager {
     /// that keeps one `StepPlan` across steps allocates nothing for it once the vectors are
     /// large enough. On error the plan is left as it was.
     pub fn build_plan_into(&mut self, plan: &mut StepPlan) -> Result<()> {
-        self.refuse_in_flight("build_plan")?;
+        self.refuse_build_at_depth()?;
+        let depth = self.config.max_steps_in_flight;
         // The one array sized by the step's tokens: reserved before anything changes.
         let tokens = self.steps.scheduled_tokens as usize;
         for p in &mut plan.paged {
@@ -254,15 +283,23 @@ impl CacheManager {
         // so never allocated, in a step without any (every decode step).
         let mut checkpoints: Vec<(usize, usize, usize, i32, i32)> = Vec::new();
         let mut total = 0i32;
+        let windows = self.layout.paged.iter().any(|g| g.window.is_some());
         for &slot in &slots {
             let seq = self.table.get_mut(slot);
+            if let Some(step) = seq.step_mut() {
+                step.plan = step_id;
+            }
             plan_checkpoints(
                 &mut self.store,
                 &self.layout,
                 &mut self.stats.groups,
                 self.started,
+                depth,
                 seq,
             );
+            if windows {
+                mark_window_reports(seq);
+            }
             let seq = self.seq(slot);
             let Some(step) = seq.step() else { continue };
             let (start, end) = (step.start, step.end);
@@ -291,14 +328,13 @@ impl CacheManager {
                     ]);
                 }
             }
-            for (s, (StateStep { interior, snapshot }, state)) in
-                step.state.iter().zip(&seq.state).enumerate()
+            for (s, StateStep { write, read, interior, snapshot }) in step.state.iter().enumerate()
             {
                 let out = &mut plan.state[s];
-                out.running_slot.push(state.write_block() as i32);
-                out.initial_slot.push(state.read_slot());
+                out.running_slot.push(*write as i32);
+                out.initial_slot.push(*read);
                 if let Some(c) = snapshot {
-                    out.snapshots.extend([state.write_block() as i32, c.block as i32]);
+                    out.snapshots.extend([*write as i32, c.block as i32]);
                 }
                 out.max_checkpoints = out.max_checkpoints.max(interior.len());
                 checkpoints.extend(
@@ -322,7 +358,7 @@ impl CacheManager {
             out.checkpoint_slots[at] = slot;
         }
         self.stats.copies += (plan.copies.len() / 4) as u64;
-        self.steps.in_flight = Some(InFlight { step_id, slots });
+        self.steps.in_flight.push_back(InFlight { step_id, slots });
         Ok(())
     }
 }

@@ -9,7 +9,7 @@
 //! blocks are chosen later, by `build_plan`, and never make a schedule fail. Nothing here
 //! publishes or builds a plan's rows (beyond `decode_step` calling `build_plan_into`).
 
-use crate::admission::{admission, blocks_available, tables_cover, take_blocks};
+use crate::admission::{admission, assign_running, blocks_available, tables_cover, take_blocks};
 use crate::error::{CacheError, Result};
 use crate::hit::Hit;
 use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS, MAX_STEP_TOKENS};
@@ -42,7 +42,7 @@ impl CacheManager {
         lookahead: u32,
         exact: bool,
     ) -> Result<Option<Scheduled>> {
-        self.refuse_in_flight("schedule")?;
+        self.refuse_in_flight_classic("schedule")?;
         let slot = self.slot(seq_id)?;
         self.check_schedulable(slot, lookahead)?;
         self.schedule_slot(slot, max_tokens, lookahead, exact)
@@ -56,7 +56,7 @@ impl CacheManager {
         max_tokens: &[u32],
         exact: bool,
     ) -> Result<Vec<Option<Scheduled>>> {
-        self.refuse_in_flight("schedule")?;
+        self.refuse_in_flight_classic("schedule")?;
         if seq_ids.len() != max_tokens.len() {
             return Err(CacheError::invalid(format!(
                 "schedule_batch got {} sequence ids but {} token budgets",
@@ -109,7 +109,7 @@ impl CacheManager {
         if plan.manager == self.manager_id && self.plan_in_flight() == Some(plan.step_id) {
             self.commit_step(plan.step_id)?;
         }
-        self.refuse_in_flight("decode_step")?;
+        self.refuse_in_flight_classic("decode_step")?;
         if seq_ids.len() != tokens.len() {
             return Err(CacheError::invalid(format!(
                 "decode_step got {} sequence ids but {} tokens: give one token per sequence",
@@ -146,12 +146,96 @@ impl CacheManager {
         Ok(scheduled)
     }
 
-    /// `StepError` for a sequence already scheduled for the next plan.
+    /// An overlapped decode step in one call (D > 1): commits the oldest plan in flight when
+    /// it is `commit`, fills one placeholder of each `resolve_ids[i]` with `resolved[i]` (the
+    /// tokens that plan sampled), appends one placeholder to each of `seq_ids` (the token the
+    /// step being planned will sample is not known yet), schedules one token of each and
+    /// builds the plan of everything scheduled into `plan`. Results are in input order
+    /// (`None`: the pools could not supply the sequence's block; it is not in the plan).
+    ///
+    /// The commit happens first and stands even if the rest is refused; the rest is checked
+    /// before any of it changes anything (lengths, known and distinct ids, placeholders to
+    /// resolve, none already scheduled for the next plan or at depth D, the plan count).
+    pub fn decode_step_overlapped(
+        &mut self,
+        commit: Option<u64>,
+        resolve_ids: &[u64],
+        resolved: &[u32],
+        seq_ids: &[u64],
+        plan: &mut StepPlan,
+    ) -> Result<Vec<Option<Scheduled>>> {
+        if let Some(step_id) = commit {
+            self.commit_step(step_id)?;
+        }
+        if resolve_ids.len() != resolved.len() {
+            return Err(CacheError::invalid(format!(
+                "decode_step_overlapped got {} sequence ids to resolve but {} tokens: give one \
+                 token per sequence",
+                resolve_ids.len(),
+                resolved.len()
+            )));
+        }
+        check_batch_len(resolve_ids.len(), "decode_step_overlapped")?;
+        check_batch_len(seq_ids.len(), "decode_step_overlapped")?;
+        let depth = self.config.max_steps_in_flight as usize;
+        if (depth == 1 && !self.steps.in_flight.is_empty()) || self.steps.in_flight.len() >= depth {
+            self.refuse_in_flight("decode_step_overlapped")?;
+        }
+        let resolve_slots =
+            self.batch_slots(resolve_ids, "decode_step_overlapped", |m, slot| {
+                m.check_resolve_one(slot)
+            })?;
+        let slots = self.batch_slots(seq_ids, "decode_step_overlapped", |m, slot| {
+            m.refuse_pending_step(slot)?;
+            m.check_length_one(slot)
+        })?;
+        for (&slot, token) in resolve_slots.iter().zip(resolved) {
+            self.resolve_one(slot, *token)?;
+        }
+        let mut failure = None;
+        let scheduled = slots
+            .into_iter()
+            .map(|slot| {
+                self.add_placeholder_one(slot);
+                self.schedule_slot(slot, 1, 0, false).unwrap_or_else(|e| {
+                    failure.get_or_insert(e);
+                    None
+                })
+            })
+            .collect();
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        self.build_plan_into(plan)?;
+        Ok(scheduled)
+    }
+
+    /// `StepError` for a sequence already scheduled for the next plan, in as many in-flight
+    /// steps as `max_steps_in_flight` allows, or preempted with steps in flight.
     fn refuse_pending_step(&self, slot: usize) -> Result<()> {
         let seq = self.seq(slot);
-        if seq.step().is_some() {
+        if let Some(step) = seq.step() {
+            if step.plan == 0 {
+                return Err(CacheError::step(format!(
+                    "sequence {} is already scheduled for the next plan: build and commit it \
+                     first",
+                    seq.id
+                )));
+            }
+            let depth = self.config.max_steps_in_flight as usize;
+            if seq.num_steps() >= depth {
+                return Err(CacheError::step(format!(
+                    "sequence {} is in {} in-flight steps, the most max_steps_in_flight = {depth} \
+                     allows: commit the oldest (step {}) first",
+                    seq.id,
+                    seq.num_steps(),
+                    seq.oldest_step().map_or(0, |s| s.plan)
+                )));
+            }
+        }
+        if seq.retiring.is_some() {
             return Err(CacheError::step(format!(
-                "sequence {} is already scheduled for the next plan: build and commit it first",
+                "sequence {} was preempted with steps in flight: schedule it again once they end",
                 seq.id
             )));
         }
@@ -162,10 +246,10 @@ impl CacheManager {
     fn check_schedulable(&self, slot: usize, lookahead: u32) -> Result<()> {
         self.refuse_pending_step(slot)?;
         let seq = self.seq(slot);
-        if seq.num_computed >= seq.num_tokens() {
+        if seq.planned() >= seq.num_tokens() {
             return Err(CacheError::NothingToSchedule {
                 seq_id: seq.id,
-                num_computed: seq.num_computed,
+                num_computed: seq.planned(),
                 num_tokens: seq.num_tokens(),
             });
         }
@@ -208,7 +292,7 @@ impl CacheManager {
     ) -> Result<Option<Scheduled>> {
         let seq = self.seq(slot);
         if seq.started() {
-            let end = self.chunk_end(seq.num_computed, max_tokens, seq.num_tokens(), exact);
+            let end = self.chunk_end(seq.planned(), max_tokens, seq.num_tokens(), exact);
             return self.schedule_started(slot, end, lookahead);
         }
         let generation = self.store.index.generation();
@@ -239,21 +323,30 @@ impl CacheManager {
             self.seq(slot),
             end + lookahead,
             Some(&admission),
+            false,
         ) {
             self.stats.refused_schedules += 1;
             return Ok(None);
         }
         let seq = self.table.get_mut(slot);
-        let (paged, state) =
+        let (paged, mut state) =
             take_blocks(&mut self.store, &self.layout, seq, end + lookahead, Some(&admission))?;
+        assign_running(&mut self.store, &self.layout, seq, &mut state, false)?;
         let seq = self.seq_mut(slot);
         seq.hint_chains = Vec::new();
         seq.num_computed = start;
         seq.prefill_target = total;
         seq.junction = hit.junction;
         let requested = Vec::new();
-        seq.phase =
-            Phase::Scheduled(StepRecord { start, end, first: true, paged, state, requested });
+        seq.phase = Phase::Scheduled(StepRecord {
+            plan: 0,
+            start,
+            end,
+            first: true,
+            paged,
+            state,
+            requested,
+        });
         self.steps.scheduled.push(slot);
         self.steps.scheduled_tokens += end - start;
         self.started += 1;
@@ -281,32 +374,43 @@ impl CacheManager {
         lookahead: u32,
     ) -> Result<Option<Scheduled>> {
         let seq = self.seq(slot);
-        let (seq_id, start) = (seq.id, seq.num_computed);
+        let (seq_id, start) = (seq.id, seq.planned());
         if end <= start {
             return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
         }
         let reach = end + lookahead;
-        let (paged, state) = if tables_cover(&self.layout, self.seq(slot), reach) {
+        // A continuation (the sequence's step before it is in flight) may need a further
+        // running buffer per state group.
+        let continuation = seq.step().is_some();
+        let buffers = !continuation
+            || (0..self.layout.state.len()).all(|i| self.seq(slot).spare_buffer(i).is_some());
+        let (paged, mut state) = if buffers && tables_cover(&self.layout, self.seq(slot), reach) {
             // What `take_blocks` returns when every table covers the chunk, without its
             // per-group block arithmetic (10.2K against 9.1K instructions a hybrid decode
             // step by `baseline hybrid N`).
             let seq = self.seq_mut(slot);
             let mut paged = std::mem::take(&mut seq.spare_paged);
             let mut state = std::mem::take(&mut seq.spare_state);
-            paged.extend(
-                seq.paged.iter().map(|p| PagedStep { table_len_before: p.table.len(), cow: None }),
-            );
+            paged.extend(seq.paged.iter().map(|p| PagedStep {
+                table_len_before: p.table.len(),
+                cow: None,
+                reported_to: 0,
+            }));
             state.resize_with(seq.state.len(), StateStep::default);
             (paged, state)
         } else {
-            if !blocks_available(&self.store, &self.layout, self.seq(slot), reach, None) {
+            let seq = self.seq(slot);
+            if !blocks_available(&self.store, &self.layout, seq, reach, None, continuation) {
                 self.stats.refused_schedules += 1;
                 return Ok(None);
             }
             take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?
         };
+        let seq = self.table.get_mut(slot);
+        assign_running(&mut self.store, &self.layout, seq, &mut state, continuation)?;
         let requested = Vec::new();
         self.seq_mut(slot).schedule_step(StepRecord {
+            plan: 0,
             start,
             end,
             first: false,
@@ -342,7 +446,10 @@ impl CacheManager {
         let slot = self.slot(seq_id)?;
         let seq = self.seq(slot);
         let (start, target, junction) = if seq.started() {
-            (seq.num_computed, seq.prefill_target, seq.junction)
+            // With steps in flight (D > 1) the next chunk starts after the newest built one.
+            let built = seq.steps().filter(|s| s.plan != 0).last().map(|s| s.end);
+            let start = built.filter(|_| self.config.max_steps_in_flight > 1);
+            (start.unwrap_or(seq.num_computed), seq.prefill_target, seq.junction)
         } else {
             let hit = self.hit_of(seq).0;
             (hit.tokens, seq.num_tokens(), hit.junction)

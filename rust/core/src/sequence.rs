@@ -13,7 +13,7 @@
 
 use crate::hashing::{Digest, ExtraKeys};
 use crate::hit::Hit;
-use crate::pool::BlockId;
+use crate::pool::{BlockId, NULL_BLOCK};
 use crate::store::Content;
 
 /// A paged group's view of one sequence.
@@ -32,6 +32,9 @@ pub(crate) struct PagedSeq {
 pub(crate) struct StateSeq {
     /// The two private running buffers (0 before the first schedule).
     pub running: [BlockId; 2],
+    /// Further private running buffers, for steps in flight beyond the first (D > 1 only);
+    /// released when the sequence has no step left.
+    pub extra: Vec<BlockId>,
     /// Which buffer holds the committed state; `None` before the first commit.
     pub current: Option<usize>,
     /// The published checkpoint the sequence resumes from, pinned until its first commit.
@@ -75,11 +78,19 @@ pub(crate) struct PagedStep {
     pub table_len_before: usize,
     /// Copy-on-write: (source, destination, tokens copied).
     pub cow: Option<(BlockId, BlockId, u32)>,
+    /// The sliding window's released columns the plan reported (`PagedSeq::window_start`
+    /// when it was built): what its commit marks as reported.
+    pub reported_to: usize,
 }
 
 /// What one step does to one state group of a sequence.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct StateStep {
+    /// The running buffer the step writes.
+    pub write: BlockId,
+    /// The state it reads (-1 = zero state): the committed state, the checkpoint resumed
+    /// from, or the buffer the step before it in flight writes.
+    pub read: i32,
     /// Interior checkpoints, written by the kernel.
     pub interior: Vec<PlannedCheckpoint>,
     /// The checkpoint at the chunk end, filled by a snapshot copy after the step.
@@ -90,6 +101,8 @@ pub(crate) struct StateStep {
 /// part of the layout's `paged[i]` and `state[i]` groups.
 #[derive(Clone, Debug)]
 pub(crate) struct StepRecord {
+    /// The plan it is in flight in (0: scheduled for the next plan, not built yet).
+    pub plan: u64,
     pub start: u32,
     pub end: u32,
     /// The sequence's first step: its hit was pinned by this schedule.
@@ -110,11 +123,23 @@ pub(crate) enum Phase {
     /// Holding no blocks (added, or preempted): its next schedule admits it at its hit. The
     /// last lookup is kept while nothing was published or evicted since, for that schedule.
     Waiting { last_hit: Option<LastHit> },
-    /// Holding blocks, with a step scheduled for the next plan or in flight; a first step
-    /// (`step.first`) holds the pins of its hit.
+    /// Holding blocks, with a step scheduled for the next plan or in flight (its newest step;
+    /// older ones in flight are `Sequence::older`); a first step (`step.first`) holds the
+    /// pins of its hit.
     Scheduled(StepRecord),
     /// Holding blocks, between steps.
     Running,
+}
+
+/// What happens to a sequence finished or preempted while steps of it were in flight, once
+/// the last of them ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Retiring {
+    /// Finished: its id is free already; its blocks are released (publishing its decode
+    /// tail) and its slot freed.
+    Finish,
+    /// Preempted: its blocks are released; it waits, live.
+    Preempt,
 }
 
 #[derive(Clone, Debug)]
@@ -144,11 +169,62 @@ pub(crate) struct Sequence {
     /// schedule to fill (a decode step then allocates nothing for them).
     pub spare_paged: Vec<PagedStep>,
     pub spare_state: Vec<StateStep>,
+    /// In-flight steps older than the phase's step, oldest first (empty with D = 1).
+    pub older: Vec<StepRecord>,
+    /// Trailing tokens appended as placeholders (not yet sampled): they are counted in the
+    /// sequence's length but not in `tokens`, and no unit holding one is hashed.
+    pub placeholders: u32,
+    /// Per `append_placeholders` call whose placeholders are not all resolved: the id of the
+    /// latest plan built when it was made, and how many of its placeholders are left (oldest
+    /// first; an abort drops those appended since the aborted plan was built).
+    pub placeholder_log: Vec<(u64, u32)>,
+    /// Committed paged keys not published because a token of their prefix was a placeholder:
+    /// every unit boundary in `(from, num_computed]` (published as `resolve` makes them known).
+    pub keys_pending_from: Option<u32>,
+    /// Committed checkpoints (state group, block, position) waiting for their prefix's tokens.
+    pub pending_checkpoints: Vec<(usize, BlockId, u32)>,
+    /// Finished or preempted with steps in flight.
+    pub retiring: Option<Retiring>,
 }
 
 impl Sequence {
+    /// Its length: known tokens and placeholders.
+    #[inline]
     pub fn num_tokens(&self) -> u32 {
-        self.tokens.len() as u32
+        self.tokens.len() as u32 + self.placeholders
+    }
+
+    /// Where its next chunk starts: the end of its newest step, or its committed position.
+    #[inline]
+    pub fn planned(&self) -> u32 {
+        self.step().map_or(self.num_computed, |s| s.end)
+    }
+
+    /// Its steps scheduled or in flight.
+    #[inline]
+    pub fn num_steps(&self) -> usize {
+        self.older.len() + usize::from(self.step().is_some())
+    }
+
+    /// Its steps, oldest first.
+    pub fn steps(&self) -> impl Iterator<Item = &StepRecord> {
+        self.older.iter().chain(self.step())
+    }
+
+    /// Its oldest step (the next to end).
+    #[inline]
+    pub fn oldest_step(&self) -> Option<&StepRecord> {
+        self.older.first().or_else(|| self.step())
+    }
+
+    /// A private running buffer of state group `i` that neither holds the committed state
+    /// nor is written by one of its steps (the one its next step can write), if any.
+    pub fn spare_buffer(&self, i: usize) -> Option<BlockId> {
+        let state = &self.state[i];
+        let current = state.current.map(|c| state.running[c]);
+        state.running.iter().chain(&state.extra).copied().find(|&b| {
+            b != NULL_BLOCK && Some(b) != current && !self.steps().any(|s| s.state[i].write == b)
+        })
     }
 
     /// What its keys are computed from.
@@ -180,15 +256,30 @@ impl Sequence {
         }
     }
 
-    /// Takes the step out; the sequence is running (it holds blocks) until told otherwise.
+    /// Takes the newest step out (the one before it, if any, becomes the phase's); without
+    /// one the sequence is running (it holds blocks) until told otherwise.
     #[inline]
-    pub fn take_step(&mut self) -> Option<StepRecord> {
-        match std::mem::replace(&mut self.phase, Phase::Running) {
+    pub fn take_newest(&mut self) -> Option<StepRecord> {
+        if !matches!(self.phase, Phase::Scheduled(_)) {
+            return None;
+        }
+        let next = match self.older.pop() {
+            Some(step) => Phase::Scheduled(step),
+            None => Phase::Running,
+        };
+        match std::mem::replace(&mut self.phase, next) {
             Phase::Scheduled(step) => Some(step),
-            other => {
-                self.phase = other;
-                None
-            }
+            _ => None,
+        }
+    }
+
+    /// Takes the oldest step out (the one that ends next).
+    #[inline]
+    pub fn take_oldest(&mut self) -> Option<StepRecord> {
+        if self.older.is_empty() {
+            self.take_newest()
+        } else {
+            Some(self.older.remove(0))
         }
     }
 
@@ -211,17 +302,23 @@ impl Sequence {
         self.spare_state = state;
     }
 
-    /// Schedules `step` for a running sequence (the phase it must be in).
+    /// Schedules `step` for a started sequence: its newest step, after those it has.
     #[inline]
     pub fn schedule_step(&mut self, step: StepRecord) {
-        let Phase::Running = std::mem::replace(&mut self.phase, Phase::Scheduled(step)) else {
-            unreachable!("sequence {} scheduled while not running", self.id)
-        };
+        match std::mem::replace(&mut self.phase, Phase::Scheduled(step)) {
+            Phase::Running => {}
+            Phase::Scheduled(previous) => self.older.push(previous),
+            Phase::Waiting { .. } => {
+                unreachable!("sequence {} scheduled while not running", self.id)
+            }
+        }
     }
 
     /// Back to waiting, holding nothing (its blocks were released or given back).
     pub fn stop(&mut self) {
         self.phase = Phase::Waiting { last_hit: None };
+        self.older.clear();
+        self.keys_pending_from = None;
         self.num_computed = 0;
         self.prefill_target = 0;
         self.junction = None;

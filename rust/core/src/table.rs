@@ -70,6 +70,12 @@ impl SequenceTable {
         self.seqs[slot].as_mut().unwrap_or_else(|| unreachable!("slot {slot} is not live"))
     }
 
+    /// Whether `slot` holds a sequence (live, or finished with steps still in flight).
+    #[inline]
+    pub fn is_live(&self, slot: usize) -> bool {
+        self.seqs.get(slot).is_some_and(Option::is_some)
+    }
+
     /// Takes a live sequence out of its slot (to work on it beside the rest of the manager);
     /// `put` it back.
     #[inline]
@@ -126,6 +132,38 @@ impl SequenceTable {
             },
         );
         self.free_slots.push(slot);
+    }
+
+    /// `finish` of the live sequence in `slot` while steps of it are in flight: its id is
+    /// free and a copy of its tokens and hashes is in the finished cache now, but it keeps its
+    /// slot (and its blocks) until `drop_retired`, when the last of its steps has ended.
+    pub fn retire(&mut self, slot: usize, chains: Vec<Vec<BlockId>>) {
+        let seq = self.get(slot);
+        let seq_id = seq.id;
+        let record = FinishedSequence {
+            id: seq_id,
+            serial: seq.serial,
+            chains,
+            tokens: seq.tokens.clone(),
+            extra: seq.extra.clone(),
+            hashes: seq.hashes.clone(),
+        };
+        if self.by_id.get(&seq_id) == Some(&slot) {
+            self.by_id.remove(&seq_id);
+        }
+        if let Some(h) = record.hashes.first() {
+            if self.live_prefixes.get(h) == Some(&seq_id) {
+                self.live_prefixes.remove(h);
+            }
+        }
+        self.finished.insert(seq_id, record);
+    }
+
+    /// Frees the slot of a sequence `retire`d earlier (it holds no block any more).
+    pub fn drop_retired(&mut self, slot: usize) {
+        if self.seqs[slot].take().is_some() {
+            self.free_slots.push(slot);
+        }
     }
 
     /// `StepError` naming a sequence that appears twice in one `call`: each slot is stamped

@@ -583,7 +583,7 @@ fn stale_and_twice_committed_plans_are_refused() {
         other => panic!("expected StalePlan, got {other:?}"),
     };
     assert_eq!(stale(h.call(|m| m.commit(&first))), first.step_id);
-    assert_eq!(stale(h.call(|m| m.abort(&first))), first.step_id);
+    assert_eq!(stale(h.call(|m| m.abort(&first).map(drop))), first.step_id);
 
     h.schedule(1, 16);
     let second = h.plan();
@@ -1277,7 +1277,7 @@ fn a_plan_built_by_another_manager_is_refused_whatever_its_step_id() {
     }
     let (plan_a, plan_b) = (a.plan(), b.plan());
     assert_eq!(plan_a.step_id, plan_b.step_id);
-    for r in [a.call(|m| m.commit(&plan_b)), a.call(|m| m.abort(&plan_b))] {
+    for r in [a.call(|m| m.commit(&plan_b)), a.call(|m| m.abort(&plan_b).map(drop))] {
         assert!(matches!(r, Err(CacheError::StalePlan { .. })), "{r:?}");
         assert!(r.unwrap_err().to_string().contains("another manager"));
     }

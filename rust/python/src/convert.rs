@@ -332,6 +332,11 @@ pub fn cache_config(obj: &Bound<'_, PyAny>) -> PyResult<CacheConfig> {
             "max_pending_events",
             c,
         )?,
+        max_steps_in_flight: u32_arg(
+            &attr(obj, "max_steps_in_flight", what)?,
+            "max_steps_in_flight",
+            c,
+        )?,
     };
     config.validate().map_err(|e| to_pyerr(obj.py(), e))?;
     Ok(config)

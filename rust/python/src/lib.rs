@@ -99,6 +99,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_GROUPS", limits::MAX_GROUPS)?;
     m.add("MAX_HASH_UNIT", limits::MAX_HASH_UNIT)?;
     m.add("MAX_LOOKAHEAD_TOKENS", limits::MAX_LOOKAHEAD_TOKENS)?;
+    m.add("MAX_STEPS_IN_FLIGHT", limits::MAX_STEPS_IN_FLIGHT)?;
     m.add("MAX_MULTIMODAL_INPUTS", limits::MAX_MULTIMODAL_INPUTS)?;
     m.add("MAX_PENDING_EVENTS", limits::MAX_PENDING_EVENTS)?;
     m.add("MAX_POOLS", limits::MAX_POOLS)?;

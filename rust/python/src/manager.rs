@@ -172,6 +172,25 @@ fn sequence_tokens(manager: &CacheManager, seq_id: u64) -> usize {
     manager.num_tokens(seq_id).map_or(0, |n| n as usize)
 }
 
+/// `StepError` when buffers holding this manager's step `held` are written while that step
+/// is still in flight with overlapped steps (D > 1): the device may still read it. (With D = 1
+/// the core refuses the plan itself.)
+fn refuse_held_in_flight(m: &CacheManager, held: Option<u64>) -> Result<(), CacheError> {
+    if m.config().max_steps_in_flight == 1 {
+        return Ok(());
+    }
+    match held.filter(|s| m.plans_in_flight().contains(s)) {
+        Some(step) => Err(CacheError::Step {
+            message: format!(
+                "these PlanBuffers hold step {step}, still in flight: the device may still read \
+                 it; write the next plan into other buffers (a ring of max_steps_in_flight \
+                 PlanBuffers)"
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// A plan's identity as the core reads it (`commit` / `abort` refuse another manager's).
 fn plan_identity(manager: u64, step_id: u64) -> StepPlan {
     StepPlan { manager, step_id, ..StepPlan::default() }
@@ -282,11 +301,17 @@ impl PyCacheManager {
         self.enter(py, Work::Short, |m| Ok(m.num_finished_cached()))
     }
 
-    /// The step id of the plan in flight (built, not yet committed or aborted), or `None`;
-    /// `commit_step` / `abort_step` end it by this id.
+    /// The step id of the oldest plan in flight (built, not yet committed or aborted: the
+    /// next to end), or `None`; `commit_step` / `abort_step` end it by this id.
     #[getter]
     fn plan_in_flight(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         self.enter(py, Work::Short, |m| Ok(m.plan_in_flight()))
+    }
+
+    /// Every plan in flight, oldest first (at most `config.max_steps_in_flight`).
+    #[getter]
+    fn plans_in_flight(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.enter(py, Work::Short, |m| Ok(m.plans_in_flight()))
     }
 
     /// Registers a sequence and hashes its full units (without the GIL).
@@ -413,7 +438,7 @@ impl PyCacheManager {
         let (step_id, tokens) = (plan.step_id, plan.num_tokens());
         PyStepPlan::new(py, plan).inspect_err(|_| {
             // The engine never saw the plan: take it out of flight again.
-            let _ = self.enter(py, Work::Sized(tokens), move |m| m.abort_step(step_id));
+            let _ = self.enter(py, Work::Sized(tokens), move |m| m.withdraw_plan(step_id));
         })
     }
 
@@ -427,10 +452,13 @@ impl PyCacheManager {
         let mut target = buffers::borrow_mut(buffers)?;
         this.refuse_foreign_step(py, &target)?;
         // The core refills the plan kept in the buffers (no allocation once it is large enough).
+        let held = target.step_id().filter(|_| target.owner().is_some_and(|o| o.id == this.id));
         let mut scratch = target.take_scratch();
         let work = Work::Measured(&CacheManager::scheduled_tokens);
-        let plan =
-            this.enter(py, work, move |m| m.build_plan_into(&mut scratch).map(|()| scratch))?;
+        let plan = this.enter(py, work, move |m| {
+            refuse_held_in_flight(m, held)?;
+            m.build_plan_into(&mut scratch).map(|()| scratch)
+        })?;
         Self::deliver(slf, &mut target, plan)
     }
 
@@ -478,8 +506,9 @@ impl PyCacheManager {
     }
 
     /// Undoes the plan's step (the forward failed): nothing is published and every sequence
-    /// is back where it was.
-    fn abort(&self, plan: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// is back where it was. Every later plan in flight is aborted too (it may read what this
+    /// one wrote); returns the ids of the plans ended, oldest first.
+    fn abort(&self, plan: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         let (manager, step, work) = Self::plan_of(plan, "abort")?;
         self.enter(plan.py(), Work::Sized(work), move |m| m.abort(&plan_identity(manager, step)))
     }
@@ -498,17 +527,116 @@ impl PyCacheManager {
     /// the manager refusing `schedule`, `append`, `finish` and `reset`. Nothing is published
     /// and every sequence is back where it was. `StalePlanError` unless `step_id` is the step
     /// in flight.
-    fn abort_step(&self, step_id: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn abort_step(&self, step_id: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         let py = step_id.py();
         let step_id = u64_arg(step_id, "step_id", Domain::Request)?;
         self.enter(py, Work::Long, move |m| m.abort_step(step_id))
     }
 
     /// Appends sampled (or new user) tokens to a sequence; new full units are hashed.
-    fn append(&self, seq_id: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// `placeholders`: that many tokens more, not yet sampled (a step in flight is sampling
+    /// them: overlapped steps); `resolve` fills them in, oldest first. Known tokens cannot
+    /// follow unresolved placeholders.
+    #[pyo3(signature = (seq_id, tokens, placeholders = None))]
+    fn append(
+        &self,
+        seq_id: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        placeholders: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let id = self::seq_id(seq_id)?;
         let tokens = convert::tokens(tokens, "tokens", SEQUENCE)?;
-        self.enter(seq_id.py(), Work::Sized(tokens.len()), move |m| m.append(id, &tokens))
+        let count = u32_or(placeholders, "placeholders", 0)?;
+        let work = Work::Sized(tokens.len());
+        self.enter(seq_id.py(), work, move |m| m.append_with_placeholders(id, &tokens, count))
+    }
+
+    /// One placeholder for each sequence (an overlapped decode step) in one call; every id is
+    /// checked first.
+    fn append_placeholders(&self, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = self::seq_ids(seq_ids)?;
+        let work = Work::Sized(ids.len());
+        self.enter(seq_ids.py(), work, move |m| m.append_placeholders_batch(&ids))
+    }
+
+    /// Fills the oldest placeholders of a sequence with the tokens sampled for them; keys
+    /// whose step has committed and whose tokens are now known are published (with their
+    /// events). More tokens than placeholders: `InvalidRequestError`, nothing changed.
+    fn resolve(&self, seq_id: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = self::seq_id(seq_id)?;
+        let tokens = convert::tokens(tokens, "tokens", SEQUENCE)?;
+        self.enter(seq_id.py(), Work::Sized(tokens.len()), move |m| m.resolve(id, &tokens))
+    }
+
+    /// `resolve` of one token per sequence in one call; every id is checked first.
+    fn resolve_batch(&self, seq_ids: &Bound<'_, PyAny>, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = self::seq_ids(seq_ids)?;
+        let tokens = convert::tokens(tokens, "tokens", BATCH)?;
+        let work = Work::Sized(tokens.len());
+        self.enter(seq_ids.py(), work, move |m| m.resolve_batch(&ids, &tokens))
+    }
+
+    /// Placeholder tokens of a live sequence not yet resolved.
+    fn num_placeholders(&self, seq_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = self::seq_id(seq_id)?;
+        self.enter(seq_id.py(), Work::Short, move |m| m.num_placeholders(id))
+    }
+
+    /// An overlapped decode step in one call (`max_steps_in_flight` > 1): commits `commit`
+    /// (a step id: the oldest plan in flight, whose forward has run), resolves one placeholder
+    /// of each `resolve_ids[i]` with `tokens[i]` (what that step sampled), appends one
+    /// placeholder to each of `seq_ids`, schedules one token of each and writes the plan of
+    /// everything scheduled into `buffers`. Returns `int32 [N]` in input order: the tokens
+    /// scheduled (1), -1 where the pools could not supply the sequence's block. Buffers still
+    /// holding a plan in flight are refused (`StepError`): keep a ring of D buffers.
+    #[pyo3(signature = (buffers, seq_ids, resolve_ids = None, tokens = None, commit = None))]
+    fn decode_step_overlapped<'py>(
+        slf: &Bound<'py, Self>,
+        buffers: &Bound<'py, PyPlanBuffers>,
+        seq_ids: &Bound<'py, PyAny>,
+        resolve_ids: Option<&Bound<'py, PyAny>>,
+        tokens: Option<&Bound<'py, PyAny>>,
+        commit: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let py = buffers.py();
+        let this = slf.get();
+        let ids = self::seq_ids(seq_ids)?;
+        let resolve_ids = match resolve_ids.filter(|o| !o.is_none()) {
+            Some(r) => self::seq_ids(r)?,
+            None => Vec::new(),
+        };
+        let tokens = match tokens.filter(|o| !o.is_none()) {
+            Some(t) => convert::tokens(t, "tokens", BATCH)?,
+            None => Vec::new(),
+        };
+        let commit = match commit.filter(|o| !o.is_none()) {
+            Some(c) => Some(u64_arg(c, "commit", Domain::Request)?),
+            None => None,
+        };
+        let mut target = buffers::borrow_mut(buffers)?;
+        this.refuse_foreign_step(py, &target)?;
+        let held = target.step_id().filter(|_| target.owner().is_some_and(|o| o.id == this.id));
+        let work = Work::Sized(ids.len() + resolve_ids.len());
+        let mut scratch = target.take_scratch();
+        let result = this.enter(py, work, move |m| {
+            if let Some(step) = commit {
+                m.commit_step(step)?;
+            }
+            refuse_held_in_flight(m, held)?;
+            let scheduled =
+                m.decode_step_overlapped(None, &resolve_ids, &tokens, &ids, &mut scratch);
+            Ok((scheduled, scratch))
+        });
+        let (scheduled, plan) = result?;
+        let scheduled = match scheduled {
+            Ok(s) => s,
+            Err(e) => {
+                target.keep_scratch(plan);
+                return Err(to_pyerr(py, e));
+            }
+        };
+        Self::deliver(slf, &mut target, plan)?;
+        Ok(PyArray1::from_iter(py, scheduled.iter().map(Option::as_ref).map(tokens_or_refused)))
     }
 
     /// One token per sequence (a decode step) in one call; every id is checked first.
@@ -644,7 +772,7 @@ impl PyCacheManager {
         let written = target.write(py, owner, &plan);
         target.keep_scratch(plan);
         written.inspect_err(|_| {
-            let _ = this.enter(py, Work::Sized(plan_tokens), move |m| m.abort_step(step_id));
+            let _ = this.enter(py, Work::Sized(plan_tokens), move |m| m.withdraw_plan(step_id));
         })?;
         Ok(step_id)
     }
@@ -662,8 +790,8 @@ impl PyCacheManager {
             return Ok(()); // that manager is gone, and its step with it
         };
         // A poisoned manager (an error here) is unusable anyway: nothing to protect.
-        let in_flight = enter(py, &other, Work::Short, |m| Ok(m.plan_in_flight())).ok().flatten();
-        if in_flight != Some(step) {
+        let in_flight = enter(py, &other, Work::Short, |m| Ok(m.plans_in_flight())).ok();
+        if !in_flight.is_some_and(|f| f.contains(&step)) {
             return Ok(());
         }
         Err(to_pyerr(

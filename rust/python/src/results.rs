@@ -109,6 +109,20 @@ impl PyHit {
         self.hit.junction
     }
 
+    /// The hit the sequence would get once the plans in flight commit (at least `tokens`):
+    /// an engine may hold the request for a step instead of recomputing that prefix.
+    #[getter]
+    fn pending_tokens(&self) -> u32 {
+        self.hit.pending_tokens
+    }
+
+    /// The plan whose commit `pending_tokens` waits for, or `None` when nothing in flight
+    /// extends the hit.
+    #[getter]
+    fn pending_plan(&self) -> Option<u64> {
+        self.hit.pending_plan
+    }
+
     /// Each group's own hit and why it stops, in group order.
     #[getter]
     fn groups(&self) -> Vec<PyGroupHit> {
@@ -118,10 +132,13 @@ impl PyHit {
     fn __repr__(&self) -> String {
         let groups: Vec<String> = self.groups().iter().map(PyGroupHit::__repr__).collect();
         format!(
-            "Hit(tokens={}, max_tokens={}, junction={}, groups=[{}])",
+            "Hit(tokens={}, max_tokens={}, junction={}, pending_tokens={}, pending_plan={}, \
+             groups=[{}])",
             self.hit.tokens,
             self.hit.max_tokens,
             optional(self.hit.junction),
+            self.hit.pending_tokens,
+            optional(self.hit.pending_plan),
             groups.join(", ")
         )
     }

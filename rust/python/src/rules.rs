@@ -35,6 +35,7 @@ pub fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     c.set_item("recently_evicted_capacity", cache.recently_evicted_capacity)?;
     c.set_item("enable_events", cache.enable_events)?;
     c.set_item("max_pending_events", cache.max_pending_events)?;
+    c.set_item("max_steps_in_flight", cache.max_steps_in_flight)?;
 
     let hash = HashConfig::default();
     let h = PyDict::new(py);

@@ -58,7 +58,7 @@ fn pool() -> impl Strategy<Value = PoolConfig> {
 }
 
 /// Which rule a broken configuration breaks: (index, name).
-const BREAKS: [&str; 7] = [
+const BREAKS: [&str; 9] = [
     "hash unit 0",
     "a pool of one block",
     "a group in a pool that does not exist",
@@ -66,6 +66,8 @@ const BREAKS: [&str; 7] = [
     "a window smaller than its block",
     "an alignment that does not divide the unit",
     "a checkpoint cap of 0",
+    "no plan in flight allowed",
+    "more plans in flight than supported",
 ];
 
 fn breaks(config: &mut CacheConfig, which: usize) -> Option<&'static str> {
@@ -87,6 +89,8 @@ fn breaks(config: &mut CacheConfig, which: usize) -> Option<&'static str> {
                 ..Default::default()
             });
         }
+        7 => config.max_steps_in_flight = 0,
+        8 => config.max_steps_in_flight = prefixcache_core::limits::MAX_STEPS_IN_FLIGHT + 1,
         _ => return None,
     }
     Some(name)
@@ -125,6 +129,9 @@ pub(crate) fn config() -> impl Strategy<Value = FuzzConfig> {
                 recently_evicted_capacity,
                 enable_events: true,
                 max_pending_events,
+                // The fuzz's predictions assume one plan in flight at a time; overlapped steps
+                // (D > 1) are driven by the model in `model_overlap.rs`.
+                max_steps_in_flight: 1,
             };
             let broken = broken.and_then(|which| breaks(&mut config, which));
             FuzzConfig { config, broken }

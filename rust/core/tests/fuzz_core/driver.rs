@@ -870,8 +870,8 @@ impl Fuzz {
         let r = match (commit, by_plan) {
             (true, true) => self.m.commit(&plan),
             (true, false) => self.m.commit_step(plan.step_id),
-            (false, true) => self.m.abort(&plan),
-            (false, false) => self.m.abort_step(plan.step_id),
+            (false, true) => self.m.abort(&plan).map(drop),
+            (false, false) => self.m.abort_step(plan.step_id).map(drop),
         };
         not_invariant("commit/abort", &r)?;
         // By plan, the step in flight ends only for the plan this manager built (a plan carries

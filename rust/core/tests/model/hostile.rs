@@ -92,7 +92,7 @@ impl Model {
                     let r = if commit {
                         self.m.commit_step(step_id)
                     } else {
-                        self.m.abort_step(step_id)
+                        self.m.abort_step(step_id).map(drop)
                     };
                     ensure!(
                         matches!(r, Err(CacheError::StalePlan { .. })),

@@ -445,7 +445,17 @@ impl Model {
         // that reaches past another one's bound merely lost fewer blocks).
         let top = groups.iter().map(|g| g.tokens.min(bound)).max().unwrap_or(0);
         let junction = (top >= tokens_hit + 2 * unit).then_some(top);
-        (Hit { tokens: tokens_hit, max_tokens, groups, junction }, unbounded)
+        // What in-flight steps would add (`pending_tokens`) is `model_overlap.rs`'s to predict;
+        // `lookup` compares it apart.
+        let hit = Hit {
+            tokens: tokens_hit,
+            max_tokens,
+            groups,
+            junction,
+            pending_tokens: tokens_hit,
+            pending_plan: None,
+        };
+        (hit, unbounded)
     }
 
     /// A hit may only rest on keys that committed steps published.
@@ -625,6 +635,20 @@ impl Model {
         let hit = result.map_err(|e| format!("lookup {id}: {e}"))?;
         self.check_hit_was_committed(&hit, seq)?;
         let (expected, unbounded) = self.hit_and_unbounded(seq);
+        // The pending answer: at least the hit, longer only while a plan is in flight, and
+        // then naming that plan.
+        let flight = self.m.plan_in_flight();
+        ensure!(
+            hit.pending_tokens >= hit.tokens
+                && (hit.pending_tokens > hit.tokens) == hit.pending_plan.is_some()
+                && (flight.is_some() || hit.pending_plan.is_none())
+                && hit.pending_plan.is_none_or(|p| Some(p) == flight),
+            "lookup of {id}: pending {} (plan {:?}) for a hit of {}, plan in flight {flight:?}",
+            hit.pending_tokens,
+            hit.pending_plan,
+            hit.tokens
+        );
+        let hit = Hit { pending_tokens: hit.tokens, pending_plan: None, ..hit };
         ensure!(hit == expected, "lookup of {id}:\n  got      {hit:?}\n  expected {expected:?}");
         let paths = self.hit_paths(seq, &hit, &unbounded);
         self.stats.lookups += 1;
