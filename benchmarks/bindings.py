@@ -55,14 +55,20 @@ def tokens(seed: int, n: int) -> np.ndarray:
     return (((i * 2_654_435_761) & 0xFFFFFFFF) ^ seed) % 150_000
 
 
-def config(block: int, unit: int, state: bool, blocks: int, state_blocks: int) -> pc.CacheConfig:
+def config(
+    block: int, unit: int, state: bool, blocks: int, state_blocks: int, depth: int = 1
+) -> pc.CacheConfig:
     groups: list[pc.Group] = [pc.FullAttention(block_size=block, pool=0)]
     pools = [pc.PoolConfig(blocks)]
     if state:
         groups.append(pc.StateGroup(alignment=16, pool=1))
         pools.append(pc.PoolConfig(state_blocks))
     return pc.CacheConfig(
-        pools=pools, groups=groups, hash=pc.HashConfig(unit=unit), enable_events=False
+        pools=pools,
+        groups=groups,
+        hash=pc.HashConfig(unit=unit),
+        enable_events=False,
+        max_steps_in_flight=depth,
     )
 
 
@@ -73,9 +79,9 @@ def prefill(mgr: pc.CacheManager, seq_id: int, prompt: np.ndarray) -> None:
     mgr.finish(seq_id)
 
 
-def decode_setup(state: bool) -> tuple[pc.CacheManager, np.ndarray]:
+def decode_setup(state: bool, depth: int = 1) -> tuple[pc.CacheManager, np.ndarray]:
     blocks = CONTEXT // 16 + ROWS * (2048 // 16 + 4)
-    mgr = pc.CacheManager(config(16, 16, state, blocks, ROWS * 8))
+    mgr = pc.CacheManager(config(16, 16, state, blocks, ROWS * 8, depth))
     prompt = tokens(3, CONTEXT).astype(np.uint32)
     prefill(mgr, 0, prompt)
     ids = np.arange(1, ROWS + 1, dtype=np.int64)
@@ -101,6 +107,36 @@ def bench_decode(state: bool, steps: int) -> list[float]:
         assert all(s is not None and s.num_tokens == 1 for s in scheduled)
     mgr.check_invariants()
     return times[steps // 10 :]  # drop the warm-up
+
+
+def bench_decode_fast(state: bool, depth: int, steps: int) -> list[float]:
+    """The decode step of 256 sequences as one call: ``decode_step`` with one plan in flight
+    (D = 1), or ``decode_step_overlapped`` with two (D = 2: commit of the oldest, resolve of
+    the tokens it sampled, one placeholder each, schedule, plan) over a ring of two
+    ``PlanBuffers``."""
+    mgr, ids = decode_setup(state, depth)
+    ring = [pc.PlanBuffers(rows=ROWS), pc.PlanBuffers(rows=ROWS)]
+    times = []
+    for step in range(steps):
+        sampled = ((ids + step) % 150_000).astype(np.uint32)
+        if depth == 1:
+            start = time.perf_counter_ns()
+            scheduled = mgr.decode_step(ring[0], ids, sampled)
+        else:
+            flight = mgr.plans_in_flight
+            full = len(flight) == 2
+            start = time.perf_counter_ns()
+            scheduled = mgr.decode_step_overlapped(
+                ring[step % 2],
+                ids,
+                resolve_ids=ids if full else None,
+                tokens=sampled if full else None,
+                commit=flight[0] if full else None,
+            )
+        times.append((time.perf_counter_ns() - start) / 1e3)
+        assert bool((scheduled == 1).all())
+    mgr.check_invariants()
+    return times[steps // 10 :]
 
 
 HYBRID_ROWS = 8
@@ -283,6 +319,11 @@ def main() -> None:
     cases: list[tuple[str, Callable[[], list[float]], str]] = [
         (decode, lambda: bench_decode(False, args.steps), decode),
         (f"{decode} + state", lambda: bench_decode(True, args.steps), f"{decode} + state"),
+        *[
+            (f"{decode}{plus}: {call}", partial(bench_decode_fast, state, depth, args.steps), "")
+            for state, plus in ((False, ""), (True, " + state"))
+            for depth, call in ((1, "decode_step"), (2, "decode_step_overlapped D=2"))
+        ],
         *[
             (
                 f"hybrid decode 8 x 20K: {call}",

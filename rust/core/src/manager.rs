@@ -377,9 +377,9 @@ impl CacheManager {
             hint_chains,
             spare_paged: Vec::new(),
             spare_state: Vec::new(),
-            older: Vec::new(),
+            older: VecDeque::new(),
             placeholders: 0,
-            placeholder_log: Vec::new(),
+            placeholder_log: VecDeque::new(),
             keys_pending_from: None,
             pending_checkpoints: Vec::new(),
             retiring: None,
@@ -865,9 +865,9 @@ impl CacheManager {
         let stamp = self.steps.next_step - 1;
         let seq = self.seq_mut(slot);
         seq.placeholders += count;
-        match seq.placeholder_log.last_mut() {
+        match seq.placeholder_log.back_mut() {
             Some((s, n)) if *s == stamp => *n += count,
-            _ => seq.placeholder_log.push((stamp, count)),
+            _ => seq.placeholder_log.push_back((stamp, count)),
         }
         seq.forget_hit();
     }
@@ -916,19 +916,21 @@ impl CacheManager {
     fn resolve_slot(&mut self, slot: usize, tokens: &[u32]) -> Result<()> {
         let unit = self.unit;
         let seq = self.table.get_mut(slot);
-        if seq.tokens.try_reserve(tokens.len()).is_err() {
+        if seq.tokens.capacity() - seq.tokens.len() < tokens.len()
+            && seq.tokens.try_reserve(tokens.len()).is_err()
+        {
             return Err(CacheError::invalid("the resolved tokens could not be allocated"));
         }
         let placeholders = seq.placeholders;
         seq.placeholders -= tokens.len() as u32;
         let mut left = tokens.len() as u32;
         while left > 0 {
-            let Some((_, n)) = seq.placeholder_log.first_mut() else { break };
+            let Some((_, n)) = seq.placeholder_log.front_mut() else { break };
             let used = left.min(*n);
             *n -= used;
             left -= used;
             if *n == 0 {
-                seq.placeholder_log.remove(0);
+                seq.placeholder_log.pop_front();
             }
         }
         debug_assert!(placeholders >= tokens.len() as u32);
@@ -949,12 +951,12 @@ impl CacheManager {
             return;
         }
         let seq = self.seq_mut(slot);
-        while let Some(&(stamp, n)) = seq.placeholder_log.last() {
+        while let Some(&(stamp, n)) = seq.placeholder_log.back() {
             if stamp < plan {
                 break;
             }
             seq.placeholders -= n;
-            seq.placeholder_log.pop();
+            seq.placeholder_log.pop_back();
         }
     }
 

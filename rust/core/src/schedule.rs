@@ -181,21 +181,36 @@ impl CacheManager {
         if (depth == 1 && !self.steps.in_flight.is_empty()) || self.steps.in_flight.len() >= depth {
             self.refuse_in_flight("decode_step_overlapped")?;
         }
-        let resolve_slots =
-            self.batch_slots(resolve_ids, "decode_step_overlapped", |m, slot| {
-                m.check_resolve_one(slot)
-            })?;
         let slots = self.batch_slots(seq_ids, "decode_step_overlapped", |m, slot| {
             m.refuse_pending_step(slot)?;
             m.check_length_one(slot)
         })?;
-        for (&slot, token) in resolve_slots.iter().zip(resolved) {
-            self.resolve_one(slot, *token)?;
+        // The common case resolves the very sequences it schedules: their resolve, placeholder
+        // and schedule then go in one pass over them.
+        let fused = !resolve_ids.is_empty() && resolve_ids == seq_ids;
+        if fused {
+            for &slot in &slots {
+                self.check_resolve_one(slot)?;
+            }
+        } else {
+            let resolve_slots =
+                self.batch_slots(resolve_ids, "decode_step_overlapped", |m, slot| {
+                    m.check_resolve_one(slot)
+                })?;
+            for (&slot, token) in resolve_slots.iter().zip(resolved) {
+                self.resolve_one(slot, *token)?;
+            }
         }
         let mut failure = None;
         let scheduled = slots
             .into_iter()
-            .map(|slot| {
+            .enumerate()
+            .map(|(i, slot)| {
+                if fused {
+                    if let Err(e) = self.resolve_one(slot, resolved[i]) {
+                        failure.get_or_insert(e);
+                    }
+                }
                 self.add_placeholder_one(slot);
                 self.schedule_slot(slot, 1, 0, false).unwrap_or_else(|e| {
                     failure.get_or_insert(e);

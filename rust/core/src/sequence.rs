@@ -11,6 +11,8 @@
 //! This file holds data and its small invariants only: it never allocates a block or reads the
 //! store (the protocol does both).
 
+use std::collections::VecDeque;
+
 use crate::hashing::{Digest, ExtraKeys};
 use crate::hit::Hit;
 use crate::pool::{BlockId, NULL_BLOCK};
@@ -170,14 +172,14 @@ pub(crate) struct Sequence {
     pub spare_paged: Vec<PagedStep>,
     pub spare_state: Vec<StateStep>,
     /// In-flight steps older than the phase's step, oldest first (empty with D = 1).
-    pub older: Vec<StepRecord>,
+    pub older: VecDeque<StepRecord>,
     /// Trailing tokens appended as placeholders (not yet sampled): they are counted in the
     /// sequence's length but not in `tokens`, and no unit holding one is hashed.
     pub placeholders: u32,
     /// Per `append_placeholders` call whose placeholders are not all resolved: the id of the
     /// latest plan built when it was made, and how many of its placeholders are left (oldest
     /// first; an abort drops those appended since the aborted plan was built).
-    pub placeholder_log: Vec<(u64, u32)>,
+    pub placeholder_log: VecDeque<(u64, u32)>,
     /// Committed paged keys not published because a token of their prefix was a placeholder:
     /// every unit boundary in `(from, num_computed]` (published as `resolve` makes them known).
     pub keys_pending_from: Option<u32>,
@@ -214,7 +216,7 @@ impl Sequence {
     /// Its oldest step (the next to end).
     #[inline]
     pub fn oldest_step(&self) -> Option<&StepRecord> {
-        self.older.first().or_else(|| self.step())
+        self.older.front().or_else(|| self.step())
     }
 
     /// A private running buffer of state group `i` that neither holds the committed state
@@ -263,7 +265,7 @@ impl Sequence {
         if !matches!(self.phase, Phase::Scheduled(_)) {
             return None;
         }
-        let next = match self.older.pop() {
+        let next = match self.older.pop_back() {
             Some(step) => Phase::Scheduled(step),
             None => Phase::Running,
         };
@@ -279,7 +281,7 @@ impl Sequence {
         if self.older.is_empty() {
             self.take_newest()
         } else {
-            Some(self.older.remove(0))
+            self.older.pop_front()
         }
     }
 
@@ -307,7 +309,7 @@ impl Sequence {
     pub fn schedule_step(&mut self, step: StepRecord) {
         match std::mem::replace(&mut self.phase, Phase::Scheduled(step)) {
             Phase::Running => {}
-            Phase::Scheduled(previous) => self.older.push(previous),
+            Phase::Scheduled(previous) => self.older.push_back(previous),
             Phase::Waiting { .. } => {
                 unreachable!("sequence {} scheduled while not running", self.id)
             }
