@@ -80,8 +80,11 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--policies",
         "--device",
         "--backend",
+        "--model",
+        "--depth",
         "--kda-timing",
         "--conv",
+        "--warm-up",
         "--no-reference",
         "--json",
         "--plot",
@@ -104,6 +107,8 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "fla",
         "flashkda",
         "flashkda-op",
+        "kimi-k3-tp8",
+        "events",
     ):
         assert choice in text
     assert "does not represent" in text
@@ -271,7 +276,7 @@ def test_conv_choices_are_the_kernel_layers() -> None:
 
     simulate = build_parser().parse_args(["simulate"]).command_parser
     conv = next(a for a in simulate._actions if a.dest == "conv")
-    assert tuple(conv.choices) == CONV_IMPLS
+    assert tuple(conv.choices) == ("auto", *CONV_IMPLS)
 
 
 def test_a_broken_trace_is_reported_with_its_line(

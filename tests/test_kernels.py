@@ -718,3 +718,30 @@ def test_paged_kv_refuses_bad_indices_before_writing(as_input):
         cache.gather(as_input([1]), 9)
     key, value = cache.gather(as_input([1, 0]), 11)
     assert key.shape == (11, 1, 2) and torch.equal(value[1:3], 2 * kv[1:])
+
+
+def test_paged_kv_slots_in_range_is_what_a_checked_write_relies_on():
+    cache = kernels.PagedKVCache(4, 8, 1, 2, dtype=F64)
+    assert cache.slots_in_range(np.array([0, 5, 31]))
+    assert cache.slots_in_range(np.zeros(0, dtype=np.int64))
+    assert not cache.slots_in_range(np.array([0, 32]))  # beyond the cache
+    assert not cache.slots_in_range(np.array([-1, 3]))  # padding: the general path skips it
+    # Host slots are checked on the host whatever ``checked`` says.
+    kv = torch.ones(2, 1, 2, dtype=F64)
+    with pytest.raises(IndexError, match="slot 32 is beyond"):
+        cache.write(np.array([3, 32]), kv, kv, checked=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_checked_write_of_device_slots_equals_the_checked_path():
+    device = torch.device("cuda")
+    slots = np.array([3, 17, 8, 30])
+    kv = torch.randn(4, 1, 2, dtype=F64, device=device)
+    fast = kernels.PagedKVCache(4, 8, 1, 2, dtype=F64, device=device)
+    slow = kernels.PagedKVCache(4, 8, 1, 2, dtype=F64, device=device)
+    fast.write(torch.from_numpy(slots).to(device), kv, 2 * kv, checked=True)
+    slow.write(slots, kv, 2 * kv)
+    assert torch.equal(fast.key, slow.key) and torch.equal(fast.value, slow.value)
+    with pytest.raises(ValueError, match="key and value must both be"):
+        fast.write(torch.from_numpy(slots).to(device), kv[:3], kv[:3], checked=True)

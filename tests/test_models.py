@@ -29,7 +29,9 @@ from prefixcache.kernels import (
     paged_attention,
 )
 from prefixcache.models import (
+    AttentionLayer,
     HybridModel,
+    KDALayer,
     KernelTimer,
     ModelCaches,
     ModelConfig,
@@ -334,7 +336,9 @@ def test_the_kernel_timer_measures_only_enabled_blocks() -> None:
 def test_gpu_timing_needs_a_cuda_device() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
         KernelTimer(torch.device("cpu"), "gpu")
-    with pytest.raises(ValueError, match="'wall' or 'gpu'"):
+    with pytest.raises(ValueError, match="timing mode 'events' needs a CUDA device"):
+        KernelTimer(torch.device("cpu"), "events")
+    with pytest.raises(ValueError, match="one of wall, gpu, events"):
         KernelTimer(torch.device("cpu"), "cpu")  # type: ignore[arg-type]
 
 
@@ -365,3 +369,129 @@ def test_gpu_timing_excludes_the_host_time_to_launch() -> None:
             x @ x
     assert gpu.underruns == 1
     assert gpu.backlog_cycles == backlog
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_event_timing_adds_no_synchronisation_and_counts_the_gpu_work() -> None:
+    device = torch.device("cuda")
+    x = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()
+    timer = KernelTimer(device, "events")
+    started = time.perf_counter()
+    for _ in range(3):
+        with timer.measure():
+            for _ in range(20):
+                x @ x
+    enqueued = time.perf_counter() - started
+    seconds = timer.take()
+    # 60 products of 4096^3 take far longer to run than to launch: the blocks did not wait.
+    assert seconds > 3 * enqueued
+    assert timer.take() == 0.0
+
+
+# --- the Kimi-K3 cost proxy ---------------------------------------------------------------
+
+# Kimi-K3's published shape, restated here (config.json of the text backbone): hidden 7168,
+# 93 layers of which 24 MLA and 69 KDA, 96 KDA heads of 128, conv 4, vocabulary 163840;
+# MoE: 16 of 896 experts active, routed experts SwiGLU 3072 wide over a 3584-wide latent,
+# 2 shared experts SwiGLU 3072 wide; TP8.
+K3_ACTIVE_MOE_MACS = (
+    16 * 3 * 3584 * 3072  # routed experts
+    + 7168 * 3584 * 2  # latent down and up projections
+    + 2 * 3 * 7168 * 3072  # shared experts
+    + 7168 * 896  # router
+)
+
+
+def test_the_kimi_k3_proxy_has_kimi_k3s_per_gpu_shapes_and_cost() -> None:
+    config = ModelConfig.kimi_k3_tp8(3)
+    assert config.layers == ("kda", "kda", "kda", "attention") * 3
+    assert config.name == "kimi-k3-tp8"
+    assert (config.hidden_size, config.kda_heads, config.kda_head_dim) == (7168, 96 // 8, 128)
+    assert config.kda_gate == "bounded" and config.kda_full_rank_gate
+    assert config.conv_width == 4 and config.vocab_size == 163840 // 8
+    # The dense block costs the MoE's active multiply-adds per token per GPU, to rounding.
+    per_gpu = K3_ACTIVE_MOE_MACS / 8
+    dense = 3 * config.hidden_size * config.mlp_hidden_size
+    assert abs(dense - per_gpu) / per_gpu < 0.01
+    assert config.macs_per_token()["mlp"] == dense
+    # The attention cache holds about MLA's bytes per token per layer (576-wide latent, bf16).
+    kv_bytes = 2 * config.attention_kv_heads * config.attention_head_dim * 2
+    assert abs(kv_bytes - 576 * 2) / (576 * 2) < 0.15
+    assert config.attention_heads == 96 // 8
+
+
+def test_the_multiply_adds_per_token_are_the_layers_weights() -> None:
+    model = HybridModel(ModelConfig.kimi_k3_tp8(1, divisor=32), TorchBackend(chunk_size=32))
+    macs = model.config.macs_per_token()
+    kda = next(layer for layer in model.mixers if isinstance(layer, KDALayer))
+    attention = next(layer for layer in model.mixers if isinstance(layer, AttentionLayer))
+    matrices = ("qkv", "gate_down", "gate_up", "beta", "out_gate_down", "out_gate_up", "out")
+    assert kda.gate_up is None  # the full-rank gate
+    assert macs["kda"] == sum(
+        getattr(kda, name).numel() for name in matrices if getattr(kda, name) is not None
+    )
+    assert macs["attention"] == attention.qkv.numel() + attention.out.numel()
+    assert macs["mlp"] == model.mlps[0].gate_up.numel() + model.mlps[0].down.numel()
+    assert macs["stack"] == 3 * macs["kda"] + macs["attention"] + 4 * macs["mlp"]
+
+
+def test_model_names_choose_the_size_and_depth() -> None:
+    assert ModelConfig.named("tiny") == ModelConfig.tiny()
+    assert ModelConfig.named("kimi-k3-tp8") == ModelConfig.kimi_k3_tp8(2)
+    small = ModelConfig.named("kimi-k3-tp8/16", 1)
+    assert small == ModelConfig.kimi_k3_tp8(1, divisor=16)
+    assert (small.hidden_size, small.kda_head_dim, small.kda_heads) == (448, 8, 12)
+    assert small.name == "kimi-k3-tp8/16" and len(small.layers) == 4
+    for name, groups, message in [
+        ("kimi-k3-tp8/0", None, "positive integer"),
+        ("kimi-k3-tp8/x", None, "positive integer"),
+        ("kimi-k3-tp8/3", None, "divide every width"),
+        ("kimi-k3-tp8", 0, "groups must be >= 1"),
+        ("tiny", 2, "one group"),
+        ("huge", None, "unknown model"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.named(name, groups)
+
+
+def test_the_reduced_kimi_k3_proxy_resumes_exactly_on_the_cpu() -> None:
+    model = HybridModel(ModelConfig.kimi_k3_tp8(1, divisor=32), TorchBackend(chunk_size=32))
+    vocab = model.config.vocab_size
+    seq = np.random.default_rng(7).integers(0, vocab, size=100).tolist()
+    table = [1, 2, 3, 4, 5, 6, 7]
+    caches = fresh(model)
+    whole = execute(model, [Row(seq, 0, 100, table, -1, 1, checkpoints=[(48, 3)])], caches)
+    other = [1, 2, 3, 20, 21, 22, 23]
+    resumed = execute(model, [Row(seq, 48, 100, other, 3, 4)], caches)
+    assert relative_difference(resumed.numpy(), whole.numpy()) <= RTOL
+    wrong = execute(model, [Row(seq, 48, 100, other, 1, 5)], caches)
+    assert relative_difference(wrong.numpy(), whole.numpy()) > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_model_on_the_gpu_resumes_exactly_through_checked_slots() -> None:
+    # On CUDA the step's slot mapping is checked once on the host and uploaded once; the
+    # attention layers write through it without reading it back.
+    device = torch.device("cuda")
+    model = HybridModel(
+        ModelConfig.kimi_k3_tp8(1, divisor=32), TorchBackend(chunk_size=32), device=device
+    )
+
+    def run(rows: Sequence[Row], caches: ModelCaches) -> torch.Tensor:
+        step, ids = inputs(rows)
+        return model.execute(step, ids.to(device), caches).cpu()
+
+    def gpu_caches() -> ModelCaches:
+        return model.allocate_caches(paged_blocks=32, block_size=BLOCK, state_blocks=12)
+
+    seq = np.random.default_rng(8).integers(0, model.config.vocab_size, size=100).tolist()
+    table = [1, 2, 3, 4, 5, 6, 7]
+    caches = gpu_caches()
+    whole = run([Row(seq, 0, 100, table, -1, 1, checkpoints=[(48, 3)])], caches)
+    resumed = run([Row(seq, 48, 100, [1, 2, 3, 20, 21, 22, 23], 3, 4)], caches)
+    assert relative_difference(resumed.numpy(), whole.numpy()) <= 1e-4
+    moved = run([Row(seq, 0, 100, [9, 30, 11, 12, 13, 14, 15], -1, 1)], gpu_caches())
+    assert relative_difference(moved.numpy(), whole.numpy()) <= 1e-5

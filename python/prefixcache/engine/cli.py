@@ -9,6 +9,7 @@ table and a summary table; ``--json`` and ``--plot`` write the same figures to f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -49,19 +50,32 @@ output check:
   logits within 1e-4 relative in float32 (the CPU default); with the GPU's bf16 kernels, 3e-2
   and ids compared up to the first near-tie of the reference (see prefixcache.engine.simulate).
 
-the model:
-  A Kimi-Linear-shaped hybrid, scaled down: 3 KDA layers and 1 full-attention layer (width 64,
-  4 KDA heads of 16, vocabulary 1000, seeded random weights, greedy sampling; float32 on the
-  CPU). Its KDA layers run the kernel layer and read/write recurrent states and checkpoints in
-  the slots the cache manager hands out; its attention layer reads/writes a paged KV cache
-  through block tables and slot mappings. With --device cuda the KDA layers take Kimi-K3's
-  per-GPU shape (12 heads of 128). It represents the cache traffic and the exact numerics of
-  resuming from checkpoints, and, relative to each other, the prefill work each policy saves.
-  It does not represent output quality (random weights), the absolute latency of a real model
-  (it is thousands of times smaller, and its attention runs one sequence at a time in plain
-  torch), MoE feed-forward blocks or MLA latent attention. TTFT is wall-clock time on this
-  machine from a request's arrival in the engine loop to its first token (an idle engine jumps
-  to the next arrival instead of waiting for it).
+the model (--model):
+  tiny          (the CPU default) a Kimi-Linear-shaped hybrid, scaled down: 3 KDA layers and 1
+                full-attention layer, width 64, 4 KDA heads of 16, vocabulary 1000.
+  kimi-k3-tp8   (the GPU default) a cost proxy of Kimi-K3 on one GPU of a TP8 deployment:
+                Kimi-K3's per-GPU widths (7,168 wide, 12 KDA heads of 128, full-rank bounded
+                gate, conv width 4), a dense SwiGLU of width 4,160 costing what its MoE's
+                active experts cost per token per GPU, grouped-query attention whose cache
+                holds about MLA's bytes per token, vocabulary 20,480; --depth G groups of
+                3 KDA + 1 attention layers (default 2; Kimi-K3 has 69 + 24 layers).
+  kimi-k3-tp8/N the same with every width divided by N (for the CPU).
+  Seeded random weights, greedy sampling, float32 on the CPU, bf16 with the GPU kernels. Its
+  KDA layers run the kernel layer and read/write recurrent states and checkpoints in the slots
+  the cache manager hands out; its attention layers read/write a paged KV cache through block
+  tables and slot mappings. It represents the cache traffic, the exact numerics of resuming
+  from checkpoints and the prefill work each policy saves; kimi-k3-tp8 on a GPU also a real
+  model's GPU time per token, layer for layer. It does not represent output quality (random
+  weights), the latency of a whole real model (a few layer groups deep; attention runs one
+  sequence at a time in plain torch), MoE routing or MLA latent attention. TTFT is wall-clock
+  time on this machine from a request's arrival in the engine loop to its first token (an
+  idle engine jumps to the next arrival instead of waiting for it).
+
+timing:
+  prefill s is each step's wall time (the step ends when its logits reach the host), shared
+  among its prefill rows by tokens; KDA prefill s is the KDA kernels' time (--kda-timing).
+  On a GPU each policy first runs a warm pass, unmeasured (--warm-up), so that no measured
+  run pays first-call costs and the policies' order does not matter.
 """
 
 
@@ -136,19 +150,54 @@ def build_parser() -> argparse.ArgumentParser:
         "$PREFIXCACHE_FLASHKDA_LIB)",
     )
     simulate.add_argument(
+        "--output-len",
+        type=int,
+        metavar="N",
+        help="tokens each request decodes, instead of the preset's (growing-prefix: the "
+        "prompts do not include the outputs, so the prefill work is unchanged; fewer decode "
+        "steps make a GPU run of the seed preset shorter)",
+    )
+    simulate.add_argument(
+        "--model",
+        metavar="NAME",
+        default="auto",
+        help="the model: tiny, kimi-k3-tp8 or kimi-k3-tp8/N (see 'the model' below; default "
+        "auto: tiny on the CPU, kimi-k3-tp8 on CUDA)",
+    )
+    simulate.add_argument(
+        "--depth",
+        type=int,
+        metavar="G",
+        help="layer groups (3 KDA + 1 attention each) of the kimi-k3-tp8 model (default 2)",
+    )
+    simulate.add_argument(
         "--kda-timing",
-        choices=("wall", "gpu"),
-        default="wall",
-        help="how KDA prefill time is measured: wall (default; synchronised wall clock, the "
-        "GPU's work plus the host's time to launch it) or gpu (CUDA events after a GPU-side "
-        "backlog: the kernels' execution time alone; needs --device cuda)",
+        # prefixcache.models.timing.TIMING_MODES (imported lazily)
+        choices=("auto", "wall", "gpu", "events"),
+        default="auto",
+        help="how KDA prefill time is measured: auto (default: events on CUDA, wall on the "
+        "CPU), wall (synchronised wall clock around each layer: the GPU's work plus the "
+        "host's time to launch it), gpu (CUDA events after a GPU-side backlog: execution time "
+        "alone, but every layer waits for the backlog) or events (CUDA events, no "
+        "synchronisation: execution time when the GPU is the bottleneck; CUDA only)",
     )
     simulate.add_argument(
         "--conv",
-        choices=("torch", "triton"),  # prefixcache.kernels.backend.CONV_IMPLS (imported lazily)
-        default="torch",
-        help="the KDA short convolution: torch (default; several passes in torch) or triton "
-        "(two fused Triton kernels, prefixcache.kernels.conv_triton; needs --device cuda)",
+        # "auto" + prefixcache.kernels.backend.CONV_IMPLS (imported lazily)
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="the KDA short convolution: auto (default: triton on CUDA, torch on the CPU), "
+        "torch (several passes in torch) or triton (two fused Triton kernels, "
+        "prefixcache.kernels.conv_triton; needs --device cuda)",
+    )
+    simulate.add_argument(
+        "--warm-up",
+        # "auto" + prefixcache.engine.simulate.WARM_UPS (imported lazily)
+        choices=("auto", "none", "shapes", "full"),
+        default="auto",
+        help="what each policy runs unmeasured first: auto (default: shapes on CUDA, none on "
+        "the CPU), shapes (two streams reaching the workload's longest context and filling "
+        "its chunk budget), full (the whole workload: the second pass is measured) or none",
     )
     simulate.add_argument(
         "--no-reference",
@@ -348,10 +397,29 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # busy machine OpenMP's spinning threads slow every op down by an order of magnitude.
         torch.set_num_threads(1)
     try:
-        model = build_model(args.device, args.backend, kda_timing=args.kda_timing, conv=args.conv)
+        from ..models import ModelConfig
+
+        config = None
+        if args.model != "auto" or args.depth is not None:
+            model_name = args.model
+            if model_name == "auto":
+                model_name = "tiny" if args.device == "cpu" else "kimi-k3-tp8"
+            config = ModelConfig.named(model_name, args.depth)
+        model = build_model(
+            args.device, args.backend, config=config, kda_timing=args.kda_timing, conv=args.conv
+        )
         workload = workload_preset(
             name, args.preset, trace_path=trace_path, vocab_size=model.config.vocab_size
         )
+        if args.output_len is not None:
+            if name == "trace" or args.output_len < 1:
+                raise ValueError(
+                    "--output-len takes a positive count and a named workload (a trace gives "
+                    "each request's own)"
+                )
+            workload = dataclasses.replace(
+                workload, spec=dataclasses.replace(workload.spec, output_len=args.output_len)
+            )
     except (KernelError, TraceError, OSError, RuntimeError, ValueError) as error:
         print(f"prefixcache simulate: error: {error}", file=sys.stderr)
         return 2
@@ -365,9 +433,12 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"{backend.max_checkpoints_per_step or 'unbounded'})"
     )
     print(
-        f"model: {config.num_kda_layers} KDA + {config.num_attention_layers} attention layers, "
-        f"width {config.hidden_size}, KDA {config.kda_heads}x{config.kda_head_dim}, vocabulary "
-        f"{config.vocab_size}, {str(model.dtype).removeprefix('torch.')}, random weights"
+        f"model: {config.name}, {config.num_kda_layers} KDA + {config.num_attention_layers} "
+        f"attention layers, width {config.hidden_size}, KDA {config.kda_heads}x"
+        f"{config.kda_head_dim}, attention {config.attention_heads}/{config.attention_kv_heads}"
+        f"x{config.attention_head_dim}, MLP {config.mlp_hidden_size}, vocabulary "
+        f"{config.vocab_size}, {str(model.dtype).removeprefix('torch.')}, random weights; "
+        f"conv {backend.conv_impl}, KDA timing {model.kda_timer.mode}"
     )
     adjusted = geometry != workload.geometry
     print(
@@ -394,6 +465,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         progress=_progress_factory(),
         on_policy=save_partial,
         reference=not args.no_reference,
+        warm_up=None if args.warm_up == "auto" else args.warm_up,
     )
     document = report.to_json()
     document["seconds"] = time.perf_counter() - started

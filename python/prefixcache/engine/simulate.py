@@ -20,13 +20,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 
 from ..kernels import KDABackend, KDALayerParams, get_backend
 from ..kernels.backend import ConvImpl
-from ..kernels.ops import conv_function
+from ..kernels.ops import conv_function, default_conv
 from ..models import HybridModel, KernelTimer, ModelConfig
 from ..models.timing import TimingMode
 from .engine import Engine, EngineConfig
@@ -37,15 +37,21 @@ from .workloads import Geometry, GrowingPrefixSpec, PresetWorkload
 __all__ = [
     "FLOAT32_RTOL",
     "LOW_PRECISION_RTOL",
+    "WARM_UPS",
     "SimulationReport",
     "build_model",
     "engine_config_for",
     "simulate",
+    "warm_up_workload",
 ]
 
 FLOAT32_RTOL = 1e-4
 CPU_CHUNK_SIZE = 32  # the torch backend's fastest chunk for the tiny model on a CPU
 LOW_PRECISION_RTOL = 3e-2
+
+WarmUp = Literal["none", "shapes", "full"]
+#: What runs unmeasured before the measured runs (``simulate``'s ``warm_up``).
+WARM_UPS: tuple[WarmUp, ...] = ("none", "shapes", "full")
 
 
 def build_model(
@@ -54,26 +60,28 @@ def build_model(
     *,
     config: ModelConfig | None = None,
     backend_options: dict[str, Any] | None = None,
-    kda_timing: TimingMode = "wall",
-    conv: ConvImpl = "torch",
+    kda_timing: TimingMode | Literal["auto"] = "auto",
+    conv: ConvImpl | Literal["auto"] = "auto",
 ) -> HybridModel:
     """The reference model on ``device`` with the kernel backend ``backend``.
 
-    Default model size: :meth:`ModelConfig.tiny` on the CPU, :meth:`ModelConfig.kimi_k3_per_gpu`
-    on CUDA. dtype: float32 on the CPU and with the torch backend, bf16 with the GPU kernels.
+    Default model: :meth:`ModelConfig.tiny` on the CPU, the Kimi-K3 cost proxy
+    :meth:`ModelConfig.kimi_k3_tp8` (two groups of 3 KDA + 1 attention layers) on CUDA.
+    dtype: float32 on the CPU and with the torch backend, bf16 with the GPU kernels.
     On the CPU ``"auto"`` is the torch backend (the others need CUDA), in chunks of 32 tokens.
     ``backend_options`` go to the backend's constructor (e.g. ``checkpoint_alignment`` of the
     torch backend). ``kda_timing`` is how the model's KDA timer measures
-    (:mod:`prefixcache.models.timing`; ``"gpu"`` needs CUDA); ``conv`` the short convolution's
-    implementation (``"triton"``: ``prefixcache.kernels.conv_triton``). Raises
-    ``BackendUnavailableError`` when the backend cannot run here, ``UnsupportedLayerError``
-    when the convolution cannot.
+    (:mod:`prefixcache.models.timing`; ``"auto"``: ``"events"`` on CUDA, which adds no
+    synchronisation to a step, ``"wall"`` on the CPU); ``conv`` the short convolution's
+    implementation (``"auto"``: ``"triton"`` on CUDA, ``"torch"`` on the CPU;
+    ``prefixcache.kernels.conv_triton``). Raises ``BackendUnavailableError`` when the backend
+    cannot run here, ``UnsupportedLayerError`` when the convolution cannot.
     """
     torch_device = torch.device(device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
     if config is None:
-        config = ModelConfig.tiny() if torch_device.type == "cpu" else ModelConfig.kimi_k3_per_gpu()
+        config = ModelConfig.tiny() if torch_device.type == "cpu" else ModelConfig.kimi_k3_tp8()
     options = dict(backend_options or {})
     if backend == "auto" and torch_device.type == "cpu":
         backend = "torch"  # every other backend needs CUDA tensors
@@ -86,10 +94,14 @@ def build_model(
         kernel_backend = get_backend("auto", params=probe, dtype=torch.bfloat16, **options)
     else:
         kernel_backend = get_backend(backend, **options)
-    conv_function(conv, torch_device)  # refuses an unknown name, or triton where it cannot run
-    kernel_backend.conv_impl = conv
+    conv_impl = default_conv(torch_device) if conv == "auto" else conv
+    conv_function(conv_impl, torch_device)  # refuses an unknown name, or triton where it cannot run
+    kernel_backend.conv_impl = cast(ConvImpl, conv_impl)
+    timing: TimingMode = cast(TimingMode, kda_timing)
+    if kda_timing == "auto":
+        timing = "events" if torch_device.type == "cuda" else "wall"
     model = HybridModel(config, kernel_backend, device=torch_device)
-    model.kda_timer = KernelTimer(torch_device, kda_timing)
+    model.kda_timer = KernelTimer(torch_device, timing)
     return model
 
 
@@ -146,6 +158,7 @@ class SimulationReport:
     engine_config: EngineConfig | None = None
     kda_timing: str = "wall"
     conv: str = "torch"
+    warm_up: str = "none"
     runs: dict[str, RunResult] = field(default_factory=dict)
     policies: dict[str, Policy] = field(default_factory=dict)
     matches: dict[str, tuple[bool | None, str]] = field(default_factory=dict)
@@ -165,6 +178,11 @@ class SimulationReport:
                 "ttft_p50_ms": run.ttft_p50_ms,
                 "outputs_match_no_cache": match,
                 "rounds": [summary.to_json() for summary in run.rounds()],
+                # (round, TTFT ms) of every request, in request order: p50s over any rounds.
+                "request_ttft_ms": [
+                    [result.round, 1e3 * result.ttft_s]
+                    for _, result in sorted(run.requests.items())
+                ],
                 "outputs_match_detail": detail,
                 "kda_prefill_seconds": run.kda_prefill_seconds,
                 "unit": policy.unit,
@@ -192,16 +210,22 @@ class SimulationReport:
                 "max_running": self.geometry.max_running,
             },
             "model": {
+                "name": self.model.name,
                 "layers": list(self.model.layers),
                 "hidden_size": self.model.hidden_size,
                 "kda_heads": self.model.kda_heads,
                 "kda_head_dim": self.model.kda_head_dim,
+                "attention_heads": self.model.attention_heads,
+                "attention_kv_heads": self.model.attention_kv_heads,
+                "mlp_hidden_size": self.model.mlp_hidden_size,
                 "vocab_size": self.model.vocab_size,
+                "macs_per_token": self.model.macs_per_token(),
                 "dtype": self.dtype,
             },
             "outputs_rtol": self.rtol,
             "kda_timing": self.kda_timing,
             "conv": self.conv,
+            "warm_up": self.warm_up,
             "pools": None
             if self.engine_config is None
             else {
@@ -226,18 +250,21 @@ def simulate(
     progress: ProgressFactory | None = None,
     on_policy: Callable[[SimulationReport], None] | None = None,
     reference: bool = True,
-    warm_up: bool | None = None,
+    warm_up: bool | WarmUp | None = None,
 ) -> SimulationReport:
-    """Run ``none`` (first: it is the reference) and the other ``policies``.
+    """Run ``none`` (first: it is the reference) and the other ``policies``, in their order.
 
     With ``reference=False`` the ``none`` run is skipped unless ``policies`` names it, and the
     other policies' outputs are not checked (their match is ``None``): for timing runs whose
     reference was checked in another run.
 
-    ``warm_up`` (default: on a GPU) first runs each policy over a small growing-prefix workload
-    in the same geometry, unmeasured, so that no measured run pays the first calls' one-time
-    costs (kernel loading and compilation, allocator growth): otherwise whichever policy runs
-    first is charged them.
+    ``warm_up`` first runs each policy unmeasured, so that no measured run pays the first
+    calls' one-time costs (kernel loading and compilation, allocator growth, per-shape set-up):
+    otherwise whichever policy runs first, or meets a shape first, is charged them.
+    ``"shapes"`` (``True``; the default on a GPU) runs :func:`warm_up_workload`, which reaches
+    the measured workload's longest context and fills its chunk budget; ``"full"`` runs the
+    measured workload itself (a second pass is then what is measured; twice the time);
+    ``"none"`` (``False``; the default on the CPU) runs nothing.
 
     The geometry is the preset's, with U raised to the backend's checkpoint alignment when
     needed (:meth:`Geometry.aligned`, the core's ``aligned_geometry``).
@@ -249,7 +276,9 @@ def simulate(
     unknown = [name for name in policies if name not in POLICY_NAMES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose among {', '.join(POLICY_NAMES)}")
-    names = [name for name in POLICY_NAMES if name in policies or (name == "none" and reference)]
+    # ``none`` first (the reference), then the others in the order asked for.
+    names = ["none"] if reference or "none" in policies else []
+    names += [name for name in dict.fromkeys(policies) if name != "none"]
     geometry = workload.geometry.aligned(model.backend.checkpoint_alignment)
     config = engine_config or engine_config_for(workload, geometry, model.backend)
     rtol = FLOAT32_RTOL if model.dtype in (torch.float32, torch.float64) else LOW_PRECISION_RTOL
@@ -266,10 +295,17 @@ def simulate(
         kda_timing=model.kda_timer.mode,
         conv=model.backend.conv_impl,
     )
+    mode: WarmUp
     if warm_up is None:
-        warm_up = model.device.type == "cuda"
-    if warm_up:
-        _warm_up(model, names, geometry)
+        mode = "shapes" if model.device.type == "cuda" else "none"
+    elif isinstance(warm_up, bool):
+        mode = "shapes" if warm_up else "none"
+    elif warm_up in WARM_UPS:
+        mode = warm_up
+    else:
+        raise ValueError(f"warm_up must be one of {', '.join(WARM_UPS)}, got {warm_up!r}")
+    report.warm_up = mode
+    _warm_up(model, names, workload, geometry, config, mode)
     for name in names:
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
         engine = Engine(model, policy, config)
@@ -288,22 +324,47 @@ def simulate(
     return report
 
 
-def _warm_up(model: HybridModel, names: Sequence[str], geometry: Geometry) -> None:
-    """Each policy over two streams of two rounds (prompts of a few blocks, chunked prefill,
-    checkpoints, resumes, decode), on fresh caches, results discarded."""
+def warm_up_workload(workload: PresetWorkload, geometry: Geometry) -> PresetWorkload:
+    """The workload of the ``"shapes"`` warm pass: what each policy meets, at a fraction of it.
+
+    Two streams (so steps hold one and two rows, and two sequences decode together) of two
+    rounds, in the measured workload's geometry; the first prompt is as long as the measured
+    workload's longest sequence less one round of growth, so the warm pass reaches its longest
+    context (the largest attention gathers and allocations), fills the chunk budget (full-size
+    chunks, then a last partial one), resumes from checkpoints at a hit, and decodes.
+    """
+    block, unit = geometry.block_size, geometry.unit
+    growth = block // 2 + 5
+    output_len = 3
+    longest = workload.spec.longest_sequence()
+    first = max(2 * block + unit + 7, longest - growth - output_len)
     spec = GrowingPrefixSpec(
-        streams=2,
-        first_prompt=2 * geometry.block_size + geometry.unit + 7,
-        growth=geometry.block_size // 2 + 5,
-        rounds=2,
-        output_len=3,
+        streams=2, first_prompt=first, growth=growth, rounds=2, output_len=output_len
     )
-    small = PresetWorkload("growing-prefix", "warm-up", spec, geometry)
-    config = engine_config_for(small, geometry, model.backend)
+    return PresetWorkload(workload.name, "warm-up", spec, geometry)
+
+
+def _warm_up(
+    model: HybridModel,
+    names: Sequence[str],
+    workload: PresetWorkload,
+    geometry: Geometry,
+    config: EngineConfig,
+    mode: WarmUp,
+) -> None:
+    """Each policy over the warm workload, on fresh caches, results discarded: the measured
+    workload itself (``"full"``) or :func:`warm_up_workload` (``"shapes"``)."""
+    if mode == "none":
+        return
+    if mode == "full":
+        warm, warm_config = workload, config
+    else:
+        warm = warm_up_workload(workload, geometry)
+        warm_config = engine_config_for(warm, geometry, model.backend, check=config.check)
     timer = model.kda_timer
     backlog, underruns = timer.backlog_cycles, timer.underruns
     for name in names:
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
-        Engine(model, policy, config).run(small.build(model.config.vocab_size))
+        Engine(model, policy, warm_config).run(warm.build(model.config.vocab_size))
     timer.take()
     timer.backlog_cycles, timer.underruns = backlog, underruns

@@ -23,7 +23,7 @@ from .params import KDALayerParams
 from .plan import StatePlan
 from .state_cache import StateCache
 
-__all__ = ["QKV", "conv_function", "kda_decode", "kda_prefill", "run_prefill"]
+__all__ = ["QKV", "conv_function", "default_conv", "kda_decode", "kda_prefill", "run_prefill"]
 
 QKV = torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -138,6 +138,17 @@ def run_prefill(
         cache.recurrent,
         plan,
     )
+
+
+def default_conv(device: torch.device) -> str:
+    """The short convolution a backend runs by default on ``device``: ``"triton"`` on CUDA when
+    Triton is installed (two fused kernels; 4 to 6x faster than the torch version on the H200
+    and a quarter of its launch time), ``"torch"`` elsewhere (the CPU never imports Triton)."""
+    if device.type != "cuda":
+        return "torch"
+    from .conv_triton import triton_unavailable_reason
+
+    return "triton" if triton_unavailable_reason(device) is None else "torch"
 
 
 def conv_function(impl: str, device: torch.device) -> Callable[..., list[torch.Tensor]]:

@@ -70,15 +70,28 @@ class PagedKVCache:
         slot_mapping: torch.Tensor | np.ndarray,
         key: torch.Tensor,
         value: torch.Tensor,
+        *,
+        checked: bool = False,
     ) -> None:
         """Store ``key``/``value`` ``[T, num_kv_heads, head_dim]`` at token slots ``slot_mapping``.
 
         Slots ``-1`` are skipped. Raises ``IndexError`` on a slot beyond the cache and
-        ``ValueError`` on mismatched shapes.
+        ``ValueError`` on mismatched shapes. ``checked``: the caller has checked (with
+        :meth:`slots_in_range`, on the host) that every slot is in the cache, none ``-1``, so a
+        device ``slot_mapping`` is used as it is, without reading it back (which would wait
+        for the GPU).
         """
         # Host indices (the plan's NumPy arrays) are checked on the host, then uploaded: no
         # device synchronisation per layer and step.
         slots, on_device = index_where_it_is(slot_mapping, "slot_mapping", self.device)
+        if checked and on_device:
+            if key.shape != value.shape or key.dim() != 3 or key.shape[0] != slots.shape[0]:
+                raise ValueError(
+                    f"key and value must both be [T={slots.shape[0]}, num_kv_heads, head_dim], "
+                    f"got {tuple(key.shape)} and {tuple(value.shape)}"
+                )
+            self._store(slots, key, value)
+            return
         if key.shape != value.shape or key.dim() != 3 or key.shape[0] != slots.shape[0]:
             raise ValueError(
                 f"key and value must both be [T={slots.shape[0]}, num_kv_heads, head_dim], got "
@@ -100,6 +113,22 @@ class PagedKVCache:
             raise IndexError(f"slot {int(slots.max())} is beyond the cache's {capacity} slots")
         if not on_device:
             slots = to_device(slots, self.device)
+        self._store(slots, key, value)
+
+    def slots_in_range(self, slot_mapping: np.ndarray) -> bool:
+        """Whether every slot of a host ``slot_mapping`` is in this cache and none is ``-1``
+        (what ``write(..., checked=True)`` relies on)."""
+        slots = np.asarray(slot_mapping)
+        capacity = self.num_blocks * self.block_size
+        return slots.size == 0 or bool(slots.min() >= 0 and slots.max() < capacity)
+
+    def _store(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if tuple(key.shape[1:]) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"key heads/dim {tuple(key.shape[1:])} do not match the cache's "
+                f"({self.num_kv_heads}, {self.head_dim})"
+            )
+        capacity = self.num_blocks * self.block_size
         self.key.view(capacity, self.num_kv_heads, self.head_dim).index_copy_(
             0, slots, key.to(self.key.dtype)
         )

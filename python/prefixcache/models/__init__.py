@@ -1,34 +1,40 @@
-"""prefixcache.models: a tiny hybrid KDA + attention language model for the reference engine.
+"""prefixcache.models: a hybrid KDA + attention language model for the reference engine.
 
-:class:`HybridModel` has the shape of Kimi-Linear scaled down: by default three Kimi Delta
-Attention (KDA) layers and one full-attention layer (:class:`ModelConfig`), width 64, vocabulary
-1000, seeded random weights, float32 on the CPU, greedy sampling. Its KDA layers run through the
-kernel layer (:mod:`prefixcache.kernels`: short conv + KDA recurrence, reading and writing a
-``StateCache`` at the slots of the step plan, checkpoints included); its attention layer writes
-and reads a paged KV cache through ``slot_mapping`` and block tables. Nothing bypasses a cache:
-a wrong block id, a stale checkpoint or a missed copy-on-write changes the logits.
+:class:`HybridModel` has the layer pattern of Kimi-Linear and Kimi-K3 (three Kimi Delta
+Attention (KDA) layers for every full-attention layer), seeded random weights, float32 on the
+CPU, greedy sampling, in two named sizes (:class:`ModelConfig`): ``tiny`` (width 64, vocabulary
+1000; the CPU default) and ``kimi-k3-tp8``, a cost proxy of Kimi-K3 on one GPU of a TP8
+deployment (the GPU default; per-GPU widths, dense blocks costing what Kimi-K3's MoE and MLA
+blocks cost per token, a stated number of layer groups; ``kimi-k3-tp8/N`` is the same model N
+times narrower, for the CPU). Its KDA layers run through the kernel layer
+(:mod:`prefixcache.kernels`: short conv + KDA recurrence, reading and writing a ``StateCache`` at
+the slots of the step plan, checkpoints included); its attention layer writes and reads a paged
+KV cache through ``slot_mapping`` and block tables. Nothing bypasses a cache: a wrong block id, a
+stale checkpoint or a missed copy-on-write changes the logits.
 
 What it represents: the cache traffic of a hybrid model (which states and blocks a step reads
 and writes, in which order), the exact numerics of resuming a recurrent state from a checkpoint,
-and, relative to each other, the prefill work different caching policies save.
+and the prefill work different caching policies save; with ``kimi-k3-tp8`` on a GPU, also a
+real model's GPU time per token, layer for layer, so step and round times follow their tokens.
 
 What it does not represent: output quality (the weights are random, the text is noise), the
-absolute speed of a real model (it is thousands of times smaller, and on the CPU its attention is
-a plain reference loop), Kimi-Linear's MoE feed-forward blocks (a dense SwiGLU here) and its
-MLA latent compression (plain grouped-query attention, without positional encoding like Kimi
-Linear's). ``ModelConfig.kimi_k3_per_gpu`` gives the KDA layers Kimi-K3's per-GPU shape for
-kernel timing on a GPU; the rest of that model stays small.
+absolute latency of a whole real model (the proxy is a few layer groups deep, not 23; on the CPU
+the attention is a plain reference loop), Kimi's MoE routing (a dense SwiGLU of the same active
+multiply-adds per token) and MLA's latent compression (grouped-query attention whose cache holds
+about as many bytes per token, without positional encoding, like Kimi's NoPE layers).
 """
 
 from __future__ import annotations
 
-from .config import LayerKind, ModelConfig
+from .config import KIMI_K3, MODEL_NAMES, LayerKind, ModelConfig, kimi_k3_mlp_width
 from .hybrid import HybridModel, ModelCaches, default_dtype
 from .layers import MLP, AttentionLayer, KDALayer, paged_causal_attention, rms_norm
 from .timing import KernelTimer
 
 __all__ = [
+    "KIMI_K3",
     "MLP",
+    "MODEL_NAMES",
     "AttentionLayer",
     "HybridModel",
     "KDALayer",
@@ -37,6 +43,7 @@ __all__ = [
     "ModelCaches",
     "ModelConfig",
     "default_dtype",
+    "kimi_k3_mlp_width",
     "paged_causal_attention",
     "rms_norm",
 ]

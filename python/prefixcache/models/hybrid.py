@@ -74,18 +74,24 @@ class HybridModel:
         self.backend = backend
         self.device = torch.device(device)
         self.dtype = default_dtype(self.device, backend) if dtype is None else dtype
-        generator = torch.Generator().manual_seed(config.seed)
+        # On a GPU the large matrices are drawn there (the Kimi-K3 proxy has billions of
+        # weights: drawing them on the host would cost seconds per process), the kernel
+        # parameters on the host; on the CPU one generator draws everything.
+        params_generator = torch.Generator().manual_seed(config.seed)
+        generator = params_generator
+        if self.device.type != "cpu":
+            generator = torch.Generator(device=self.device).manual_seed(config.seed)
         depth_scale = 1.0 / math.sqrt(2 * len(config.layers))
         d = config.hidden_size
-        self.embedding = torch.randn(config.vocab_size, d, generator=generator).to(
-            self.device, self.dtype
-        )
+        self.embedding = torch.randn(
+            config.vocab_size, d, generator=generator, device=generator.device
+        ).to(self.device, self.dtype)
         self.mixers: list[KDALayer | AttentionLayer] = []
         self.mlps: list[MLP] = []
         for kind in config.layers:
             mixer: KDALayer | AttentionLayer
             if kind == "kda":
-                mixer = KDALayer.random(config, generator, depth_scale)
+                mixer = KDALayer.random(config, generator, depth_scale, params_generator)
             else:
                 mixer = AttentionLayer.random(config, generator, depth_scale)
             self.mixers.append(mixer.to(self.device, self.dtype))
@@ -94,9 +100,10 @@ class HybridModel:
         self.mixer_norms = [ones.clone() for _ in config.layers]
         self.mlp_norms = [ones.clone() for _ in config.layers]
         self.final_norm = ones.clone()
-        self.lm_head = (torch.randn(config.vocab_size, d, generator=generator) / math.sqrt(d)).to(
-            self.device, self.dtype
-        )
+        self.lm_head = (
+            torch.randn(config.vocab_size, d, generator=generator, device=generator.device)
+            / math.sqrt(d)
+        ).to(self.device, self.dtype)
         for layer in self.mixers:
             if isinstance(layer, KDALayer):
                 backend.check_layer(layer.params, self.dtype, self.device)
@@ -174,10 +181,17 @@ class HybridModel:
         paged = step.paged_group(caches.paged_group) if caches.kv else None
         if logits_indices is None:
             logits_indices = np.asarray(step.query_start_loc[1:], dtype=np.int64) - 1
-        slot_mapping = None
+        slot_mapping: torch.Tensor | np.ndarray | None = None
+        slots_checked = False
         if paged is not None:
             host_slots = np.ascontiguousarray(paged.slot_mapping, dtype=np.int64)
+            # Checked once on the host for every layer and uploaded once: no layer reads the
+            # slots back from the GPU (a synchronisation per layer). A plan with padding (-1)
+            # or a bad slot takes each cache's own checks instead.
+            slots_checked = all(cache.slots_in_range(host_slots) for cache in caches.kv)
             slot_mapping = torch.from_numpy(host_slots).to(self.device)
+            if not slots_checked:
+                slot_mapping = host_slots
         copy_checked_blocks(copies, {caches.paged_group: caches.kv})
         eps = self.config.rms_eps
         states = iter(caches.states)
@@ -200,6 +214,7 @@ class HybridModel:
                         paged.block_tables,
                         step.seq_lens,
                         step.query_start_loc,
+                        slots_checked=slots_checked,
                     )
                 x = x + mlp.forward(rms_norm(x, mlp_norm, eps))
             index = torch.from_numpy(np.ascontiguousarray(logits_indices, dtype=np.int64))

@@ -94,8 +94,10 @@ def paged_causal_attention(
 
 
 def _linear_weight(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
-    """A ``[out, in]`` weight with entries ``N(0, 1/in)`` (unit-variance outputs)."""
-    return torch.randn(out_features, in_features, generator=generator) / math.sqrt(in_features)
+    """A ``[out, in]`` weight with entries ``N(0, 1/in)`` (unit-variance outputs), drawn on the
+    generator's device."""
+    weight = torch.randn(out_features, in_features, generator=generator, device=generator.device)
+    return weight / math.sqrt(in_features)
 
 
 @dataclass(frozen=True)
@@ -129,8 +131,8 @@ class KDALayer:
     """One Kimi Delta Attention layer (weights); its recurrent state lives in a StateCache."""
 
     qkv: torch.Tensor  # [2HK + HV, d]
-    gate_down: torch.Tensor  # [K, d]   low-rank gate input projection (f_a)
-    gate_up: torch.Tensor  # [HK, K]   (f_b)
+    gate_down: torch.Tensor  # [K, d] low-rank gate input projection (f_a); [HK, d] full rank
+    gate_up: torch.Tensor | None  # [HK, K] (f_b); None with a full-rank gate
     beta: torch.Tensor  # [H, d]
     out_gate_down: torch.Tensor  # [V, d]   low-rank output gate (g_a)
     out_gate_up: torch.Tensor  # [HV, V]  (g_b)
@@ -141,21 +143,35 @@ class KDALayer:
 
     @classmethod
     def random(
-        cls, config: ModelConfig, generator: torch.Generator, depth_scale: float
+        cls,
+        config: ModelConfig,
+        generator: torch.Generator,
+        depth_scale: float,
+        params_generator: torch.Generator | None = None,
     ) -> KDALayer:
-        """Seeded weights in the ranges of trained Kimi layers (kernel parameters included)."""
+        """Seeded weights in the ranges of trained Kimi layers (kernel parameters included).
+
+        The projections are drawn from ``generator`` (on its device), the kernel parameters
+        from ``params_generator`` (a CPU generator; default ``generator``).
+        """
         d, heads, dim = config.hidden_size, config.kda_heads, config.kda_head_dim
         params = KDALayerParams.random(
             heads,
             dim,
             gate=config.kda_gate,
             conv_width=config.conv_width,
-            generator=generator,
+            generator=generator if params_generator is None else params_generator,
         )
+        qkv = _linear_weight(3 * heads * dim, d, generator)
+        if config.kda_full_rank_gate:
+            gate_down, gate_up = _linear_weight(heads * dim, d, generator), None
+        else:
+            gate_down = _linear_weight(dim, d, generator)
+            gate_up = _linear_weight(heads * dim, dim, generator)
         return cls(
-            qkv=_linear_weight(3 * heads * dim, d, generator),
-            gate_down=_linear_weight(dim, d, generator),
-            gate_up=_linear_weight(heads * dim, dim, generator),
+            qkv=qkv,
+            gate_down=gate_down,
+            gate_up=gate_up,
             beta=_linear_weight(heads, d, generator),
             out_gate_down=_linear_weight(dim, d, generator),
             out_gate_up=_linear_weight(heads * dim, dim, generator),
@@ -180,7 +196,7 @@ class KDALayer:
         return KDALayer(
             qkv=self.qkv.to(device, dtype),
             gate_down=self.gate_down.to(device, dtype),
-            gate_up=self.gate_up.to(device, dtype),
+            gate_up=None if self.gate_up is None else self.gate_up.to(device, dtype),
             beta=self.beta.to(device, dtype),
             out_gate_down=self.out_gate_down.to(device, dtype),
             out_gate_up=self.out_gate_up.to(device, dtype),
@@ -207,7 +223,10 @@ class KDALayer:
         tokens = x.shape[0]
         heads, dim = self.params.num_heads, self.params.head_dim_k
         x_qkv = F.linear(x, self.qkv)
-        gate = F.linear(F.linear(x, self.gate_down), self.gate_up).view(tokens, heads, dim)
+        gate = F.linear(x, self.gate_down)
+        if self.gate_up is not None:
+            gate = F.linear(gate, self.gate_up)
+        gate = gate.view(tokens, heads, dim)
         beta = F.linear(x, self.beta)
         if timer is None:
             o = run_prefill(backend, x_qkv, gate, beta, self.params, cache, plan)
@@ -261,22 +280,30 @@ class AttentionLayer:
         self,
         x: torch.Tensor,
         cache: PagedKVCache,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor | np.ndarray,
         block_tables: np.ndarray,
         seq_lens: np.ndarray,
         query_start_loc: np.ndarray,
+        *,
+        slots_checked: bool = False,
     ) -> torch.Tensor:
         """``[T, d] -> [T, d]``: writes this step's K/V at ``slot_mapping``, then attends.
 
         ``block_tables`` ``[R, C]`` lists each row's blocks (its whole context, this step's
         tokens included); ``seq_lens`` ``[R]`` is each row's context length after the step.
+        ``slots_checked``: see ``PagedKVCache.write``'s ``checked``.
         """
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = torch.split(
             F.linear(x, self.qkv), [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
         )
-        cache.write(slot_mapping, k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim))
+        cache.write(
+            slot_mapping,
+            k.view(tokens, kv_heads, dim),
+            v.view(tokens, kv_heads, dim),
+            checked=slots_checked,
+        )
         o = paged_causal_attention(
             q.reshape(tokens, heads, dim), cache, block_tables, seq_lens, query_start_loc
         )

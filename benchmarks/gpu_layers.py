@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""GPU time per token and per step of each layer kind of the Kimi-K3 cost proxy.
+
+For each layer kind of ``ModelConfig.kimi_k3_tp8`` (a KDA mixer through the model's kernel
+backend and short convolution, a grouped-query attention mixer over a paged cache holding a
+cached prefix, the dense SwiGLU block), one packed row of T new tokens (T = 2,048, 4,096 and
+8,192; attention also after cached prefixes of 0, 64K and 128K tokens, and one decode token of
+8 rows at 128K) is timed with CUDA events (median of repeated calls after warm-up, random
+data). Each kind's time is fitted as ``fixed + per_token * T`` (least squares over the T's):
+``per_token`` is what a token costs, ``fixed`` what a step costs whatever its tokens. The host
+time of one call (its launches, no synchronisation) is printed beside: when it is well below
+the GPU time, a step's wall time follows its GPU work. Prints a table; ``--json FILE`` writes
+every figure.
+
+    PYTHONPATH=<site with the wheel> PREFIXCACHE_FLASHKDA_LIB=<_flashkda_C.abi3.so> \\
+        python3 benchmarks/gpu_layers.py --backend flashkda-op --json "$OUT/layers.json"
+    python3 benchmarks/gpu_layers.py --smoke     # CPU, a narrow proxy, the code path only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+TOKENS = (2048, 4096, 8192)
+PREFIXES = (0, 65536, 131072)
+
+
+def gpu_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median GPU time of ``fn`` in ms (CUDA events per call, after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median host time of one call in ms (launches only: the GPU is drained before each)."""
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def fit(tokens: list[int], ms: list[float]) -> tuple[float, float]:
+    """Least-squares ``fixed + per_token * T``: (fixed ms, per-token us)."""
+    slope, intercept = np.polyfit(np.asarray(tokens, float), np.asarray(ms, float), 1)
+    return float(intercept), float(slope) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="flashkda-op")
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--smoke", action="store_true", help="CPU, kimi-k3-tp8/32, short")
+    args = parser.parse_args(argv)
+
+    from prefixcache import kernels
+    from prefixcache.engine import build_model
+    from prefixcache.models import KDALayer, ModelConfig
+
+    smoke = args.smoke
+    device_name = "cpu" if smoke else "cuda"
+    config = ModelConfig.kimi_k3_tp8(1, divisor=32 if smoke else 1)
+    backend = "torch" if smoke else args.backend
+    model = build_model(device_name, backend, config=config)
+    device, dtype = model.device, model.dtype
+    token_counts = (64, 128, 256) if smoke else TOKENS
+    prefixes = (0, 256) if smoke else PREFIXES
+    reps = 2 if smoke else args.reps
+    block = 128 if smoke else 1536
+    kda = next(layer for layer in model.mixers if isinstance(layer, KDALayer))
+    attention = next(layer for layer in model.mixers if not isinstance(layer, KDALayer))
+    mlp = model.mlps[0]
+    backend_ = model.backend
+    d = config.hidden_size
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def hidden(tokens: int) -> torch.Tensor:
+        return torch.randn(tokens, d, generator=generator, device=device).to(dtype)
+
+    results: dict[str, Any] = {
+        "model": config.name,
+        "backend": model.backend.name,
+        "conv": model.backend.conv_impl,
+        "dtype": str(dtype),
+        "macs_per_token": config.macs_per_token(),
+        "cases": [],
+    }
+    state = kernels.StateCache.for_layer(kda.params, 4, device=device)
+    state.recurrent.normal_(generator=generator)
+    rows: list[dict[str, Any]] = []
+
+    def record(kind: str, tokens: int, prefix: int, fn: Callable[[], object]) -> None:
+        entry = {
+            "kind": kind,
+            "tokens": tokens,
+            "prefix": prefix,
+            "gpu_ms": gpu_ms(fn, device, reps),
+            "host_ms": host_ms(fn, device, reps),
+        }
+        rows.append(entry)
+        print(
+            f"{kind:>10} T={tokens:>6} prefix={prefix:>7}: GPU {entry['gpu_ms']:8.3f} ms, "
+            f"host {entry['host_ms']:7.3f} ms",
+            flush=True,
+        )
+
+    with torch.inference_mode():
+        for tokens in token_counts:
+            x = hidden(tokens)
+            plan = model.backend.check_plan(
+                query_start_loc=[0, tokens],
+                initial_slot=[1],
+                running_slot=[2],
+                num_slots=state.num_blocks,
+                num_tokens=tokens,
+            )
+            record("kda", tokens, 0, lambda x=x, plan=plan: kda.forward(x, backend_, state, plan))
+            record("mlp", tokens, 0, lambda x=x: mlp.forward(x))
+        largest = max(prefixes) + max(token_counts)
+        blocks = -(-largest // block) + 1
+        cache = kernels.PagedKVCache(
+            blocks, block, attention.num_kv_heads, attention.head_dim, dtype=dtype, device=device
+        )
+        cache.key.normal_(generator=generator)
+        cache.value.normal_(generator=generator)
+        table = np.arange(1, blocks, dtype=np.int32)[None, :]
+        for prefix in prefixes:
+            for tokens in token_counts:
+                x = hidden(tokens)
+                positions = np.arange(prefix, prefix + tokens)
+                slots = table[0, positions // block].astype(np.int64) * block + positions % block
+                slot_mapping = torch.from_numpy(slots).to(device)
+                lens = np.array([prefix + tokens])
+                loc = np.array([0, tokens], dtype=np.int32)
+
+                def step(x=x, slot_mapping=slot_mapping, lens=lens, loc=loc) -> object:
+                    return attention.forward(x, cache, slot_mapping, table, lens, loc)
+
+                record("attention", tokens, prefix, step)
+        # Decode: 8 rows of one token each after the longest prefix (the decode step's shape).
+        context = max(prefixes)
+        x = hidden(8)
+        tables = np.repeat(table, 8, axis=0)
+        slot_mapping = torch.full(
+            (8,), (context // block + 1) * block + context % block, dtype=torch.int64, device=device
+        )
+        lens = np.full(8, context + 1)
+        loc = np.arange(9, dtype=np.int32)
+        record(
+            "attn-decode",
+            8,
+            context,
+            lambda: attention.forward(x, cache, slot_mapping, tables, lens, loc),
+        )
+    results["cases"] = rows
+
+    print()
+    print("kind        prefix  fixed ms/step  per token us  host ms at max T  GPU ms at max T")
+    fits = []
+    for kind, prefix in [("kda", 0), ("mlp", 0), *(("attention", p) for p in prefixes)]:
+        chosen = [r for r in rows if r["kind"] == kind and r["prefix"] == prefix]
+        fixed, per_token = fit([r["tokens"] for r in chosen], [r["gpu_ms"] for r in chosen])
+        last = chosen[-1]
+        fits.append(
+            {
+                "kind": kind,
+                "prefix": prefix,
+                "fixed_ms": fixed,
+                "per_token_us": per_token,
+                "host_ms_at_max": last["host_ms"],
+                "gpu_ms_at_max": last["gpu_ms"],
+            }
+        )
+        print(
+            f"{kind:<10} {prefix:>7}  {fixed:13.3f}  {per_token:12.4f}  {last['host_ms']:16.3f}"
+            f"  {last['gpu_ms']:15.3f}"
+        )
+    results["fits"] = fits
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=2)
+            handle.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

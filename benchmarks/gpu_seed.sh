@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The seed measurement on the lent H200 in one device call (issue 19), everything under $OUT.
+#
+# Expects, in $DEVICE_DIR (default .device: git-ignored, carried to the machine):
+#   wheels/   the prefixcache abi3 wheel built here (pip wheel --no-deps . -w .device/wheels)
+#   flashkda/_flashkda_C.abi3.so   the FlashKDA op from the vllm==0.33.0 wheel
+# torch, numpy, triton and tqdm come from the machine. Stages, each under its own time limit so
+# that a slow one leaves the others' results (simulate writes its JSON after every policy):
+#   1. the model's, the kernel layer's and the Triton convolution's GPU tests;
+#   2. benchmarks/gpu_layers.py: GPU time per token and per step of each layer kind;
+#   3. the output check: growing-prefix at the default preset (the seed geometry / 16) with the
+#      Kimi-K3 proxy, none + block + fine, outputs compared with the no-cache run;
+#   4. the seed preset, block then fine, and 5. fine then block (--no-reference: the order check).
+#
+#   OUT=/tmp/out bash benchmarks/gpu_seed.sh            # DEPTH=2 layer groups by default
+#   STAGES=45 OUTPUT_LEN=16 ...                         # the seed runs only, 16 decode tokens
+# The two seed runs share what is left of BUDGET seconds (default 585: one 600 s device call).
+set -uo pipefail
+budget=${BUDGET:-585}
+device_dir=$(cd "${DEVICE_DIR:-.device}" && pwd)
+out=${OUT:?set OUT to the results folder}
+depth=${DEPTH:-2}
+site=${SITE:-/tmp/prefixcache-site}
+mkdir -p "$site"
+python3 -m pip install -q --upgrade --no-index --no-deps --disable-pip-version-check \
+    --target "$site" "$device_dir"/wheels/*.whl || exit 1
+export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+# Growing contexts ask the caching allocator for ever larger attention temporaries; expandable
+# segments grow in place instead of leaving a trail of cached segments that fit nothing later.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+export PREFIXCACHE_FLASHKDA_LIB="$device_dir/flashkda/_flashkda_C.abi3.so"
+log="$out/log.txt"
+errors="$out/stderr.txt"
+say() { echo "== $(date -u +%T) $*" | tee -a "$log"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"triton", triton.__version__)' | tee -a "$log"
+
+common=(--device cuda --backend flashkda-op --model kimi-k3-tp8 --depth "$depth")
+seed=(--preset seed "${common[@]}" ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${WARM_UP:+--warm-up "$WARM_UP"})
+stages=${STAGES:-12345}  # which stages to run, e.g. STAGES=45
+run() { [[ $stages == *"$1"* ]]; }
+
+run 1 && say "1. GPU tests"
+run 1 && {
+timeout 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_models.py \
+    tests/test_kernels.py 2>&1 | tail -4 | tee -a "$log"
+timeout 45 python3 -m pytest -q -p no:cacheprovider tests/test_conv_triton.py 2>&1 | tail -3 \
+    | tee -a "$log"
+}
+run 2 && say "2. layer timing"
+run 2 && timeout 60 python3 benchmarks/gpu_layers.py --backend flashkda-op \
+    --json "$out/layers.json" 2>>"$errors" | tee -a "$log"
+
+run 3 && say "3. output check: default preset, none + block + fine"
+run 3 && timeout 100 python3 -m prefixcache simulate --preset default "${common[@]}" \
+    --json "$out/check.json" 2>>"$errors" | tail -8 | tee -a "$log"
+
+run 4 && say "4. seed preset, block then fine"
+run 4 && timeout $(((budget - SECONDS) / 2)) python3 -m prefixcache simulate "${seed[@]}" \
+    --policies block,fine --no-reference --json "$out/seed_block_first.json" 2>>"$errors" \
+    | tail -32 | tee -a "$log"
+
+run 5 && say "5. seed preset, fine then block"
+run 5 && timeout $((budget - SECONDS)) python3 -m prefixcache simulate "${seed[@]}" \
+    --policies fine,block --no-reference --json "$out/seed_fine_first.json" 2>>"$errors" \
+    | tail -4 | tee -a "$log"
+say "done"
+tail -c 3000 "$errors" >"$out/stderr_tail.txt" 2>/dev/null
+rm -f "$errors"

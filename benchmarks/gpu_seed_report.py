@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Tables of the seed measurement (``benchmarks/gpu_seed.sh``) from its JSON documents.
+
+For one or two ``prefixcache simulate --json`` documents of the seed preset (block and fine,
+in either order) prints, as Markdown: per round, each policy's computed prefill tokens, KDA
+time, whole-model prefill time and TTFT p50; the totals over rounds 2 to 23 against the targets
+(KDA prefill time and TTFT p50 each >= 20% lower for fine); and, given both orders, each
+policy's figures in the two runs side by side (the order check: within 5%).
+
+    python3 benchmarks/gpu_seed_report.py seed_block_first.json [seed_fine_first.json]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Any
+
+
+def later(policy: dict[str, Any], key: str) -> float:
+    """The sum of ``key`` over rounds 2 and later."""
+    return float(sum(r[key] for r in policy["rounds"] if r["round"] > 1))
+
+
+def ttft_p50(policy: dict[str, Any]) -> float:
+    """TTFT p50 (ms) over every request of rounds 2 and later."""
+    return statistics.median(ms for round_, ms in policy["request_ttft_ms"] if round_ > 1)
+
+
+def change(new: float, old: float) -> str:
+    return f"{100.0 * (new / old - 1):+.1f}%" if old else "-"
+
+
+def per_round(document: dict[str, Any]) -> list[str]:
+    block, fine = document["policies"]["block"], document["policies"]["fine"]
+    lines = [
+        "| round | block computed | fine computed | tokens | block KDA ms | fine KDA ms | KDA "
+        "| block prefill ms | fine prefill ms | prefill | block TTFT p50 ms | fine TTFT p50 ms "
+        "| TTFT |",
+        "|" + "---|" * 13,
+    ]
+    for b, f in zip(block["rounds"], fine["rounds"], strict=True):
+        cells = [
+            str(b["round"]),
+            f"{b['computed_prefill_tokens']:,}",
+            f"{f['computed_prefill_tokens']:,}",
+            change(f["computed_prefill_tokens"], b["computed_prefill_tokens"]),
+            f"{1e3 * b['kda_prefill_seconds']:.1f}",
+            f"{1e3 * f['kda_prefill_seconds']:.1f}",
+            change(f["kda_prefill_seconds"], b["kda_prefill_seconds"]),
+            f"{1e3 * b['prefill_seconds']:.1f}",
+            f"{1e3 * f['prefill_seconds']:.1f}",
+            change(f["prefill_seconds"], b["prefill_seconds"]),
+            f"{b['ttft_p50_ms']:.1f}",
+            f"{f['ttft_p50_ms']:.1f}",
+            change(f["ttft_p50_ms"], b["ttft_p50_ms"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def totals(document: dict[str, Any]) -> list[str]:
+    block, fine = document["policies"]["block"], document["policies"]["fine"]
+    rows = [
+        ("prefill tokens computed", "computed_prefill_tokens", 1.0, "{:,.0f}", "-24.2% (ceiling)"),
+        ("KDA prefill time, s", "kda_prefill_seconds", 1.0, "{:.3f}", "<= -20%"),
+        ("whole-model prefill time, s", "prefill_seconds", 1.0, "{:.3f}", "-"),
+    ]
+    lines = ["| rounds 2 to 23 | block | fine | change | target |", "|---|---|---|---|---|"]
+    for label, key, scale, form, target in rows:
+        b, f = scale * later(block, key), scale * later(fine, key)
+        lines.append(
+            f"| {label} | {form.format(b)} | {form.format(f)} | {change(f, b)} | {target} |"
+        )
+    b, f = ttft_p50(block), ttft_p50(fine)
+    lines.append(f"| TTFT p50, ms | {b:.1f} | {f:.1f} | {change(f, b)} | <= -20% |")
+    return lines
+
+
+def order_check(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    lines = [
+        "| policy | figure (rounds 2 to 23) | block first | fine first | difference |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("block", "fine"):
+        a, b = first["policies"].get(name), second["policies"].get(name)
+        if a is None or b is None:
+            continue
+        for label, key in (("KDA s", "kda_prefill_seconds"), ("prefill s", "prefill_seconds")):
+            x, y = later(a, key), later(b, key)
+            lines.append(f"| {name} | {label} | {x:.3f} | {y:.3f} | {change(y, x)} |")
+        x, y = ttft_p50(a), ttft_p50(b)
+        lines.append(f"| {name} | TTFT p50 ms | {x:.1f} | {y:.1f} | {change(y, x)} |")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    documents = []
+    for path in argv:
+        with open(path, encoding="utf-8") as handle:
+            documents.append(json.load(handle))
+    for path, document in zip(argv, documents, strict=True):
+        policies = document["policies"]
+        print(f"## {path}: {list(policies)} complete={document.get('complete')}")
+        print(
+            f"model {document['model'].get('name')} {document['model']['layers']}, "
+            f"conv {document.get('conv')}, KDA timing {document.get('kda_timing')}, "
+            f"warm-up {document.get('warm_up')}, {document.get('seconds', 0):.0f} s"
+        )
+        if "block" in policies and "fine" in policies:
+            print("\n".join(per_round(document)))
+            print()
+            print("\n".join(totals(document)))
+            print()
+    if len(documents) == 2:
+        print("## order check")
+        print("\n".join(order_check(documents[0], documents[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
