@@ -74,8 +74,8 @@ the model (--model):
 timing:
   prefill s is each step's wall time (the step ends when its logits reach the host), shared
   among its prefill rows by tokens; KDA prefill s is the KDA kernels' time (--kda-timing).
-  On a GPU each policy first runs a warm pass, unmeasured (--warm-up), so that no measured
-  run pays first-call costs and the policies' order does not matter.
+  On a GPU each policy first runs the whole workload once, unmeasured (--warm-up full), so
+  that no measured run pays first-call costs and the policies' order does not matter.
 """
 
 
@@ -195,9 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
         # "auto" + prefixcache.engine.simulate.WARM_UPS (imported lazily)
         choices=("auto", "none", "shapes", "full"),
         default="auto",
-        help="what each policy runs unmeasured first: auto (default: shapes on CUDA, none on "
-        "the CPU), shapes (two streams reaching the workload's longest context and filling "
-        "its chunk budget), full (the whole workload: the second pass is measured) or none",
+        help="what each policy runs unmeasured first: auto (default: full on CUDA, none on "
+        "the CPU), full (the whole workload: the second pass is measured), shapes (two "
+        "streams reaching the workload's longest context and filling its chunk budget; on "
+        "the H200 not enough to make runs independent of the policies' order) or none",
     )
     simulate.add_argument(
         "--no-reference",

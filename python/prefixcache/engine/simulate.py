@@ -261,9 +261,10 @@ def simulate(
     ``warm_up`` first runs each policy unmeasured, so that no measured run pays the first
     calls' one-time costs (kernel loading and compilation, allocator growth, per-shape set-up):
     otherwise whichever policy runs first, or meets a shape first, is charged them.
-    ``"shapes"`` (``True``; the default on a GPU) runs :func:`warm_up_workload`, which reaches
-    the measured workload's longest context and fills its chunk budget; ``"full"`` runs the
-    measured workload itself (a second pass is then what is measured; twice the time);
+    ``"full"`` (the default on a GPU) runs the measured workload itself, so a second pass is
+    what is measured (twice the time); ``"shapes"`` (``True``) runs :func:`warm_up_workload`,
+    which reaches the measured workload's longest context and fills its chunk budget but, on the
+    H200, still left the first measured policy up to twice as slow (docs/BENCHMARKS.md);
     ``"none"`` (``False``; the default on the CPU) runs nothing.
 
     The geometry is the preset's, with U raised to the backend's checkpoint alignment when
@@ -297,7 +298,7 @@ def simulate(
     )
     mode: WarmUp
     if warm_up is None:
-        mode = "shapes" if model.device.type == "cuda" else "none"
+        mode = "full" if model.device.type == "cuda" else "none"
     elif isinstance(warm_up, bool):
         mode = "shapes" if warm_up else "none"
     elif warm_up in WARM_UPS:
