@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Why TTFT does not follow the prefill tokens in the seed run: the schedule, without a GPU.
+
+Runs the engine over the seed preset (growing-prefix, B = 1,536, U = 128 on a 16-aligned kernel,
+budget 8,192) under ``block`` and ``fine`` with a stand-in forward (no model work; the schedule
+does not depend on time: follow-up requests arrive when their previous turn finishes), records
+every step's scheduled tokens and the step in which each request is admitted and gets its first
+token, and prices the steps with a cost model ``fixed + per_token * tokens`` (default 12 ms +
+13 us a token: the H200 figures of the Kimi-K3 proxy at 164K contexts, docs/BENCHMARKS.md). It
+prints, per policy and over rounds 2 and later, the modelled TTFT p50, how many steps a request
+waits for its first token, and the tokens of the step that gives it (its own prefill and the
+other requests' prefills and decodes packed with it).
+
+    python benchmarks/gpu_seed_schedule.py [--output-len 8] [--fixed-ms 12] [--token-us 13]
+
+It reads the engine loop's private hooks (``_Loop.admit_arrivals``, ``_Loop.after_forward``):
+a diagnostic, not an API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _hooks(
+    original_admit: Any,
+    original_after: Any,
+    steps: list[int],
+    admitted: dict[int, int],
+    first: dict[int, int],
+) -> tuple[Any, Any]:
+    """The loop hooks: a request's admission step, each step's tokens, the first token's step."""
+
+    def admit(self: Any) -> None:
+        before = set(self.live)
+        original_admit(self)
+        for seq_id in set(self.live) - before:
+            admitted[seq_id] = len(steps)
+
+    def after(self: Any, rows: Any, *rest: Any) -> None:
+        count = self.buffers.num_rows
+        steps.append(int(sum(self.buffers.num_scheduled[:count].tolist())))
+        waiting = {seq.seq_id for seq in rows if seq.first_token_time is None}
+        original_after(self, rows, *rest)
+        for seq in rows:
+            if seq.seq_id in waiting and seq.first_token_time is not None:
+                first[seq.seq_id] = len(steps) - 1
+
+    return admit, after
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-len", type=int, default=8)
+    parser.add_argument("--fixed-ms", type=float, default=12.0)
+    parser.add_argument("--token-us", type=float, default=13.0)
+    args = parser.parse_args(argv)
+
+    from prefixcache.engine import Engine, Policy, engine_config_for
+    from prefixcache.engine import engine as engine_module
+    from prefixcache.engine.workloads import workload_preset
+    from prefixcache.kernels import TorchBackend
+    from prefixcache.models import HybridModel, ModelConfig
+
+    workload = workload_preset("growing-prefix", "seed")
+    spec = dataclasses.replace(workload.spec, output_len=args.output_len)
+    workload = dataclasses.replace(workload, spec=spec)
+    backend = TorchBackend(checkpoint_alignment=16)  # FlashKDA's alignment
+    config = ModelConfig(
+        vocab_size=64, hidden_size=8, kda_heads=1, kda_head_dim=4, attention_heads=1,
+        attention_kv_heads=1, attention_head_dim=4, mlp_hidden_size=8,
+    )  # fmt: skip
+    model = HybridModel(config, backend)  # its caches are allocated, never computed
+    geometry = workload.geometry.aligned(backend.checkpoint_alignment)
+    pools = engine_config_for(workload, geometry, backend)
+
+    def stand_in(step: Any, token_ids: Any, caches: Any, logits_indices: Any) -> torch.Tensor:
+        return torch.zeros(len(logits_indices), config.vocab_size)
+
+    loop = engine_module._Loop
+    original_admit, original_after = loop.admit_arrivals, loop.after_forward
+    for name in ("block", "fine"):
+        policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
+        steps: list[int] = []
+        admitted: dict[int, int] = {}
+        first: dict[int, int] = {}
+
+        admit, after = _hooks(original_admit, original_after, steps, admitted, first)
+        loop.admit_arrivals, loop.after_forward = admit, after  # type: ignore[method-assign]
+        try:
+            run = Engine(model, policy, pools, forward=stand_in).run(workload.build(64))
+        finally:
+            loop.admit_arrivals, loop.after_forward = original_admit, original_after  # type: ignore[method-assign]
+        cost = [args.fixed_ms + args.token_us * 1e-3 * tokens for tokens in steps]
+        ttft, waits, step_tokens, own = [], [], [], []
+        for seq_id, result in run.requests.items():
+            if result.round < 2:
+                continue
+            start, end = admitted[seq_id], first[seq_id]
+            ttft.append(sum(cost[start : end + 1]))
+            waits.append(end - start + 1)
+            step_tokens.append(steps[end])
+            own.append(result.computed_prefill_tokens)
+        p50 = statistics.median(ttft)
+        print(
+            f"{name:>5}: prefill tokens {sum(own):,}; modelled TTFT p50 {p50:.1f} ms; "
+            f"steps to the first token: {np.mean(waits):.2f} on average, 1 for "
+            f"{sum(w == 1 for w in waits)} of {len(waits)}; the first token's step: p50 "
+            f"{statistics.median(step_tokens):,.0f} tokens (10/50/90%: "
+            f"{', '.join(f'{q:,.0f}' for q in np.percentile(step_tokens, [10, 50, 90]))}), "
+            f"the request's own p50 {statistics.median(own):,.0f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
