@@ -938,7 +938,9 @@ impl CacheManager {
         seq.forget_hit();
         seq.tokens.extend_from_slice(tokens);
         self.hasher.extend(&seq.tokens, unit, &seq.extra, &mut seq.hashes);
-        if seq.hashes.len() > before {
+        if seq.hashes.len() > before
+            && (seq.keys_pending_from.is_some() || !seq.pending_checkpoints.is_empty())
+        {
             self.publish_known(slot);
         }
         Ok(())

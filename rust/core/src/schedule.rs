@@ -15,7 +15,12 @@ use crate::hit::Hit;
 use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS, MAX_STEP_TOKENS};
 use crate::manager::{check_batch_len, CacheManager};
 use crate::plan::StepPlan;
+use crate::pool::NULL_BLOCK;
 use crate::sequence::{PagedStep, Phase, Sequence, StateStep, StepRecord};
+
+/// State groups whose spare running buffers a continuation's schedule finds once (more take
+/// the general path).
+const SPARES: usize = 4;
 
 /// What `schedule` gave a sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -346,7 +351,9 @@ impl CacheManager {
         let seq = self.table.get_mut(slot);
         let (paged, mut state) =
             take_blocks(&mut self.store, &self.layout, seq, end + lookahead, Some(&admission))?;
-        assign_running(&mut self.store, &self.layout, seq, &mut state, false)?;
+        if !self.layout.state.is_empty() {
+            assign_running(&mut self.store, &self.layout, seq, &mut state, false, None)?;
+        }
         let seq = self.seq_mut(slot);
         seq.hint_chains = Vec::new();
         seq.num_computed = start;
@@ -397,8 +404,17 @@ impl CacheManager {
         // A continuation (the sequence's step before it is in flight) may need a further
         // running buffer per state group.
         let continuation = seq.step().is_some();
+        // (found once here for up to `SPARES` state groups, and handed to `assign_running`)
+        let mut spares = [NULL_BLOCK; SPARES];
+        let groups = self.layout.state.len();
         let buffers = !continuation
-            || (0..self.layout.state.len()).all(|i| self.seq(slot).spare_buffer(i).is_some());
+            || groups == 0
+            || (groups <= SPARES
+                && (0..groups).all(|i| {
+                    spares[i] = seq.spare_buffer(i).unwrap_or(NULL_BLOCK);
+                    spares[i] != NULL_BLOCK
+                }));
+        let found = (continuation && buffers).then_some(&spares[..groups]);
         let (paged, mut state) = if buffers && tables_cover(&self.layout, self.seq(slot), reach) {
             // What `take_blocks` returns when every table covers the chunk, without its
             // per-group block arithmetic (10.2K against 9.1K instructions a hybrid decode
@@ -421,8 +437,15 @@ impl CacheManager {
             }
             take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?
         };
-        let seq = self.table.get_mut(slot);
-        assign_running(&mut self.store, &self.layout, seq, &mut state, continuation)?;
+        if continuation && groups > 0 {
+            let seq = self.table.get_mut(slot);
+            assign_running(&mut self.store, &self.layout, seq, &mut state, true, found)?;
+        } else if groups > 0 {
+            // (`assign_running` without a step in flight, inlined: the decode step's path)
+            for (st, s) in state.iter_mut().zip(&self.seq(slot).state) {
+                (st.write, st.read) = (s.write_block(), s.read_slot());
+            }
+        }
         let requested = Vec::new();
         self.seq_mut(slot).schedule_step(StepRecord {
             plan: 0,

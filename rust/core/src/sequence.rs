@@ -222,11 +222,24 @@ impl Sequence {
     /// A private running buffer of state group `i` that neither holds the committed state
     /// nor is written by one of its steps (the one its next step can write), if any.
     pub fn spare_buffer(&self, i: usize) -> Option<BlockId> {
+        // Plain loops over at most D + 1 buffers and D steps: this runs for every
+        // continuation of an overlapped decode step.
         let state = &self.state[i];
-        let current = state.current.map(|c| state.running[c]);
-        state.running.iter().chain(&state.extra).copied().find(|&b| {
-            b != NULL_BLOCK && Some(b) != current && !self.steps().any(|s| s.state[i].write == b)
-        })
+        let current = state.current.map_or(NULL_BLOCK, |c| state.running[c]);
+        let newest = self.step().map_or(NULL_BLOCK, |s| s.state[i].write);
+        let spare = |b: BlockId| {
+            b != NULL_BLOCK
+                && b != current
+                && b != newest
+                && !self.older.iter().any(|s| s.state[i].write == b)
+        };
+        if spare(state.running[0]) {
+            return Some(state.running[0]);
+        }
+        if spare(state.running[1]) {
+            return Some(state.running[1]);
+        }
+        state.extra.iter().copied().find(|&b| spare(b))
     }
 
     /// What its keys are computed from.
@@ -262,16 +275,17 @@ impl Sequence {
     /// one the sequence is running (it holds blocks) until told otherwise.
     #[inline]
     pub fn take_newest(&mut self) -> Option<StepRecord> {
-        if !matches!(self.phase, Phase::Scheduled(_)) {
-            return None;
-        }
-        let next = match self.older.pop_back() {
-            Some(step) => Phase::Scheduled(step),
-            None => Phase::Running,
-        };
-        match std::mem::replace(&mut self.phase, next) {
-            Phase::Scheduled(step) => Some(step),
-            _ => None,
+        match std::mem::replace(&mut self.phase, Phase::Running) {
+            Phase::Scheduled(step) => {
+                if let Some(previous) = self.older.pop_back() {
+                    self.phase = Phase::Scheduled(previous);
+                }
+                Some(step)
+            }
+            other => {
+                self.phase = other;
+                None
+            }
         }
     }
 
