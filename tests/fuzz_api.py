@@ -1144,12 +1144,39 @@ class FuzzMachine(RuleBasedStateMachine):
                     f"parent) of units {first}.. of any sequence it committed "
                     f"({[s.seq_id for s in storers or []]})",
                 )
-                self.keys_on.setdefault((ev.group, ev.block), set()).update(ev.keys)
+                # One run: a block per key, and the token ids, adapter and salt the keys were
+                # computed from (the wire block is the unit here, so exactly the run's tokens).
+                self.check(
+                    len(ev.blocks) == len(ev.keys) and ev.blocks[0] == ev.block,
+                    f"{label}: {ev!r} blocks {ev.blocks}",
+                )
+                self.check(
+                    any(
+                        ev.tokens_start == ev.token_start
+                        and ev.tokens == s.tokens[ev.token_start : ev.token_end]
+                        and ev.lora_id == s.lora
+                        and ev.cache_salt == (s.salt if ev.token_start == 0 else None)
+                        for s in owners
+                    ),
+                    f"{label}: {ev!r} token ids, lora_id or cache_salt are not those of the "
+                    "sequence its keys come from",
+                )
+                for block, key in zip(ev.blocks, ev.keys, strict=True):
+                    self.keys_on.setdefault((ev.group, block), set()).add(key)
             elif isinstance(ev, pc.BlockRemoved):
                 lost = self.keys_on.pop((ev.group, ev.block), set())
                 if self.events_exact:
                     self.check(
                         set(ev.keys) == lost, f"{label}: {ev!r} removed keys it was not given"
+                    )
+                    # The wire removes exactly the keys no other block of the group carries.
+                    still = {
+                        k for (g, _), keys in self.keys_on.items() if g == ev.group for k in keys
+                    }
+                    self.check(
+                        set(ev.gone) == lost - still,
+                        f"{label}: {ev!r} gone {len(ev.gone)} keys, expected those of its "
+                        "keys no other block carries",
                     )
             else:
                 self.check(cleared, f"{label}: AllBlocksCleared outside reset")

@@ -479,19 +479,23 @@ def test_request_checkpoint_and_suggest_chunk() -> None:
 def test_events_carry_keys_that_match_hash_prefix() -> None:
     mgr = pc.CacheManager(paged_config(block_size=32, unit=16))
     prompt = list(range(64))
-    run_prompt(mgr, 1, prompt)
+    run_prompt(mgr, 1, prompt, finish=False)
     events = mgr.drain_events()
     assert all(isinstance(e, pc.BlockStored) for e in events)
     assert [e.sequence for e in events] == sorted(e.sequence for e in events)
     keys = [k for e in events for k in e.keys]
     assert keys == pc.hash_prefix(prompt, unit=16)
-    first, second = events
-    assert (first.token_start, first.token_end, first.parent) == (0, 32, None)
-    assert second.parent == keys[1] and not second.checkpoint
+    # One run for the commit, across both blocks: a block per key, the run's token ids.
+    (run,) = events
+    assert (run.token_start, run.token_end, run.parent, run.checkpoint) == (0, 64, None, False)
+    table = mgr.block_table(0, [1])[0].tolist()
+    assert run.blocks == [table[0], table[0], table[1], table[1]] and run.block == table[0]
+    assert (run.tokens, run.tokens_start, run.lora_id, run.cache_salt) == (prompt, 0, None, None)
+    mgr.finish(1)
     assert mgr.drain_events() == []
     mgr.reset()
     (cleared,) = mgr.drain_events()
-    assert isinstance(cleared, pc.AllBlocksCleared) and cleared.sequence > second.sequence
+    assert isinstance(cleared, pc.AllBlocksCleared) and cleared.sequence > run.sequence
 
 
 def test_eviction_is_reported_as_block_removed() -> None:
@@ -500,6 +504,8 @@ def test_eviction_is_reported_as_block_removed() -> None:
     run_prompt(mgr, 2, list(range(1000, 1064)))
     removed = [e for e in mgr.drain_events() if isinstance(e, pc.BlockRemoved)]
     assert removed and all(len(e.keys) == 2 and e.group == 0 for e in removed)
+    # No other block carries their keys: every key leaves the wire's view.
+    assert all(e.gone == e.keys for e in removed)
     assert mgr.stats().evictions == len(removed)
 
 

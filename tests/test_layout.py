@@ -1,7 +1,8 @@
 """The whiteboard of parts, enforced: which part of the package may import which.
 
 Parts: the core (``prefixcache._core``, the Rust extension), the typed API (the package root:
-``prefixcache``, ``prefixcache.config``), the kernels (``prefixcache.kernels``), the models
+``prefixcache``, ``prefixcache.config``, ``prefixcache.events``, ``prefixcache.metrics``), the
+kernels (``prefixcache.kernels``), the models
 (``prefixcache.models``) and the engine (``prefixcache.engine``: the reference engine, the
 workloads and the ``prefixcache`` command; the root ``__main__`` only starts that command).
 The engine uses the models, the kernels and the API; the models use the kernels; the kernels
@@ -40,9 +41,10 @@ FORBIDDEN = {
     ("api", "models"),
     ("api", "engine"),
 }
-# The only modules at the package root: the typed API, the extension's stub and the
+# The only modules at the package root: the typed API (with its event publisher and metrics
+# collector, which depend on nothing but the API), the extension's stub and the
 # ``python -m prefixcache`` entry point. The simulator's pieces live in the engine's part.
-ROOT_MODULES = {"__init__", "config", "_core", "__main__"}
+ROOT_MODULES = {"__init__", "config", "_core", "__main__", "events", "metrics"}
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:

@@ -260,6 +260,9 @@ class GroupStats:
     def checkpoints_skipped(self) -> dict[str, int]:
         """State groups: retained positions not exported, by reason."""
     @property
+    def misses(self) -> dict[str, int]:
+        """Admissions whose own hit in this group stopped short, by reason."""
+    @property
     def checkpoint_hits(self) -> int:
         """State groups: schedules that resumed from a published checkpoint."""
     @property
@@ -284,6 +287,9 @@ class Stats:
     @property
     def admitted_hit_tokens(self) -> int:
         """Sum of the hits used by admissions."""
+    @property
+    def admitted_tokens(self) -> int:
+        """Sum of the prompt tokens of admissions (vLLM's prefix-cache queries)."""
     @property
     def scheduled_tokens(self) -> int:
         """Tokens scheduled."""
@@ -520,7 +526,8 @@ class StepPlan:
 
 @final
 class BlockStored:
-    """Keys were added to a block at a commit (or a decode-tail checkpoint at `finish`)."""
+    """A run of keys published at a commit (or a decode-tail checkpoint at `finish`):
+    consecutive unit keys of one group, possibly across several blocks."""
 
     @property
     def sequence(self) -> int:
@@ -530,10 +537,13 @@ class BlockStored:
         """The group the block belongs to."""
     @property
     def block(self) -> int:
-        """The block id in its group's pool."""
+        """The block carrying the first key (its id in its group's pool)."""
+    @property
+    def blocks(self) -> list[int]:
+        """The block carrying each key."""
     @property
     def keys(self) -> list[bytes]:
-        """The keys added in this commit, in position order (digest bytes)."""
+        """The keys added, in position order (digest bytes)."""
     @property
     def parent(self) -> bytes | None:
         """The key just before the first added one (`None` at the start)."""
@@ -546,6 +556,19 @@ class BlockStored:
     @property
     def checkpoint(self) -> bool:
         """Whether the block is a recurrent-state checkpoint."""
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids `[tokens_start, token_end)` (the run's, preceded by those of the wire
+        block its first key falls in)."""
+    @property
+    def tokens_start(self) -> int:
+        """First token of `tokens`."""
+    @property
+    def lora_id(self) -> int | None:
+        """The sequence's adapter id."""
+    @property
+    def cache_salt(self) -> bytes | None:
+        """The sequence's cache salt, when the run starts at token 0."""
 
 @final
 class BlockRemoved:
@@ -563,6 +586,9 @@ class BlockRemoved:
     @property
     def keys(self) -> list[bytes]:
         """Every key the block lost (digest bytes)."""
+    @property
+    def gone(self) -> list[bytes]:
+        """The keys at wire-block boundaries no block of the group carries any more."""
 
 @final
 class AllBlocksCleared:
@@ -686,6 +712,11 @@ class CacheManager:
         """Full block-table rows `int32 [R, C]` of a paged group."""
     def drain_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """Takes the pending block events, oldest first."""
+    def drain_events_wire(
+        self, ts: float, data_parallel_rank: int | None = None
+    ) -> tuple[bytes | None, int, int]:
+        """Takes the pending block events as one vLLM 0.33 `KVEventBatch` payload (msgpack);
+        `(payload, taken, written)`, `payload` `None` when no wire event was written."""
     def stats(self) -> Stats:
         """A snapshot of the counters."""
     def pool_usage(self) -> list[PoolUsage]:
@@ -738,6 +769,7 @@ class _CacheDefaults(TypedDict):
     enable_events: bool
     max_pending_events: int
     max_steps_in_flight: int
+    event_block_size: int | None
 
 class _Defaults(TypedDict):
     cache: _CacheDefaults

@@ -231,6 +231,10 @@ class CacheConfig:
             next steps are scheduled and planned while earlier ones run (overlapped steps:
             placeholders, ``resolve``, ``decode_step_overlapped``), and a running sequence may
             hold up to D + 1 running-state blocks per state group instead of two.
+        event_block_size: the block size of events on the wire
+            (:meth:`CacheManager.drain_events_wire`, :mod:`prefixcache.events`): ``None`` is
+            the hash unit U, so a router sees prefixes at the granularity hits are found at;
+            otherwise U or a paged group's block size B.
 
     Raises:
         ConfigError: a rule is violated (the message says which field to change).
@@ -246,6 +250,7 @@ class CacheConfig:
     enable_events: bool = _CACHE["enable_events"]
     max_pending_events: int = _CACHE["max_pending_events"]
     max_steps_in_flight: int = _CACHE["max_steps_in_flight"]
+    event_block_size: int | None = _CACHE["event_block_size"]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", _as_tuple(self.pools, "pools"))

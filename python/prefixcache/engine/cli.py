@@ -219,6 +219,24 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write a PNG: per round, recomputed prefill tokens and TTFT p50 of each policy",
     )
+    simulate.add_argument(
+        "--events",
+        metavar="ENDPOINT",
+        help="publish every run's KV events on a ZMQ PUB socket bound at ENDPOINT (e.g. "
+        "tcp://127.0.0.1:5557), in vLLM 0.33's format, for KV-aware routers such as Dynamo's "
+        "indexer (the wire block is the hash unit U); each run starts with AllBlocksCleared",
+    )
+    simulate.add_argument(
+        "--events-replay",
+        metavar="ENDPOINT",
+        help="with --events: the ROUTER socket that replays buffered batches",
+    )
+    simulate.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics of the running manager at http://127.0.0.1:PORT/metrics",
+    )
     simulate.set_defaults(command_parser=simulate)
     return parser
 
@@ -385,6 +403,42 @@ def _plot(document: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+class _Observer:
+    """``--events`` and ``--metrics-port``: one publisher and one metrics endpoint that follow
+    each run's manager in turn."""
+
+    def __init__(self, events: str | None, replay: str | None, metrics_port: int | None) -> None:
+        self.active = events is not None or metrics_port is not None
+        self.manager: Any = None
+        self.publisher: Any = None
+        self.server: Any = None
+        if events is not None:
+            from ..events import KVEventsConfig, ZmqEventPublisher
+
+            config = KVEventsConfig(endpoint=events, replay_endpoint=replay)
+            self.publisher = ZmqEventPublisher(None, config, bind=True)
+            print(f"publishing KV events on {self.publisher.endpoint}")
+        if metrics_port is not None:
+            from ..metrics import serve
+
+            self.server, _ = serve(lambda: self.manager, metrics_port, publisher=self.publisher)
+            print(f"serving metrics at http://127.0.0.1:{self.server.server_port}/metrics")
+
+    def observe(self, manager: Any) -> Callable[[], object]:
+        self.manager = manager
+        if self.publisher is None:
+            return lambda: None
+        self.publisher.attach(manager)
+        publish: Callable[[], object] = self.publisher.publish
+        return publish
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.server is not None:
+            self.server.shutdown()
+
+
 def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
@@ -457,17 +511,22 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             document["complete"] = False
             args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
 
-    report = simulate(
-        workload,
-        args.policies,
-        model,
-        device_name=args.device,
-        backend_name=args.backend,
-        progress=_progress_factory(),
-        on_policy=save_partial,
-        reference=not args.no_reference,
-        warm_up=None if args.warm_up == "auto" else args.warm_up,
-    )
+    observer = _Observer(args.events, args.events_replay, args.metrics_port)
+    try:
+        report = simulate(
+            workload,
+            args.policies,
+            model,
+            device_name=args.device,
+            backend_name=args.backend,
+            progress=_progress_factory(),
+            on_policy=save_partial,
+            reference=not args.no_reference,
+            warm_up=None if args.warm_up == "auto" else args.warm_up,
+            observe=observer.observe if observer.active else None,
+        )
+    finally:
+        observer.close()
     document = report.to_json()
     document["seconds"] = time.perf_counter() - started
     document["complete"] = True

@@ -42,7 +42,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -161,6 +161,8 @@ class Engine:
         config: scheduler and memory settings.
         forward: the step function, ``model.execute`` by default (tests wrap it to inject
             failures).
+        observe: called with each run's manager (then built with events on); returns a
+            callback the loop calls after every step (an event publisher's ``publish``).
     """
 
     def __init__(
@@ -170,7 +172,9 @@ class Engine:
         config: EngineConfig,
         *,
         forward: ForwardFn | None = None,
+        observe: Callable[[pc.CacheManager], Callable[[], object]] | None = None,
     ) -> None:
+        self.observe = observe
         self.model = model
         self.policy = policy
         self.config = config
@@ -186,12 +190,13 @@ class Engine:
 
     def manager_config(self) -> pc.CacheConfig:
         """The cache manager's configuration for this engine."""
-        return self.policy.cache_config(
+        config = self.policy.cache_config(
             self.model.backend,
             paged_blocks=self.config.paged_blocks,
             state_blocks=self.config.state_blocks,
             checkpoint_cap=self.config.checkpoint_cap,
         )
+        return config if self.observe is None else replace(config, enable_events=True)
 
     def run(
         self,
@@ -219,6 +224,7 @@ class _Loop:
         self.workload = workload
         self.on_finished = on_finished
         self.manager = pc.CacheManager(engine.manager_config())
+        self.after_step = None if engine.observe is None else engine.observe(self.manager)
         block_size = engine.policy.block_size
         self.caches: ModelCaches = self.model.allocate_caches(
             paged_blocks=self.config.paged_blocks,
@@ -283,7 +289,10 @@ class _Loop:
         self.submit(self.workload.initial_requests())
         while True:
             self.admit_arrivals()
-            if self.step():
+            stepped = self.step()
+            if self.after_step is not None:
+                self.after_step()
+            if stepped:
                 continue
             if self.running or self.waiting:
                 head = self.waiting[0] if self.waiting else self.running[0]

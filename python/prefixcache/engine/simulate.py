@@ -24,6 +24,8 @@ from typing import Any, Literal, cast
 
 import torch
 
+import prefixcache as pc
+
 from ..kernels import KDABackend, KDALayerParams, get_backend
 from ..kernels.backend import ConvImpl
 from ..kernels.ops import conv_function, default_conv
@@ -251,6 +253,7 @@ def simulate(
     on_policy: Callable[[SimulationReport], None] | None = None,
     reference: bool = True,
     warm_up: bool | WarmUp | None = None,
+    observe: Callable[[pc.CacheManager], Callable[[], object]] | None = None,
 ) -> SimulationReport:
     """Run ``none`` (first: it is the reference) and the other ``policies``, in their order.
 
@@ -272,7 +275,8 @@ def simulate(
     ``progress(policy, num_requests)`` returns a callback called for every finished request;
     ``on_policy(report)`` is called after each policy's run (the report then holds the
     policies run so far, each checked), so a long run's finished policies can be saved before
-    the next one starts.
+    the next one starts. ``observe`` is handed to every measured run's :class:`Engine` (an
+    event publisher or a metrics endpoint following each run's manager).
     """
     unknown = [name for name in policies if name not in POLICY_NAMES]
     if unknown:
@@ -309,7 +313,7 @@ def simulate(
     _warm_up(model, names, workload, geometry, config, mode)
     for name in names:
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
-        engine = Engine(model, policy, config)
+        engine = Engine(model, policy, config, observe=observe)
         callback = None if progress is None else progress(name, workload.spec.num_requests)
         run = engine.run(workload.build(model.config.vocab_size), on_finished=callback)
         report.runs[name] = run

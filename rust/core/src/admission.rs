@@ -290,7 +290,9 @@ mod tests {
         // One usable block: the first allocation gets it, the second finds the pool empty.
         let pools = vec![BlockPool::new(2)];
         let index = HashIndex::new(0, false, 0);
-        let events = EventLog::new(false, 0);
+        let format =
+            crate::events::WireFormat { block_size: 4, unit: 4, digest_len: 16, kinds: vec![] };
+        let events = EventLog::new(false, 0, format);
         let mut store = BlockStore::new(pools, index, events, vec![0], 4, Digest([0; 32]));
         let first = take_block(&mut store, 0, BlockKind::Paged, 0).expect("one block is free");
         assert_ne!(first, NULL_BLOCK);

@@ -257,6 +257,7 @@ impl CacheManager {
             }
         }
         (seq.paged, seq.state) = (paged_seqs, state_seqs);
+        self.store.events.seal();
         seq.num_computed = step.end;
         seq.recycle_step(&mut step);
         self.table.put(slot, seq);
@@ -304,6 +305,7 @@ impl CacheManager {
                 self.store.pools[self.layout.pool(g)].decref(block, LruEnd::MostRecent);
             }
         }
+        self.store.events.seal();
         self.table.put(slot, seq);
     }
 

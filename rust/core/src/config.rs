@@ -270,6 +270,10 @@ pub struct CacheConfig {
     /// planned while earlier ones run (overlapped steps), and a sequence in j in-flight steps
     /// holds j + 1 running-state blocks per state group (two at rest).
     pub max_steps_in_flight: u32,
+    /// The block size W of events on the wire (`drain_events_wire`): `None` is the hash unit U
+    /// (routers see prefixes at the granularity hits are found at); otherwise U or a paged
+    /// group's block size B.
+    pub event_block_size: Option<u32>,
 }
 
 impl Default for CacheConfig {
@@ -284,6 +288,7 @@ impl Default for CacheConfig {
             enable_events: true,
             max_pending_events: 1 << 20,
             max_steps_in_flight: 1,
+            event_block_size: None,
         }
     }
 }
@@ -584,6 +589,17 @@ impl CacheConfig {
                  events more often instead",
                 self.max_pending_events
             )));
+        }
+        if let Some(w) = self.event_block_size {
+            let paged = self.groups.iter().filter_map(|g| g.kind.block_size());
+            if w != unit && !paged.clone().any(|b| b == w) {
+                let sizes: Vec<String> = paged.map(|b| b.to_string()).collect();
+                return Err(CacheError::config(format!(
+                    "event_block_size = {w}: it must be the hash unit ({unit}) or a paged group's \
+                     block size ({}); leave it None for the unit",
+                    if sizes.is_empty() { "none configured".to_string() } else { sizes.join(", ") }
+                )));
+            }
         }
         for (i, pool) in self.pools.iter().enumerate() {
             if pool.num_blocks < 2 {

@@ -38,6 +38,15 @@ pub enum MissReason {
 }
 
 impl MissReason {
+    pub const ALL: [Self; 4] =
+        [Self::NotCached, Self::RecentlyEvicted, Self::NoStateAtPosition, Self::WindowGap];
+
+    /// Its index in [`MissReason::ALL`] (and in `GroupStats::misses`).
+    #[must_use]
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     #[must_use]
     pub fn name(self) -> &'static str {
         match self {

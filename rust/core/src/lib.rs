@@ -41,7 +41,7 @@ pub use config::{
     CheckpointGrid, GroupConfig, GroupKind, PoolConfig, Retention, StateGroupConfig,
 };
 pub use error::{CacheError, Result};
-pub use events::{CacheEvent, EventRecord};
+pub use events::{CacheEvent, EventRecord, WireFormat, WireKind};
 pub use hashing::{
     hash_prefix, Digest, ExtraKeys, HashAlgorithm, HashConfig, MultimodalInput, DEFAULT_SEED,
     ENCODING_VERSION,

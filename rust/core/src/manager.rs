@@ -163,7 +163,7 @@ impl CacheManager {
         let store = BlockStore::new(
             pools,
             index,
-            EventLog::new(config.enable_events, config.max_pending_events),
+            EventLog::new(config.enable_events, config.max_pending_events, wire_format(&config)),
             layout.pool_of.clone(),
             config.hash.unit,
             hasher.seed_digest(),
@@ -703,6 +703,25 @@ impl CacheManager {
         self.store.events.drain()
     }
 
+    /// Takes the pending block events and appends them to `out` as one vLLM 0.33
+    /// `KVEventBatch` (msgpack; `events::encode_batch`) stamped `ts` (seconds) and `rank`;
+    /// appends nothing when none is pending. Returns the events taken and the wire events
+    /// written (a run or eviction with no wire-block boundary has no wire form).
+    pub fn drain_events_wire(
+        &mut self,
+        ts: f64,
+        rank: Option<i64>,
+        out: &mut Vec<u8>,
+    ) -> (usize, usize) {
+        self.store.events.drain_wire(ts, rank, out)
+    }
+
+    /// The wire format `drain_events_wire` encodes in (W, U, digest length, group kinds).
+    #[must_use]
+    pub fn event_format(&self) -> &crate::events::WireFormat {
+        self.store.events.format()
+    }
+
     /// A snapshot of the counters.
     #[must_use]
     pub fn stats(&self) -> Stats {
@@ -989,5 +1008,25 @@ impl CacheManager {
             }
         }
         Ok((flat, rows.len(), cols))
+    }
+}
+
+/// The wire format of a configuration's events: W, U, digest length and each group's kind.
+fn wire_format(config: &CacheConfig) -> crate::events::WireFormat {
+    use crate::config::GroupKind;
+    use crate::events::WireKind;
+    crate::events::WireFormat {
+        block_size: config.event_block_size.unwrap_or(config.hash.unit),
+        unit: config.hash.unit,
+        digest_len: config.hash.algorithm.digest_len(),
+        kinds: config
+            .groups
+            .iter()
+            .map(|g| match g.kind {
+                GroupKind::FullAttention { .. } => WireKind::FullAttention,
+                GroupKind::SlidingWindow { window, .. } => WireKind::SlidingWindow(window),
+                GroupKind::State(_) => WireKind::Mamba,
+            })
+            .collect(),
     }
 }

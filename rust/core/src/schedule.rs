@@ -374,8 +374,14 @@ impl CacheManager {
         self.started += 1;
         self.stats.admissions += 1;
         self.stats.admitted_hit_tokens += u64::from(start);
+        self.stats.admitted_tokens += u64::from(total);
         for stats in &mut self.stats.groups {
             stats.hit_tokens += u64::from(start);
+        }
+        for group in &hit.groups {
+            if let Some(reason) = group.stop {
+                self.stats.groups[group.group as usize].misses[reason.index()] += 1;
+            }
         }
         if start > 0 {
             for group in &self.layout.state {

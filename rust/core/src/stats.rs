@@ -51,6 +51,9 @@ pub struct GroupStats {
     pub checkpoint_hits: u64,
     /// State groups: decode-tail snapshots published by `finish`.
     pub decode_tails_published: u64,
+    /// Admissions whose own hit in this group stopped short of the prompt, by the reason
+    /// (`MissReason::index`: not cached, recently evicted, no state at position, window gap).
+    pub misses: [u64; 4],
 }
 
 /// Manager-wide counters.
@@ -63,6 +66,9 @@ pub struct Stats {
     pub admissions: u64,
     /// Sum of the hits used by admissions.
     pub admitted_hit_tokens: u64,
+    /// Sum of the prompt tokens of admissions (the tokens whose prefix was looked for: vLLM's
+    /// prefix-cache queries).
+    pub admitted_tokens: u64,
     pub scheduled_tokens: u64,
     /// `schedule` calls that returned `None` (the pool could not supply the sequence's blocks).
     pub refused_schedules: u64,

@@ -123,8 +123,10 @@ impl BlockStore {
             *g += 1;
         }
         if self.events.enabled() {
-            let keys = evicted.iter().map(|k| k.key.digest).collect();
-            self.events.push(CacheEvent::BlockRemoved { group, block, keys });
+            let (index, events) = (&self.index, &mut self.events);
+            events.removed(group, block, evicted, |k| {
+                index.contains(&k.key, |b| pool.carries(b, &k.key))
+            });
         }
         evicted.clear();
     }
@@ -188,23 +190,13 @@ impl BlockStore {
         let pool = self.pool_of[g];
         let first = from / unit + 1;
         let last = to / unit;
-        // Digests are collected for the event only when events are on (no allocation else).
-        let record = self.events.enabled();
-        let mut added: Vec<Digest> = Vec::new();
-        let mut first_added = None;
         for i in first..=last {
             let position = i * unit;
             let key = Key { group: g as u32, digest: seq.hashes[(i - 1) as usize] };
             if self.pools[pool].add_key(block, BlockKey { key, position }) {
                 self.index_insert(key, block, seq, i - 1);
-                first_added.get_or_insert(position);
-                if record {
-                    added.push(key.digest);
-                }
+                self.store_event(g, block, seq, position, false);
             }
-        }
-        if let Some(first_position) = first_added {
-            self.store_event(g, block, added, seq.hashes, first_position, false);
         }
     }
 
@@ -222,7 +214,7 @@ impl BlockStore {
             return false;
         }
         self.index_insert(key, block, seq, unit_index - 1);
-        self.store_event(g, block, vec![key.digest], seq.hashes, position, true);
+        self.store_event(g, block, seq, position, true);
         true
     }
 
@@ -249,30 +241,20 @@ impl BlockStore {
         }
     }
 
+    /// The event of a key just published (a run's next key, or a new run).
+    #[inline]
     fn store_event(
         &mut self,
         g: usize,
         block: BlockId,
-        keys: Vec<Digest>,
-        hashes: &[Digest],
-        first_position: u32,
+        seq: Content<'_>,
+        position: u32,
         checkpoint: bool,
     ) {
-        if !self.events.enabled() {
-            return;
+        if self.events.enabled() {
+            let (tokens, hashes, extra) = (seq.tokens, seq.hashes, seq.extra);
+            self.events.stored_key(g as u32, block, position, checkpoint, tokens, hashes, extra);
         }
-        let unit = self.unit;
-        let parent = (first_position > unit).then(|| hashes[(first_position / unit - 2) as usize]);
-        let token_end = first_position + (keys.len() as u32 - 1) * unit;
-        self.events.push(CacheEvent::BlockStored {
-            group: g as u32,
-            block,
-            keys,
-            parent,
-            token_start: first_position - unit,
-            token_end,
-            checkpoint,
-        });
     }
 
     /// The hash unit U.

@@ -90,7 +90,9 @@ fn nothing_is_hit_before_the_step_that_wrote_it_commits() {
     assert!(stored(&h.events()).is_empty(), "nothing stored before commit");
     h.commit(&plan);
     assert_eq!(h.probe(&p).tokens, 36);
-    assert_eq!(stored(&h.events()).len(), 3);
+    let runs = stored(&h.events());
+    assert_eq!(runs.len(), 1, "one run of the sequence's commit: {runs:?}");
+    assert_eq!(runs[0].2, h.digests(&p, 0, 40));
 }
 
 #[test]
@@ -195,14 +197,24 @@ fn a_prompt_sharing_24_tokens_hits_one_block_plus_a_copy_of_8_tokens() {
     h.events();
     h.commit(&plan);
     assert_eq!(h.usage(0).owned, 3, "the copy source is released at commit");
-    let events = stored(&h.events());
-    let dst_events: Vec<_> = events.iter().filter(|e| e.1 == dst as u32).collect();
-    assert_eq!(dst_events.len(), 1, "one BlockStored per block per commit: {events:?}");
-    let (group, _, keys, parent, start, end, checkpoint) = dst_events[0].clone();
-    assert_eq!(group, 0);
-    assert_eq!(keys, h.digests(&q, 16, 32), "keyed at 20 and 24 (copied) and 28, 32 (new)");
+    let records = h.events();
+    let events = stored(&records);
+    assert_eq!(events.len(), 1, "one BlockStored per run of a sequence per commit: {events:?}");
+    let (group, first, keys, parent, start, end, checkpoint) = events[0].clone();
+    assert_eq!((group, first), (0, dst as u32));
+    assert_eq!(
+        keys,
+        h.digests(&q, 16, 40),
+        "keyed at 20 and 24 (copied) and 28, 32 (new) in the destination, then 36, 40"
+    );
     assert_eq!(parent, Some(h.digest(&q, 16)));
-    assert_eq!((start, end, checkpoint), (16, 32, false));
+    assert_eq!((start, end, checkpoint), (16, 40, false));
+    let CacheEvent::BlockStored { blocks, tokens, tokens_start, .. } = &records[0].event else {
+        panic!("{records:?}")
+    };
+    let (d, next) = (dst as u32, q_table[2] as u32);
+    assert_eq!(blocks, &[d, d, d, d, next, next], "the block of each key");
+    assert_eq!((*tokens_start, tokens.as_slice()), (16, &q[16..40]), "the run's token ids");
 
     // A third prompt sharing those 24 tokens copies from the destination, which is in use,
     // rather than from the cached original.
@@ -764,15 +776,15 @@ fn events_carry_the_keys_of_each_commit_with_increasing_sequence_numbers() {
     let last = h.table(0, 1)[2] as u32;
     let b = |i: usize| table.get(i).map_or(0, |&b| b as u32);
     let q = |position: u32| Some(h.digest(&p, position));
+    // One run per commit: [0, 22) keys block 0 full and block 1 at 20; [22, 40) keys block 1
+    // at 24..32 and block 2 at 36 and 40.
     let expected = vec![
-        // [0, 22): block 0 full, block 1 keyed at 20.
-        (0, b(0), h.digests(&p, 0, 16), None, 0, 16, false),
-        (0, b(1), h.digests(&p, 16, 20), q(16), 16, 20, false),
-        // [22, 40): block 1 gains 24..32, block 2 gains 36 and 40.
-        (0, b(1), h.digests(&p, 20, 32), q(20), 20, 32, false),
-        (0, last, h.digests(&p, 32, 40), q(32), 32, 40, false),
+        (0, b(0), h.digests(&p, 0, 20), None, 0, 20, false),
+        (0, b(1), h.digests(&p, 20, 40), q(20), 20, 40, false),
     ];
     assert_eq!(got, expected);
+    let CacheEvent::BlockStored { blocks, .. } = &events[1].event else { panic!("{events:?}") };
+    assert_eq!(blocks, &[b(1), b(1), b(1), last, last]);
 
     // Numbers keep growing across drains and kinds of events.
     h.finish(1);
@@ -1132,12 +1144,14 @@ fn a_pool_with_groups_of_both_kinds_is_accepted_and_serves_hits() {
 #[test]
 fn undrained_events_beyond_the_limit_drop_the_oldest_and_are_counted() {
     let mut h = Harness::new(CacheConfig { max_pending_events: 2, ..full_attention(B, U, 64) });
-    let p = tokens(1, 40);
-    h.serve(1, &p);
+    let p = tokens(3, 40);
+    h.serve(1, &tokens(1, 40));
+    h.serve(2, &tokens(2, 40));
+    h.serve(3, &p);
     let events = h.events();
     let numbers: Vec<u64> = events.iter().map(|e| e.sequence).collect();
-    assert_eq!(numbers, vec![1, 2], "the newest two of three");
-    assert_eq!(stored(&events)[1].2, h.digests(&p, 32, 40));
+    assert_eq!(numbers, vec![1, 2], "the newest two of three runs");
+    assert_eq!(stored(&events)[1].2, h.digests(&p, 0, 40));
     assert_eq!(h.m.stats().events_dropped, 1);
 }
 

@@ -337,6 +337,14 @@ pub fn cache_config(obj: &Bound<'_, PyAny>) -> PyResult<CacheConfig> {
             "max_steps_in_flight",
             c,
         )?,
+        event_block_size: {
+            let w = attr(obj, "event_block_size", what)?;
+            if w.is_none() {
+                None
+            } else {
+                Some(u32_arg(&w, "event_block_size", c)?)
+            }
+        },
     };
     config.validate().map_err(|e| to_pyerr(obj.py(), e))?;
     Ok(config)

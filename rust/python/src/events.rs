@@ -15,7 +15,8 @@ fn bytes_list<'py>(py: Python<'py>, keys: &[Vec<u8>]) -> Vec<Bound<'py, PyBytes>
     keys.iter().map(|k| PyBytes::new(py, k)).collect()
 }
 
-/// Keys were added to a block at a commit (or a decode-tail checkpoint at `finish`).
+/// A run of keys published at a commit (or a decode-tail checkpoint at `finish`): consecutive
+/// unit keys of one group, possibly across several blocks.
 #[pyclass(frozen, eq, name = "BlockStored", module = "prefixcache")]
 #[derive(PartialEq, Eq)]
 pub struct PyBlockStored {
@@ -25,7 +26,7 @@ pub struct PyBlockStored {
     /// The group the block belongs to.
     #[pyo3(get)]
     group: u32,
-    /// The block id in its group's pool.
+    /// The block carrying the first key (its id in its group's pool).
     #[pyo3(get)]
     block: u32,
     keys: Vec<Vec<u8>>,
@@ -39,11 +40,31 @@ pub struct PyBlockStored {
     /// Whether the block is a recurrent-state checkpoint.
     #[pyo3(get)]
     checkpoint: bool,
+    /// The block carrying each key (a run may span several blocks of the group).
+    #[pyo3(get)]
+    blocks: Vec<u32>,
+    /// The token ids `[tokens_start, token_end)`: the run's own, preceded by those of the
+    /// wire block its first key falls in (none when the wire block is the hash unit).
+    #[pyo3(get)]
+    tokens: Vec<u32>,
+    /// First token of `tokens`.
+    #[pyo3(get)]
+    tokens_start: u32,
+    /// The sequence's adapter id.
+    #[pyo3(get)]
+    lora_id: Option<u64>,
+    cache_salt: Option<Vec<u8>>,
 }
 
 #[pymethods]
 impl PyBlockStored {
-    /// The keys added in this commit, in position order (digest bytes).
+    /// The sequence's cache salt, when the run starts at token 0.
+    #[getter]
+    fn cache_salt<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.cache_salt.as_ref().map(|s| PyBytes::new(py, s))
+    }
+
+    /// The keys added, in position order (digest bytes).
     #[getter]
     fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         bytes_list(py, &self.keys)
@@ -83,6 +104,7 @@ pub struct PyBlockRemoved {
     #[pyo3(get)]
     block: u32,
     keys: Vec<Vec<u8>>,
+    gone: Vec<Vec<u8>>,
 }
 
 #[pymethods]
@@ -91,6 +113,13 @@ impl PyBlockRemoved {
     #[getter]
     fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         bytes_list(py, &self.keys)
+    }
+
+    /// The keys at wire-block boundaries that no block of the group carries any more (what
+    /// the wire's `BlockRemoved` lists).
+    #[getter]
+    fn gone<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        bytes_list(py, &self.gone)
     }
 
     fn __repr__(&self) -> String {
@@ -130,11 +159,17 @@ pub fn to_python(
         CacheEvent::BlockStored {
             group,
             block,
+            blocks,
             keys,
             parent,
             token_start,
             token_end,
             checkpoint,
+            tokens,
+            tokens_start,
+            wire_parent: _,
+            lora_id,
+            cache_salt,
         } => Bound::new(
             py,
             PyBlockStored {
@@ -146,16 +181,22 @@ pub fn to_python(
                 token_start,
                 token_end,
                 checkpoint,
+                blocks,
+                tokens,
+                tokens_start,
+                lora_id,
+                cache_salt,
             },
         )?
         .into_any(),
-        CacheEvent::BlockRemoved { group, block, keys } => Bound::new(
+        CacheEvent::BlockRemoved { group, block, keys, gone } => Bound::new(
             py,
             PyBlockRemoved {
                 sequence,
                 group,
                 block,
                 keys: keys.iter().map(|k| key_bytes(k, algorithm)).collect(),
+                gone: gone.iter().map(|k| key_bytes(k, algorithm)).collect(),
             },
         )?
         .into_any(),

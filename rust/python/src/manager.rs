@@ -44,7 +44,7 @@ use numpy::{IntoPyArray, PyArray1, PyArray2};
 use prefixcache_core::{CacheError, CacheManager, HashAlgorithm, Scheduled, StepPlan};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyInt;
+use pyo3::types::{PyBytes, PyInt};
 
 use crate::buffers::{self, Owner, PyPlanBuffers};
 use crate::convert::{self, u32_arg, u64_arg, Domain, BATCH, SEQUENCE};
@@ -689,6 +689,26 @@ impl PyCacheManager {
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let records = self.enter(py, Work::Long, |m| Ok(m.drain_events()))?;
         records.into_iter().map(|r| events::to_python(py, r, self.algorithm)).collect()
+    }
+
+    /// Takes the pending block events as one vLLM 0.33 `KVEventBatch` payload (msgpack bytes:
+    /// `[ts, [events...], data_parallel_rank]`, hashes as u64 ids), stamped `ts` (seconds)
+    /// and `data_parallel_rank`. Returns `(payload, taken, written)`: the events taken and the
+    /// wire events written; `payload` is `None` when none was written.
+    #[pyo3(signature = (ts, data_parallel_rank=None))]
+    fn drain_events_wire<'py>(
+        &self,
+        py: Python<'py>,
+        ts: f64,
+        data_parallel_rank: Option<i64>,
+    ) -> PyResult<(Option<Bound<'py, PyBytes>>, usize, usize)> {
+        let (out, taken, written) = self.enter(py, Work::Short, move |m| {
+            let mut out = Vec::new();
+            let (taken, written) = m.drain_events_wire(ts, data_parallel_rank, &mut out);
+            Ok((out, taken, written))
+        })?;
+        let payload = (written > 0).then(|| PyBytes::new(py, &out));
+        Ok((payload, taken, written))
     }
 
     /// A snapshot of the counters.

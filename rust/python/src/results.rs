@@ -279,6 +279,17 @@ impl PyGroupStats {
         Ok(d)
     }
 
+    /// Admissions whose own hit in this group stopped short of the prompt, by reason
+    /// (`"not_cached"`, `"recently_evicted"`, `"no_state_at_position"`, `"window_gap"`).
+    #[getter]
+    fn misses<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for reason in MissReason::ALL {
+            d.set_item(reason.name(), self.stats.misses[reason.index()])?;
+        }
+        Ok(d)
+    }
+
     /// State groups: schedules that resumed from a published checkpoint.
     #[getter]
     fn checkpoint_hits(&self) -> u64 {
@@ -300,6 +311,7 @@ impl PyGroupStats {
         d.set_item("checkpoints_skipped", self.checkpoints_skipped(py)?)?;
         d.set_item("checkpoint_hits", self.stats.checkpoint_hits)?;
         d.set_item("decode_tails_published", self.stats.decode_tails_published)?;
+        d.set_item("misses", self.misses(py)?)?;
         Ok(d)
     }
 
@@ -345,6 +357,12 @@ impl PyStats {
     #[getter]
     fn admitted_hit_tokens(&self) -> u64 {
         self.stats.admitted_hit_tokens
+    }
+
+    /// Sum of the prompt tokens of admissions (vLLM's prefix-cache queries).
+    #[getter]
+    fn admitted_tokens(&self) -> u64 {
+        self.stats.admitted_tokens
     }
 
     /// Tokens scheduled.
@@ -403,6 +421,7 @@ impl PyStats {
         d.set_item("lookup_hit_tokens", s.lookup_hit_tokens)?;
         d.set_item("admissions", s.admissions)?;
         d.set_item("admitted_hit_tokens", s.admitted_hit_tokens)?;
+        d.set_item("admitted_tokens", s.admitted_tokens)?;
         d.set_item("scheduled_tokens", s.scheduled_tokens)?;
         d.set_item("refused_schedules", s.refused_schedules)?;
         d.set_item("copies", s.copies)?;

@@ -36,6 +36,7 @@ pub fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     c.set_item("enable_events", cache.enable_events)?;
     c.set_item("max_pending_events", cache.max_pending_events)?;
     c.set_item("max_steps_in_flight", cache.max_steps_in_flight)?;
+    c.set_item("event_block_size", cache.event_block_size)?;
 
     let hash = HashConfig::default();
     let h = PyDict::new(py);

@@ -315,6 +315,7 @@ pub fn stored(events: &[EventRecord]) -> Vec<Stored> {
                 token_start,
                 token_end,
                 checkpoint,
+                ..
             } => {
                 Some((*group, *block, keys.clone(), *parent, *token_start, *token_end, *checkpoint))
             }
@@ -328,7 +329,9 @@ pub fn removed(events: &[EventRecord]) -> Vec<(u32, u32, Vec<Digest>)> {
     events
         .iter()
         .filter_map(|r| match &r.event {
-            CacheEvent::BlockRemoved { group, block, keys } => Some((*group, *block, keys.clone())),
+            CacheEvent::BlockRemoved { group, block, keys, .. } => {
+                Some((*group, *block, keys.clone()))
+            }
             _ => None,
         })
         .collect()

@@ -132,7 +132,13 @@ pub(crate) fn config() -> impl Strategy<Value = FuzzConfig> {
                 // The fuzz's predictions assume one plan in flight at a time; overlapped steps
                 // (D > 1) are driven by the model in `model_overlap.rs`.
                 max_steps_in_flight: 1,
+                event_block_size: None,
             };
+            // Half the seeds put the wire block at the first paged group's block size.
+            if seed % 2 == 1 {
+                config.event_block_size =
+                    config.groups.iter().find_map(|g| g.kind.block_size());
+            }
             let broken = broken.and_then(|which| breaks(&mut config, which));
             FuzzConfig { config, broken }
         })

@@ -1102,7 +1102,19 @@ impl Fuzz {
     /// Drains the events of the last call: only the keys `stores` allows may be stored, and
     /// every digest must be one of a known prefix.
     fn absorb(&mut self, stores: &Stores) -> Result<(), String> {
-        for record in self.m.drain_events() {
+        let records = self.m.drain_events();
+        // The wire encoding of any batch the manager emits is total (no slice out of range)
+        // and writes the array of three with one entry per event that has a wire form.
+        let mut wire = Vec::new();
+        let written = prefixcache_core::events::encode_batch(
+            &records,
+            self.m.event_format(),
+            1.0,
+            Some(0),
+            &mut wire,
+        );
+        ensure!(written <= records.len() && wire[0] == 0x93, "wire batch of {written} events");
+        for record in records {
             match record.event {
                 CacheEvent::BlockStored { keys, group, .. } => {
                     let Stores::Some(allowed) = stores else {

@@ -405,6 +405,17 @@ impl Model {
 
     /// One sequence's schedule result: the hit and chunk the model predicts, the blocks taken
     /// (free ones first, then evictions, applied in order), and the admission.
+    /// An admission's prompt tokens (the prefix-cache queries) and, per group, why its own
+    /// hit stopped short.
+    fn count_admission(&mut self, id: u64, hit: Option<&prefixcache_core::Hit>) {
+        self.stats.admitted_tokens += self.seqs[&id].tokens.len() as u64;
+        for g in hit.map_or(&[][..], |h| &h.groups[..]) {
+            if let Some(reason) = g.stop {
+                self.stats.groups[g.group as usize].misses[reason.index()] += 1;
+            }
+        }
+    }
+
     fn check_scheduled(
         &mut self,
         (id, budget): (u64, u32),
@@ -465,6 +476,7 @@ impl Model {
         if first {
             self.stats.admissions += 1;
             self.stats.admitted_hit_tokens += u64::from(start);
+            self.count_admission(id, expected.hit.as_ref());
             for g in 0..self.groups() {
                 self.stats.groups[g].hit_tokens += u64::from(start);
                 if start > 0 && self.s.state(g).is_some() {

@@ -174,6 +174,9 @@ pub(crate) fn sorted<T: Ord>(mut v: Vec<T>) -> Vec<T> {
     v
 }
 
+/// A unit's own tokens, and the salt and adapter of the sequence it was computed for.
+pub(crate) type UnitOrigin = (Vec<u32>, Option<Vec<u8>>, Option<u64>);
+
 pub(crate) struct Model {
     pub(crate) s: Setup,
     pub(crate) m: CacheManager,
@@ -190,6 +193,9 @@ pub(crate) struct Model {
     /// What every digest seen so far stands for, and back: a bijection.
     pub(crate) digests: HashMap<Digest, Prefix>,
     pub(crate) digest_of: HashMap<Prefix, Digest>,
+    /// Per prefix, the tokens of its last unit and the salt and adapter it was computed with
+    /// (what a stored run must carry for it).
+    pub(crate) unit_content: HashMap<Prefix, UnitOrigin>,
     pub(crate) seqs: BTreeMap<u64, SeqModel>,
     /// Finished sequences available to `extends`: tokens and extra keys.
     pub(crate) finished: BTreeMap<u64, (Vec<u32>, ExtraKeys)>,
@@ -231,6 +237,7 @@ impl Model {
             idents: Idents::default(),
             digests: HashMap::new(),
             digest_of: HashMap::new(),
+            unit_content: HashMap::new(),
             seqs: BTreeMap::new(),
             finished: BTreeMap::new(),
             live_first: HashMap::new(),
@@ -302,7 +309,12 @@ impl Model {
         let digests = hash_prefix(&self.s.hash_config(), tokens, extra)
             .map_err(|e| format!("hash_prefix refused a sequence add accepted: {e}"))?;
         ensure!(digests.len() == keys.len(), "hash_prefix gave {} digests", digests.len());
-        for (&d, &prefix) in digests.iter().zip(&keys) {
+        let unit = self.unit as usize;
+        for (i, (&d, &prefix)) in digests.iter().zip(&keys).enumerate() {
+            self.unit_content.entry(prefix).or_insert_with(|| {
+                let own = tokens[i * unit..(i + 1) * unit].to_vec();
+                (own, extra.cache_salt.clone(), extra.lora_id)
+            });
             let known = *self.digests.entry(d).or_insert(prefix);
             ensure!(
                 known == prefix,
@@ -505,19 +517,26 @@ impl Model {
         for event in events {
             let CacheEvent::BlockStored {
                 group,
-                block,
+                blocks,
                 keys,
                 parent,
                 token_start,
                 token_end,
                 checkpoint,
+                tokens,
+                tokens_start,
+                lora_id,
+                cache_salt,
+                ..
             } = event
             else {
                 return Err(format!("expected only BlockStored events, got {event:?}"));
             };
             let g = *group as usize;
             ensure!(g < self.groups() && !keys.is_empty(), "malformed {event:?}");
+            ensure!(blocks.len() == keys.len(), "one block per key: {event:?}");
             ensure!(*checkpoint == self.s.state(g).is_some(), "checkpoint flag wrong: {event:?}");
+            ensure!(!*checkpoint || keys.len() == 1, "a checkpoint event holds one key: {event:?}");
             ensure!(
                 *token_end == token_start + keys.len() as u32 * unit,
                 "token range [{token_start}, {token_end}) for {} keys",
@@ -533,6 +552,31 @@ impl Model {
                      {token_end})"
                 );
             }
+            // The wire block is the unit here: the run carries exactly its own tokens, unit by
+            // unit the tokens each key was computed from, and the sequence's salt and adapter.
+            ensure!(*tokens_start == *token_start, "tokens from {tokens_start}: {event:?}");
+            ensure!(
+                tokens.len() == (token_end - token_start) as usize,
+                "{} token ids for [{token_start}, {token_end})",
+                tokens.len()
+            );
+            for (i, p) in prefixes.iter().enumerate() {
+                let (own, salt, lora) =
+                    self.unit_content.get(p).ok_or("a stored key was never learned")?;
+                let u = unit as usize;
+                ensure!(
+                    &tokens[i * u..(i + 1) * u] == own.as_slice(),
+                    "BlockStored token ids of [{}, {}) are not the tokens its key covers",
+                    token_start + i as u32 * unit,
+                    token_start + (i as u32 + 1) * unit
+                );
+                ensure!(lora == lora_id, "BlockStored lora_id {lora_id:?}, sequence's {lora:?}");
+                let salt_here = if *token_start == 0 { salt.clone() } else { None };
+                ensure!(
+                    &salt_here == cache_salt,
+                    "BlockStored cache_salt {cache_salt:?} from {token_start}, expected {salt_here:?}"
+                );
+            }
             match parent {
                 None => ensure!(*token_start == 0, "no parent for keys from {token_start}"),
                 Some(d) => {
@@ -546,7 +590,9 @@ impl Model {
                     );
                 }
             }
-            out.extend(prefixes.into_iter().map(|p| (g, *block, p, *checkpoint)));
+            out.extend(
+                prefixes.into_iter().zip(blocks).map(|(p, &block)| (g, block, p, *checkpoint)),
+            );
         }
         Ok(out)
     }
@@ -566,7 +612,7 @@ impl Model {
         event: &CacheEvent,
         held: &[HashSet<u32>],
     ) -> Result<usize, String> {
-        let CacheEvent::BlockRemoved { group, block, keys } = event else {
+        let CacheEvent::BlockRemoved { group, block, keys, gone } = event else {
             return Err(format!("expected only BlockRemoved events, got {event:?}"));
         };
         let g = *group as usize;
@@ -586,16 +632,25 @@ impl Model {
             sorted(removed) == sorted(recorded.clone()),
             "BlockRemoved of block {block} does not list exactly its keys"
         );
+        let mut no_longer_served = Vec::new();
         for (kg, prefix) in recorded {
             let blocks = self.live[kg].get_mut(&prefix).ok_or("key not live")?;
             blocks.retain(|&b| b != *block);
             if blocks.is_empty() {
                 self.live[kg].remove(&prefix);
+                no_longer_served.push((kg, prefix));
                 if self.s.recent_capacity > 0 {
                     self.recent[kg].insert(prefix);
                 }
             }
         }
+        // What leaves a router's view: exactly the keys no other block of the group serves.
+        let gone =
+            gone.iter().map(|d| Ok((g, self.prefix_of(d)?))).collect::<Result<Vec<_>, String>>()?;
+        ensure!(
+            sorted(gone) == sorted(no_longer_served),
+            "BlockRemoved of block {block}: its wire keys are not exactly those no block serves now"
+        );
         Ok(pool)
     }
 

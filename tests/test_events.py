@@ -1,0 +1,422 @@
+"""KV events on the wire: the manager's batches in vLLM 0.33's format, and the ZMQ publisher.
+
+The rules checked here, stated independently of the implementation:
+
+* a batch is the msgpack array ``[ts, [events...], data_parallel_rank]``; each event is a map
+  whose first key is ``type``; a store carries ``block_hashes``, ``parent_block_hash``,
+  ``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name`` even when nil;
+* a hash on the wire is the low 64 bits of the big-endian ``hash_prefix`` digest of the
+  prefix ending at that block; a store's parent is the hash of the block before its first
+  (nil at the start of the sequence); its token ids are exactly the stored blocks' tokens;
+* the wire block is the hash unit unless ``event_block_size`` names a paged block size;
+* an eviction removes on the wire only keys that no block serves any more;
+* the payload decodes with structs mirroring vLLM 0.33's, and re-encoding it with them gives
+  the same bytes (so vLLM's own decoder and any router reading vLLM reads it the same);
+* the publisher sends 3 frames (topic, 8-byte big-endian sequence from 0, payload), replays
+  buffered batches from a requested sequence followed by the end marker, and never blocks
+  when its queue is full (it counts the drop).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import prefixcache as pc
+import pytest
+
+msgpack = pytest.importorskip("msgpack")
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+
+from prefixcache import events as ev  # noqa: E402
+
+# The EVENTS.md test vector, encoded by vLLM 0.33.0's own structs.
+VECTOR = bytes.fromhex(
+    "93cb3ff800000000000093de000aa474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865"
+    "7391cf1234567890abcdefb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f69647394010203"
+    "04aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0"
+    "a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f"
+    "6e84a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf1234567890abcdefa6"
+    "6d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c6561726564"
+    "00"
+)
+
+
+# --- structs mirroring vLLM 0.33's vllm/distributed/kv_events.py ------------------------------
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
+
+
+DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+ENCODER = msgspec.msgpack.Encoder()
+
+
+def test_vllm_structs_encode_the_test_vector() -> None:
+    """The mirror structs are vLLM's: they give the EVENTS.md bytes (the contract's anchor)."""
+    batch = KVEventBatch(
+        ts=1.5,
+        events=[
+            BlockStored(
+                block_hashes=[0x1234567890ABCDEF],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3, 4],
+                block_size=4,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+            ),
+            BlockRemoved(block_hashes=[0x1234567890ABCDEF], medium="GPU", group_idx=0),
+            AllBlocksCleared(),
+        ],
+        data_parallel_rank=0,
+    )
+    assert ENCODER.encode(batch) == VECTOR
+    assert DECODER.decode(VECTOR) == batch
+
+
+def full(unit: int = 4, block: int = 8, blocks: int = 64, **kw: Any) -> pc.CacheManager:
+    return pc.CacheManager(
+        pc.CacheConfig(
+            pools=[pc.PoolConfig(blocks)],
+            groups=[pc.FullAttention(block)],
+            hash=pc.HashConfig(unit=unit),
+            **kw,
+        )
+    )
+
+
+def run(mgr: pc.CacheManager, seq: int, tokens: list[int], extra: Any = None) -> None:
+    """Adds, prefills in one step and commits ``tokens``."""
+    mgr.add(seq, tokens, extra)
+    assert mgr.schedule(seq, len(tokens)) is not None
+    mgr.commit(mgr.build_plan())
+
+
+def wire(mgr: pc.CacheManager, rank: int | None = 0) -> KVEventBatch:
+    payload, taken, written = mgr.drain_events_wire(12.25, rank)
+    assert payload is not None and taken >= written > 0
+    batch = DECODER.decode(payload)
+    # Re-encoding with vLLM's structs gives the same bytes: field order, headers, nil fields.
+    assert ENCODER.encode(batch) == payload
+    assert batch.ts == 12.25 and batch.data_parallel_rank == rank
+    assert len(batch.events) == written
+    return batch
+
+
+def ids(tokens: list[int], unit: int, extra: pc.ExtraKeys | None = None) -> list[int]:
+    return [ev.wire_id(d) for d in pc.hash_prefix(tokens, unit=unit, extra_keys=extra)]
+
+
+def test_a_commit_is_one_run_with_its_tokens_and_parent() -> None:
+    mgr = full()
+    tokens = list(range(100, 122))  # 22 tokens: 5 units of 4, across 3 blocks of 8
+    run(mgr, 1, tokens)
+    (stored,) = wire(mgr).events
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == ids(tokens, 4)
+    assert stored.parent_block_hash is None
+    assert stored.token_ids == tokens[:20]
+    assert (stored.block_size, stored.medium, stored.lora_id, stored.lora_name) == (
+        4,
+        "GPU",
+        None,
+        None,
+    )
+    assert (stored.group_idx, stored.kv_cache_spec_kind) == (0, "full_attention")
+    assert all(h != 0 for h in stored.block_hashes)
+    # The next chunk continues the chain: its parent is the last block sent.
+    mgr.append(1, list(range(122, 130)))
+    assert mgr.schedule(1, 100) is not None
+    mgr.commit(mgr.build_plan())
+    (more,) = wire(mgr).events
+    assert isinstance(more, BlockStored)
+    every = ids(tokens + list(range(122, 130)), 4)
+    assert more.parent_block_hash == every[4]
+    assert more.block_hashes == every[5:]
+    assert more.token_ids == list(range(120, 128))
+
+
+def test_the_wire_block_can_be_the_paged_block() -> None:
+    mgr = full(event_block_size=8)
+    tokens = list(range(7, 29))
+    run(mgr, 1, tokens)
+    (stored,) = wire(mgr).events
+    every = ids(tokens, 4)
+    assert stored.block_size == 8
+    assert stored.block_hashes == [every[1], every[3]]  # prefixes of 8 and 16 tokens
+    assert stored.token_ids == tokens[:16]
+    assert stored.parent_block_hash is None
+    with pytest.raises(pc.ConfigError, match="event_block_size"):
+        full(event_block_size=12)
+
+
+def test_extending_mid_block_sends_the_whole_wire_block() -> None:
+    """A run that starts inside a wire block (hit at U) still sends every block's tokens."""
+    mgr = full(event_block_size=8)
+    run(mgr, 1, list(range(12)))  # keys at 4, 8, 12; wire block 0..8 only
+    (first,) = wire(mgr).events
+    mgr.finish(1)
+    tokens = [*list(range(12)), 50, 51, 52, 53, 54]
+    mgr.add(2, tokens)
+    s = mgr.schedule(2, 100)
+    assert s is not None and s.num_computed == 12  # the run starts inside wire block 8..16
+    mgr.commit(mgr.build_plan())
+    (second,) = wire(mgr).events
+    every = ids(tokens, 4)
+    assert second.block_hashes == [every[3]]
+    assert second.parent_block_hash == first.block_hashes[-1] == every[1]
+    assert second.token_ids == tokens[8:16]
+
+
+def test_salt_and_lora_are_on_the_wire() -> None:
+    mgr = full()
+    tokens = list(range(8))
+    extra = pc.ExtraKeys(cache_salt=b"tenant-a", lora_id=3)
+    run(mgr, 1, tokens, extra)
+    (stored,) = wire(mgr).events
+    assert stored.lora_id == 3
+    # The salt is part of the first block's key only: vLLM's extra_keys, one entry per block.
+    assert stored.extra_keys == [("tenant-a",), None]
+    assert stored.block_hashes == ids(tokens, 4, extra)
+    assert stored.block_hashes != ids(tokens, 4)
+
+
+def test_state_groups_are_mamba_with_their_position() -> None:
+    mgr = pc.CacheManager(
+        pc.CacheConfig(
+            pools=[pc.PoolConfig(64), pc.PoolConfig(32)],
+            groups=[pc.FullAttention(8, pool=0), pc.StateGroup(alignment=4, pool=1)],
+            hash=pc.HashConfig(unit=4),
+        )
+    )
+    run(mgr, 1, list(range(21)))
+    payload, _, _ = mgr.drain_events_wire(0.0)
+    assert payload is not None
+    raw = msgpack.unpackb(payload)
+    kinds = {e["kv_cache_spec_kind"] for e in raw[1]}
+    assert kinds == {"full_attention", "mamba"}, raw
+    for e in raw[1]:
+        if e["kv_cache_spec_kind"] == "mamba":
+            assert e["group_idx"] == 1 and len(e["block_hashes"]) == 1
+            assert e["position"] % 4 == 0 and len(e["token_ids"]) == 4
+    DECODER.decode(payload)  # vLLM's decoder ignores the extra key
+
+
+def test_removal_only_of_keys_no_block_serves() -> None:
+    """Two copies of one key: evicting the first changes nothing on the wire, the second
+    removes it."""
+    mgr = full(unit=4, block=4, blocks=5)  # 4 usable blocks of one unit each
+    tokens = list(range(8))
+    run(mgr, 1, tokens)  # blocks b1 (key at 4), b2 (key at 8)
+    mgr.add(2, tokens)
+    s = mgr.schedule(2, 8)
+    assert s is not None and s.num_computed == 4  # shares b1, computes a copy of the key at 8
+    mgr.commit(mgr.build_plan())
+    wire(mgr)
+    mgr.finish(1)
+    mgr.finish(2)
+    run(mgr, 3, list(range(500, 508)))  # the free block and the oldest copy of the key at 8
+    assert mgr.stats().evictions == 1
+    assert not [e for e in wire(mgr).events if isinstance(e, BlockRemoved)]
+    assert mgr.add(9, [*tokens, 1]) is not None and mgr.lookup(9).tokens == 8
+    mgr.finish(9)
+    run(mgr, 4, list(range(600, 608)))  # the last copy of the key at 8, then the key at 4
+    assert mgr.stats().evictions == 3
+    removed = [e.block_hashes for e in wire(mgr).events if isinstance(e, BlockRemoved)]
+    every = ids(tokens, 4)
+    assert removed == [[every[1]], [every[0]]]
+
+
+def test_reset_is_all_blocks_cleared() -> None:
+    mgr = full()
+    run(mgr, 1, list(range(8)))
+    mgr.finish(1)
+    wire(mgr)
+    mgr.reset()
+    (cleared,) = wire(mgr).events
+    assert isinstance(cleared, AllBlocksCleared)
+
+
+def test_nothing_pending_gives_no_payload() -> None:
+    mgr = full()
+    assert mgr.drain_events_wire(0.0) == (None, 0, 0)
+
+
+def test_wire_id() -> None:
+    assert ev.wire_id(bytes(8) + (5).to_bytes(8, "big")) == 5
+    assert ev.wire_id((7).to_bytes(8, "big") + bytes(8)) == 7
+    assert ev.wire_id(bytes(16)) == 1
+    assert ev.offset_endpoint_port("tcp://*:5557", 2) == "tcp://*:5559"
+    assert ev.offset_endpoint_port("tcp://*:0", 2) == "tcp://*:0"
+    assert ev.offset_endpoint_port("inproc://cache", 1) == "inproc://cache_dp1"
+    assert ev.offset_endpoint_port(None, 3) is None
+    assert ev.cleared_payload(1.5, 0) == ENCODER.encode(
+        KVEventBatch(ts=1.5, events=[AllBlocksCleared()], data_parallel_rank=0)
+    )
+    assert ev.cleared_payload(1.5, 300) == ENCODER.encode(
+        KVEventBatch(ts=1.5, events=[AllBlocksCleared()], data_parallel_rank=300)
+    )
+
+
+# --- the publisher ------------------------------------------------------------------------------
+
+
+def subscriber(ctx: Any, endpoint: str) -> Any:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(endpoint)
+    return sub
+
+
+def test_publisher_frames_sequence_and_replay(tmp_path: Any) -> None:
+    ctx = zmq.Context()
+    mgr = full()
+    config = ev.KVEventsConfig(
+        endpoint=f"ipc://{tmp_path}/pub",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        topic="kv@pod@model",
+    )
+    with ev.ZmqEventPublisher(mgr, config, data_parallel_rank=0, context=ctx) as pub:
+        sub = subscriber(ctx, config.endpoint)
+        # PUB drops until the subscription has propagated: publish probes until one arrives.
+        deadline = time.time() + 5
+        probes = 0
+        while True:
+            pub.publish_payload(ev.cleared_payload(0.0, 0), 1)
+            probes += 1
+            if sub.poll(20):
+                break
+            assert time.time() < deadline, "the subscriber never received a batch"
+        first_real = probes  # the probes took sequence numbers 0 .. probes - 1
+        run(mgr, 1, list(range(12)))
+        assert pub.publish() == 1
+        mgr.finish(1)
+        run(mgr, 2, list(range(40, 48)))
+        assert pub.publish() == 1
+        got = []
+        while len(got) < 2:
+            frames = sub.recv_multipart()
+            if int.from_bytes(frames[1], "big") >= first_real:
+                got.append(frames)
+        for i, (topic, seq, payload) in enumerate(got):
+            assert topic == b"kv@pod@model"
+            assert len(seq) == 8 and int.from_bytes(seq, "big") == first_real + i
+            DECODER.decode(payload)
+        # Replay from the first real batch: both, in order, then the end marker.
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.connect(config.replay_endpoint)
+        dealer.send_multipart([b"", first_real.to_bytes(8, "big")])
+        replies = []
+        while True:
+            frames = dealer.recv_multipart()
+            assert frames[0] == b""
+            if frames[2] == ev.END_SEQ:
+                assert frames[1] == b"" and frames[3] == b""
+                break
+            replies.append(frames[1:])
+        assert replies == [list(g) for g in got]
+        stats = pub.stats()
+        assert stats.replays == 1 and stats.batches_replayed == 2
+        assert stats.batches_dropped == 0
+        dealer.close(0)
+        sub.close(0)
+    ctx.term()
+
+
+def test_publisher_never_blocks_on_a_full_queue(tmp_path: Any) -> None:
+    ctx = zmq.Context()
+    mgr = full()
+    config = ev.KVEventsConfig(endpoint=f"ipc://{tmp_path}/pub", max_queue_size=1)
+    pub = ev.ZmqEventPublisher(mgr, config, context=ctx)
+    # The sender takes the counters' lock after each send: holding it stalls the sender, so
+    # the queue fills; publish must return at once and count the drop.
+    with pub._counters.lock:
+        started = time.perf_counter()
+        results = [pub.publish_payload(ev.cleared_payload(0.0), 1) for _ in range(50)]
+        assert time.perf_counter() - started < 1.0
+    assert results.count(0) >= 48  # at most the sender's batch and one queued got through
+    pub.close()
+    stats = pub.stats()
+    assert stats.batches_dropped == results.count(0)
+    assert stats.batches_published + stats.batches_dropped == 50
+    ctx.term()
+
+
+def test_data_parallel_rank_offsets_the_port_and_stamps_batches() -> None:
+    ctx = zmq.Context()
+    mgr = full()
+    sock = ctx.socket(zmq.SUB)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    # Rank 2 of a base port two below the subscriber's: the publisher connects to `port`.
+    config = ev.KVEventsConfig(endpoint=f"tcp://127.0.0.1:{port - 2}")
+    with ev.ZmqEventPublisher(mgr, config, data_parallel_rank=2, context=ctx) as pub:
+        assert pub.endpoint == f"tcp://127.0.0.1:{port}"
+        deadline = time.time() + 5
+        while not sock.poll(20):
+            pub.publish_payload(ev.cleared_payload(0.0, 2), 1)
+            assert time.time() < deadline
+        run(mgr, 1, list(range(8)))
+        pub.publish()
+        while True:
+            _, _, payload = sock.recv_multipart()
+            batch = DECODER.decode(payload)
+            assert batch.data_parallel_rank == 2
+            if any(isinstance(e, BlockStored) for e in batch.events):
+                break
+    sock.close(0)
+    ctx.term()
+
+
+def test_publisher_refuses_a_manager_without_events() -> None:
+    with pytest.raises(ValueError, match="enable_events"):
+        ev.ZmqEventPublisher(full(enable_events=False), ev.KVEventsConfig(endpoint="inproc://x"))
+    assert isinstance(ev.create_publisher(full(), None), ev.NullEventPublisher)
