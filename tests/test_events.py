@@ -306,16 +306,24 @@ def test_wire_id() -> None:
 # --- the publisher ------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def ctx() -> Any:
+    """A ZMQ context destroyed with linger 0 however the test ends (an open socket would
+    otherwise make its garbage collection wait forever)."""
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
 def subscriber(ctx: Any, endpoint: str) -> Any:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.setsockopt(zmq.RCVTIMEO, 30_000)
     sub.connect(endpoint)
     return sub
 
 
-def test_publisher_frames_sequence_and_replay(tmp_path: Any) -> None:
-    ctx = zmq.Context()
+def test_publisher_frames_sequence_and_replay(tmp_path: Any, ctx: Any) -> None:
     mgr = full()
     config = ev.KVEventsConfig(
         endpoint=f"ipc://{tmp_path}/pub",
@@ -325,7 +333,7 @@ def test_publisher_frames_sequence_and_replay(tmp_path: Any) -> None:
     with ev.ZmqEventPublisher(mgr, config, data_parallel_rank=0, context=ctx) as pub:
         sub = subscriber(ctx, config.endpoint)
         # PUB drops until the subscription has propagated: publish probes until one arrives.
-        deadline = time.time() + 5
+        deadline = time.time() + 30
         probes = 0
         while True:
             pub.publish_payload(ev.cleared_payload(0.0, 0), 1)
@@ -350,7 +358,7 @@ def test_publisher_frames_sequence_and_replay(tmp_path: Any) -> None:
             DECODER.decode(payload)
         # Replay from the first real batch: both, in order, then the end marker.
         dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.setsockopt(zmq.RCVTIMEO, 30_000)
         dealer.connect(config.replay_endpoint)
         dealer.send_multipart([b"", first_real.to_bytes(8, "big")])
         replies = []
@@ -365,13 +373,9 @@ def test_publisher_frames_sequence_and_replay(tmp_path: Any) -> None:
         stats = pub.stats()
         assert stats.replays == 1 and stats.batches_replayed == 2
         assert stats.batches_dropped == 0
-        dealer.close(0)
-        sub.close(0)
-    ctx.term()
 
 
-def test_publisher_never_blocks_on_a_full_queue(tmp_path: Any) -> None:
-    ctx = zmq.Context()
+def test_publisher_never_blocks_on_a_full_queue(tmp_path: Any, ctx: Any) -> None:
     mgr = full()
     config = ev.KVEventsConfig(endpoint=f"ipc://{tmp_path}/pub", max_queue_size=1)
     pub = ev.ZmqEventPublisher(mgr, config, context=ctx)
@@ -386,21 +390,19 @@ def test_publisher_never_blocks_on_a_full_queue(tmp_path: Any) -> None:
     stats = pub.stats()
     assert stats.batches_dropped == results.count(0)
     assert stats.batches_published + stats.batches_dropped == 50
-    ctx.term()
 
 
-def test_data_parallel_rank_offsets_the_port_and_stamps_batches() -> None:
-    ctx = zmq.Context()
+def test_data_parallel_rank_offsets_the_port_and_stamps_batches(ctx: Any) -> None:
     mgr = full()
     sock = ctx.socket(zmq.SUB)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
     # Rank 2 of a base port two below the subscriber's: the publisher connects to `port`.
     config = ev.KVEventsConfig(endpoint=f"tcp://127.0.0.1:{port - 2}")
     with ev.ZmqEventPublisher(mgr, config, data_parallel_rank=2, context=ctx) as pub:
         assert pub.endpoint == f"tcp://127.0.0.1:{port}"
-        deadline = time.time() + 5
+        deadline = time.time() + 30
         while not sock.poll(20):
             pub.publish_payload(ev.cleared_payload(0.0, 2), 1)
             assert time.time() < deadline
@@ -412,8 +414,6 @@ def test_data_parallel_rank_offsets_the_port_and_stamps_batches() -> None:
             assert batch.data_parallel_rank == 2
             if any(isinstance(e, BlockStored) for e in batch.events):
                 break
-    sock.close(0)
-    ctx.term()
 
 
 def test_publisher_refuses_a_manager_without_events() -> None:

@@ -544,6 +544,23 @@ impl CacheConfig {
         self.groups.iter().any(|g| matches!(g.kind, GroupKind::State(_)))
     }
 
+    /// The wire's block size is the hash unit or a paged group's block size.
+    fn check_event_block_size(&self) -> Result<()> {
+        let (Some(w), unit) = (self.event_block_size, self.hash.unit) else {
+            return Ok(());
+        };
+        let paged = self.groups.iter().filter_map(|g| g.kind.block_size());
+        if w != unit && !paged.clone().any(|b| b == w) {
+            let sizes: Vec<String> = paged.map(|b| b.to_string()).collect();
+            return Err(CacheError::config(format!(
+                "event_block_size = {w}: it must be the hash unit ({unit}) or a paged group's \
+                 block size ({}); leave it None for the unit",
+                if sizes.is_empty() { "none configured".to_string() } else { sizes.join(", ") }
+            )));
+        }
+        Ok(())
+    }
+
     /// Checks every rule; the error message says what to change.
     pub fn validate(&self) -> Result<()> {
         let unit = self.hash.unit;
@@ -590,17 +607,7 @@ impl CacheConfig {
                 self.max_pending_events
             )));
         }
-        if let Some(w) = self.event_block_size {
-            let paged = self.groups.iter().filter_map(|g| g.kind.block_size());
-            if w != unit && !paged.clone().any(|b| b == w) {
-                let sizes: Vec<String> = paged.map(|b| b.to_string()).collect();
-                return Err(CacheError::config(format!(
-                    "event_block_size = {w}: it must be the hash unit ({unit}) or a paged group's \
-                     block size ({}); leave it None for the unit",
-                    if sizes.is_empty() { "none configured".to_string() } else { sizes.join(", ") }
-                )));
-            }
-        }
+        self.check_event_block_size()?;
         for (i, pool) in self.pools.iter().enumerate() {
             if pool.num_blocks < 2 {
                 return Err(CacheError::config(format!(
