@@ -76,6 +76,15 @@ pub(crate) struct InFlight {
     pub slots: Vec<usize>,
 }
 
+/// The step error of an append of known tokens after unresolved placeholders.
+#[cold]
+fn placeholders_pending(seq_id: u64, placeholders: u32) -> CacheError {
+    CacheError::step(format!(
+        "sequence {seq_id} has {placeholders} placeholder token(s) not yet resolved: resolve them \
+         before appending known tokens after them"
+    ))
+}
+
 /// The step error of a call refused while a plan is in flight.
 #[cold]
 fn refused_in_flight(call: &str, step_id: u64) -> CacheError {
@@ -504,11 +513,7 @@ impl CacheManager {
     pub(crate) fn check_append(&self, slot: usize, count: usize) -> Result<()> {
         let seq = self.seq(slot);
         if seq.placeholders > 0 {
-            return Err(CacheError::step(format!(
-                "sequence {} has {} placeholder token(s) not yet resolved: resolve them before \
-                 appending known tokens after them",
-                seq.id, seq.placeholders
-            )));
+            return Err(placeholders_pending(seq.id, seq.placeholders));
         }
         self.check_length(slot, count)
     }

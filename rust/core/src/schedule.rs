@@ -232,8 +232,19 @@ impl CacheManager {
 
     /// `StepError` for a sequence already scheduled for the next plan, in as many in-flight
     /// steps as `max_steps_in_flight` allows, or preempted with steps in flight.
+    #[inline]
     fn refuse_pending_step(&self, slot: usize) -> Result<()> {
         let seq = self.seq(slot);
+        // The decode step's case, inlined: no step, not retiring.
+        if seq.step().is_none() && seq.retiring.is_none() {
+            return Ok(());
+        }
+        self.refuse_pending_step_slow(seq)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn refuse_pending_step_slow(&self, seq: &Sequence) -> Result<()> {
         if let Some(step) = seq.step() {
             if step.plan == 0 {
                 return Err(CacheError::step(format!(
