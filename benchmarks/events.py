@@ -4,7 +4,7 @@
    a sequence crosses a unit boundary every 16 steps, so 16 stored runs per step on average),
    each step one ``decode_step`` call: events off; events on and drained to wire bytes
    (``drain_events_wire``); events on and published (``ZmqEventPublisher.publish``, a PUB socket
-   on ipc with a subscriber reading in another thread). Medians of the per-step time, in
+   on ipc with a subscriber reading in another process). Medians of the per-step time, in
    microseconds, and the overhead over events off.
 2. The sender's sustained rate: batches of real stored runs queued while the sender is stalled,
    then the time until all are sent to a subscriber (events per second).
@@ -15,9 +15,9 @@ Run: ``OPENBLAS_NUM_THREADS=1 python benchmarks/events.py [--steps N]``.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import tempfile
-import threading
 import time
 
 import numpy as np
@@ -29,8 +29,8 @@ ROWS = 256
 PROMPT = 4096
 
 
-def manager(events: bool) -> tuple[pc.CacheManager, np.ndarray, pc.PlanBuffers]:
-    blocks = ROWS * (PROMPT // 16 + 64) + 16
+def manager(events: bool, steps: int = 0) -> tuple[pc.CacheManager, np.ndarray, pc.PlanBuffers]:
+    blocks = ROWS * ((PROMPT + steps + 32) // 16 + 2) + 16
     mgr = pc.CacheManager(
         pc.CacheConfig(
             pools=[pc.PoolConfig(blocks)],
@@ -58,23 +58,24 @@ def manager(events: bool) -> tuple[pc.CacheManager, np.ndarray, pc.PlanBuffers]:
     return mgr, ids, buffers
 
 
+def read(endpoint: str) -> None:
+    """A subscriber reading every batch (run in its own process)."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    while True:
+        sub.recv_multipart()
+
+
 def decode(mode: str, steps: int, tmp: str) -> list[float]:
-    mgr, ids, buffers = manager(mode != "off")
-    pub = sub = reader = None
-    stop = threading.Event()
+    mgr, ids, buffers = manager(mode != "off", steps)
+    pub = reader = None
     if mode == "publish":
-        ctx = zmq.Context.instance()
         pub = ev.ZmqEventPublisher(mgr, ev.KVEventsConfig(endpoint=f"ipc://{tmp}/decode"))
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(f"ipc://{tmp}/decode")
-
-        def read() -> None:
-            while not stop.is_set():
-                if sub.poll(50):
-                    sub.recv_multipart()
-
-        reader = threading.Thread(target=read, daemon=True)
+        # The subscriber is another process, as a router is: it takes no GIL from this one.
+        reader = multiprocessing.get_context("spawn").Process(
+            target=read, args=(f"ipc://{tmp}/decode",), daemon=True
+        )
         reader.start()
     times = []
     for step in range(steps):
@@ -89,11 +90,9 @@ def decode(mode: str, steps: int, tmp: str) -> list[float]:
         assert int(scheduled.sum()) == ROWS
     if pub is not None:
         pub.close()
-        stop.set()
         assert reader is not None
+        reader.terminate()
         reader.join()
-        assert sub is not None
-        sub.close(0)
     return times[steps // 10 :]
 
 
