@@ -424,3 +424,47 @@ def test_geometry_is_raised_to_the_kernel_alignment() -> None:
     assert geometry.aligned(1) == geometry
     assert (geometry.aligned(16).unit, geometry.aligned(16).block_size) == (16, 96)
     assert (geometry.aligned(64).unit, geometry.aligned(64).block_size) == (64, 192)
+
+
+def test_simulate_publishes_its_events_and_serves_metrics(tmp_path: Path) -> None:
+    """``--events`` publishes every run's events (stores among them, sequence numbers +1 a
+    batch; the first batches may go before the subscription is up, as PUB sockets do)."""
+    zmq = pytest.importorskip("zmq")
+    msgpack = pytest.importorskip("msgpack")
+    import socket
+    import threading
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{ports[0]}")
+    got: list[list[bytes]] = []
+    done = threading.Event()
+
+    def collect() -> None:
+        while not done.is_set() or sub.poll(200):
+            if sub.poll(50):
+                got.append(sub.recv_multipart())
+
+    reader = threading.Thread(target=collect)
+    reader.start()
+    try:
+        trace = small_trace(tmp_path / "trace.jsonl")
+        arguments = ["simulate", "--workload", "trace", str(trace), "--policies", "fine"]
+        events = ["--events", f"tcp://127.0.0.1:{ports[0]}", "--metrics-port", str(ports[1])]
+        assert main([*arguments, *events, "--serve-for", "0.5"]) == 0
+    finally:
+        done.set()
+        reader.join()
+        ctx.destroy(linger=0)
+    assert got, "no batch arrived"
+    seqs = [int.from_bytes(frames[1], "big") for frames in got]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    types = [e["type"] for frames in got for e in msgpack.unpackb(frames[2])[1]]
+    assert "BlockStored" in types
+    assert set(types) <= {"BlockStored", "BlockRemoved", "AllBlocksCleared"}

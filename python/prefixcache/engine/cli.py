@@ -237,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="serve Prometheus metrics of the running manager at http://127.0.0.1:PORT/metrics",
     )
+    simulate.add_argument(
+        "--serve-for",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --events or --metrics-port: keep publishing and serving this long after the "
+        "last run, so that a router or a scrape can query the final state",
+    )
     simulate.set_defaults(command_parser=simulate)
     return parser
 
@@ -525,6 +533,9 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             warm_up=None if args.warm_up == "auto" else args.warm_up,
             observe=observer.observe if observer.active else None,
         )
+        if observer.active and args.serve_for > 0:
+            print(f"\nserving the final state for {args.serve_for:g} s")
+            time.sleep(args.serve_for)
     finally:
         observer.close()
     document = report.to_json()
