@@ -426,16 +426,24 @@ def test_geometry_is_raised_to_the_kernel_alignment() -> None:
     assert (geometry.aligned(64).unit, geometry.aligned(64).block_size) == (64, 192)
 
 
-def test_simulate_publishes_its_events_and_serves_metrics(tmp_path: Path) -> None:
+def test_simulate_publishes_its_events_and_serves_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--events`` publishes every run's events (stores among them, sequence numbers +1 a
-    batch; the first batches may go before the subscription is up, as PUB sockets do)."""
+    batch). A PUB socket sends only to subscribers already connected, and this tiny run may end
+    before one is (the slow joiner), so the test reads as a router does: what arrives live, then
+    the replay socket from sequence 0 while ``--serve-for`` keeps the endpoints up; every live
+    batch must equal the replayed batch of its sequence."""
     zmq = pytest.importorskip("zmq")
     msgpack = pytest.importorskip("msgpack")
     import socket
     import threading
+    import time
+
+    from prefixcache.events import END_SEQ
 
     ports = []
-    for _ in range(2):
+    for _ in range(3):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
@@ -451,20 +459,54 @@ def test_simulate_publishes_its_events_and_serves_metrics(tmp_path: Path) -> Non
             if sub.poll(50):
                 got.append(sub.recv_multipart())
 
+    trace = small_trace(tmp_path / "trace.jsonl")
+    arguments = ["simulate", "--workload", "trace", str(trace), "--policies", "fine"]
+    events = [
+        "--events",
+        f"tcp://127.0.0.1:{ports[0]}",
+        "--events-replay",
+        f"tcp://127.0.0.1:{ports[2]}",
+        "--metrics-port",
+        str(ports[1]),
+    ]
+    status: list[int] = []
+    runner = threading.Thread(
+        target=lambda: status.append(main([*arguments, *events, "--serve-for", "5"]))
+    )
     reader = threading.Thread(target=collect)
     reader.start()
+    replies: list[list[bytes]] = []
     try:
-        trace = small_trace(tmp_path / "trace.jsonl")
-        arguments = ["simulate", "--workload", "trace", str(trace), "--policies", "fine"]
-        events = ["--events", f"tcp://127.0.0.1:{ports[0]}", "--metrics-port", str(ports[1])]
-        assert main([*arguments, *events, "--serve-for", "0.5"]) == 0
+        runner.start()
+        printed = ""
+        deadline = time.monotonic() + 300
+        while "serving the final state" not in printed and runner.is_alive():
+            assert time.monotonic() < deadline, "the run did not finish"
+            time.sleep(0.05)
+            printed += capsys.readouterr().out
+        assert "serving the final state" in printed, printed
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 30_000)
+        dealer.connect(f"tcp://127.0.0.1:{ports[2]}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            frames = dealer.recv_multipart()
+            assert frames[0] == b""
+            if frames[2] == END_SEQ:
+                break
+            replies.append(frames[1:])
+        runner.join()
     finally:
         done.set()
         reader.join()
+        runner.join()
         ctx.destroy(linger=0)
-    assert got, "no batch arrived"
-    seqs = [int.from_bytes(frames[1], "big") for frames in got]
-    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-    types = [e["type"] for frames in got for e in msgpack.unpackb(frames[2])[1]]
+    assert status == [0]
+    assert replies, "the replay returned no batch"
+    seqs = [int.from_bytes(frames[1], "big") for frames in replies]
+    assert seqs == list(range(len(seqs))), seqs
+    for frames in got:
+        assert frames == replies[int.from_bytes(frames[1], "big")]
+    types = [e["type"] for frames in replies for e in msgpack.unpackb(frames[2])[1]]
     assert "BlockStored" in types
     assert set(types) <= {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
