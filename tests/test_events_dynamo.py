@@ -6,7 +6,8 @@ indexer's block size, the tokens the indexer says a probe prompt has cached on t
 equal the full-attention hit ``lookup`` returns for it (for prompts whose length is not a
 multiple of U, where the lookup's cap of one recomputed token does not bite), after stores
 with shared prefixes and evictions, after a reset, and after a batch lost on the wire (a
-sequence gap the indexer repairs from the replay socket).
+sequence gap the indexer repairs from the replay socket); and after the reference engine has
+served a growing-prefix workload with evictions while its manager published.
 """
 
 from __future__ import annotations
@@ -218,3 +219,66 @@ def test_the_indexer_matches_lookup(setup: Any) -> None:
     assert pub._pub.lost, "no batch was lost"
     assert lookup(mgr, probes[0]) > 0
     assert pub.stats().replays >= 1, "the indexer never asked for a replay"
+
+
+def test_the_indexer_follows_the_reference_engine(setup: Any) -> None:
+    """The reference engine serving a growing-prefix workload with evictions (block policy:
+    U = B, the indexer's block size) while its manager publishes: afterwards the indexer's
+    matched tokens for every prompt of the workload, and for extensions of them, equal the
+    full-attention hit ``lookup`` returns on the engine's final manager."""
+    from prefixcache.engine import Engine, EngineConfig, Policy, build_model
+    from prefixcache.engine.policy import PAGED_GROUP
+    from prefixcache.engine.workloads import Geometry, GrowingPrefixSpec, PresetWorkload
+
+    mgr, pub, indexer = setup
+    deadline = time.time() + 30
+    for k in range(1000):  # wait until the indexer is subscribed (see the test above)
+        warm = family(9000 + 100 * k, 13)
+        serve(mgr, pub, 1 + k, warm)
+        time.sleep(0.2)
+        if indexer.matched(warm) > 0:
+            break
+        assert time.time() < deadline, "the indexer never received a batch"
+
+    model = build_model("cpu", "torch")
+    geometry = Geometry(block_size=UNIT, unit=UNIT, token_budget=32, max_running=2)
+    assert geometry.aligned(model.backend.checkpoint_alignment) == geometry
+    spec = GrowingPrefixSpec(streams=2, first_prompt=30, growth=14, rounds=4, output_len=3)
+    workload = PresetWorkload("dynamo", "test", spec, geometry)
+    engines: list[pc.CacheManager] = []
+
+    def observe(manager: pc.CacheManager) -> Any:
+        engines.append(manager)
+        pub.attach(manager)
+        return pub.publish
+
+    config = EngineConfig(token_budget=32, max_running=2, paged_blocks=40, state_blocks=64)
+    engine = Engine(
+        model, Policy.named("block", block_size=UNIT, fine_unit=UNIT), config, observe=observe
+    )
+    built = workload.build(model.config.vocab_size)
+    prompts = [request.prompt.tolist() for request in built.initial_requests()]
+    result = engine.run(built)
+    assert result.manager_stats["evictions"] > 0, "the workload was meant to evict"
+    assert len(engines) == 1
+    final = engines[0]
+    prompts += [r.output_ids for r in result.requests.values()]
+    probes = [p + [7] * (1 + (len(p) + 1) % UNIT) for p in prompts if p]
+    probes = [p + [7] * (len(p) % UNIT == 0) for p in probes]
+
+    def hit(tokens: list[int]) -> int:
+        probe = 10**6 + len(tokens) + sum(tokens) % 1000
+        final.add(probe, tokens)
+        tokens_hit = final.lookup(probe).groups[PAGED_GROUP].tokens
+        final.finish(probe)
+        return int(tokens_hit)
+
+    want = [hit(p) for p in probes]
+    deadline = time.time() + 20
+    while True:
+        got = [indexer.matched(p) for p in probes]
+        if got == want or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert got == want
+    assert any(want), "nothing left cached to compare"
