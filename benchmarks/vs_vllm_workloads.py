@@ -1,4 +1,4 @@
-"""Token streams of the vLLM comparison (``benchmarks/vs_vllm.py``), from ``WORKLOADS.md``.
+"""Token streams of the vLLM comparison (``benchmarks/vs_vllm.py``), at the seed result's sizes.
 
 Both managers are fed the very same requests: prompts and sampled tokens come from a seeded
 NumPy generator and are built once, before any timed run.
@@ -178,7 +178,7 @@ class SharedPrompts(Workload):
 
 
 def make_workload(name: str, scale: float) -> Workload:
-    """The named workload at ``scale`` (1.0 = the sizes of ``WORKLOADS.md``)."""
+    """The named workload at ``scale`` (1.0 = the seed result's sizes)."""
     if name == "growing-prefix":
         return GrowingPrefix(scale)
     if name == "shared-prompts":

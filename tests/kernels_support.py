@@ -73,7 +73,7 @@ def pad_checkpoints(rows: list[list[tuple[int, int]]]) -> tuple[list[list[int]],
 
 
 def naive_kda(params, batch: Batch, lengths, initial_conv, initial_state):
-    """KERNELS.md's math, written out independently: per sequence, per head, per token.
+    """The KDA recurrence, written out independently: per sequence, per head, per token.
 
     ``initial_conv[r]`` is ``[C, W-1]`` or None, ``initial_state[r]`` ``[H, V, K]`` or None.
     Returns ``(outputs [T, H, V], final conv windows, final states [H, V, K])`` per row.

@@ -31,7 +31,7 @@ zmq = pytest.importorskip("zmq")
 
 from prefixcache import events as ev  # noqa: E402
 
-# The EVENTS.md test vector, encoded by vLLM 0.33.0's own structs.
+# The wire format's test vector, encoded by vLLM 0.33.0's own structs.
 VECTOR = bytes.fromhex(
     "93cb3ff800000000000093de000aa474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865"
     "7391cf1234567890abcdefb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f69647394010203"
@@ -95,7 +95,7 @@ ENCODER = msgspec.msgpack.Encoder()
 
 
 def test_vllm_structs_encode_the_test_vector() -> None:
-    """The mirror structs are vLLM's: they give the EVENTS.md bytes (the contract's anchor)."""
+    """The mirror structs are vLLM's: they give the test vector's bytes (the contract's anchor)."""
     batch = KVEventBatch(
         ts=1.5,
         events=[

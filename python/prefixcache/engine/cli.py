@@ -35,7 +35,7 @@ policies:
          resumes at ((N-1)//U)*U.
 
 presets:
-  seed     the full sizes of WORKLOADS.md (growing-prefix: 8 streams, 120,000 -> 164,000
+  seed     the full sizes, those of the seed result (growing-prefix: 8 streams, 120,000 -> 164,000
            tokens in 23 rounds, 200 output tokens, chunk budget 8,192, B=1536, U=128). Hours
            on a CPU; meant for a GPU.
   default  the same ratios, about a minute on 2 CPU cores. growing-prefix: the seed geometry

@@ -18,7 +18,7 @@ Workloads (names as in the CLI):
   model's output and a new user turn (this is where decode-tail checkpoints pay).
 - ``trace FILE`` (:class:`Trace`): JSONL, one request per line (see :func:`load_trace`).
 
-Presets (:func:`workload_preset`): ``seed`` is the full size of WORKLOADS.md; ``default`` keeps
+Presets (:func:`workload_preset`): ``seed`` is the full size (the seed result's); ``default`` keeps
 the ratios at a size that runs in about a minute on a 2-core CPU. For ``growing-prefix`` the
 default is the seed geometry divided by 16 (block 96, unit 8, +125 tokens per round, chunk budget
 512, 12 output tokens), except that the first prompt is 588 tokens instead of 7500: both are
