@@ -155,21 +155,36 @@ class PrefixCacheCollector:
             p = self.publisher.stats()
             dropped.add_metric([*values, "queue"], p.events_dropped)
             yield dropped
-            m = counter("event_batches_published", "Event batches sent on the PUB socket.")
-            m.add_metric(values, p.batches_published)
-            yield m
-            m = counter("events_published", "Wire events sent on the PUB socket.")
-            m.add_metric(values, p.events_published)
-            yield m
-            m = counter("event_batches_dropped", "Event batches dropped on a full queue.")
-            m.add_metric(values, p.batches_dropped)
-            yield m
-            m = gauge("event_queue_depth", "Event batches waiting for the sender.")
-            m.add_metric(values, p.queue_depth)
-            yield m
-            m = counter("event_replays", "Replay requests served.")
-            m.add_metric(values, p.replays)
-            yield m
+            for make, name, doc, value in (
+                (
+                    counter,
+                    "event_batches_published",
+                    "Event batches sent on the PUB socket.",
+                    p.batches_published,
+                ),
+                (
+                    counter,
+                    "events_published",
+                    "Wire events sent on the PUB socket.",
+                    p.events_published,
+                ),
+                (
+                    counter,
+                    "event_batches_dropped",
+                    "Event batches dropped on a full queue.",
+                    p.batches_dropped,
+                ),
+                (
+                    gauge,
+                    "event_queue_depth",
+                    "Event batches waiting for the sender.",
+                    p.queue_depth,
+                ),
+                (counter, "event_replays", "Replay requests served.", p.replays),
+            ):
+                m = make(name, doc)
+                m.add_metric(values, value)
+                yield m
         else:
             yield dropped
 

@@ -572,7 +572,8 @@ class Geometry:
     def __post_init__(self) -> None:
         if min(self.block_size, self.unit, self.token_budget, self.max_running) < 1:
             raise ValueError(f"every field of {self} must be >= 1")
-        if self.block_size % self.unit:
+        # The core's rule (U divides B): a geometry is valid iff aligning it to A = 1 keeps it.
+        if pc.aligned_geometry(self.unit, self.block_size, 1) != (self.unit, self.block_size):
             raise ValueError(f"the unit {self.unit} must divide the block size {self.block_size}")
 
     def aligned(self, alignment: int) -> Geometry:
