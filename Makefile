@@ -26,9 +26,9 @@ test: test-rust test-python
 # Long fuzz runs (minutes; `make test` runs short, fixed-seed versions of each): the core's wide
 # fuzz property (1-3 pools, 1-4 groups, every call with hostile values) in release with
 # overflow checks and debug assertions on, the model-based properties (one step and overlapped
-# steps) at depth, then the Python API's state machine. Each prints its seed and the operations it executed; a core failure is
-# shrunk and recorded in rust/core/tests/*.proptest-regressions (commit it), a Python one
-# printed as a minimal program. FUZZ_SEED=... replays a core run.
+# steps) at depth, then the Python API's state machine. Each prints its seed and the operations
+# it executed; a core failure is shrunk and recorded in rust/core/tests/*.proptest-regressions
+# (commit it), a Python one printed as a minimal program. FUZZ_SEED=... replays a core run.
 FUZZ_CASES ?= 40000
 MODEL_CASES ?= 20000
 FUZZ_EXAMPLES ?= 2000
