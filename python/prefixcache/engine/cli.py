@@ -191,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
         "prefixcache.kernels.conv_triton; needs --device cuda)",
     )
     simulate.add_argument(
+        "--decode-attention",
+        # "auto" + prefixcache.models.DECODE_ATTENTIONS (imported lazily)
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="the attention of decode rows (one query token): auto (default: triton on CUDA, "
+        "torch on the CPU), torch (each row's context gathered, then attended to, row by row) "
+        "or triton (every decode row in one launch, read through the block table: "
+        "prefixcache.kernels.decode_attention; needs --device cuda)",
+    )
+    simulate.add_argument(
         "--warm-up",
         # "auto" + prefixcache.engine.simulate.WARM_UPS (imported lazily)
         choices=("auto", "none", "shapes", "full"),
@@ -469,7 +479,12 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 model_name = "tiny" if args.device == "cpu" else "kimi-k3-tp8"
             config = ModelConfig.named(model_name, args.depth)
         model = build_model(
-            args.device, args.backend, config=config, kda_timing=args.kda_timing, conv=args.conv
+            args.device,
+            args.backend,
+            config=config,
+            kda_timing=args.kda_timing,
+            conv=args.conv,
+            decode_attention=args.decode_attention,
         )
         workload = workload_preset(
             name, args.preset, trace_path=trace_path, vocab_size=model.config.vocab_size
@@ -501,7 +516,8 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"{config.kda_head_dim}, attention {config.attention_heads}/{config.attention_kv_heads}"
         f"x{config.attention_head_dim}, MLP {config.mlp_hidden_size}, vocabulary "
         f"{config.vocab_size}, {str(model.dtype).removeprefix('torch.')}, random weights; "
-        f"conv {backend.conv_impl}, KDA timing {model.kda_timer.mode}"
+        f"conv {backend.conv_impl}, decode attention {model.decode_attention}, KDA timing "
+        f"{model.kda_timer.mode}"
     )
     adjusted = geometry != workload.geometry
     print(

@@ -18,10 +18,13 @@ roundoffs per layer across 4 layers and the final projection.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 
 import prefixcache as pc
@@ -41,6 +44,7 @@ __all__ = [
     "LOW_PRECISION_RTOL",
     "WARM_UPS",
     "SimulationReport",
+    "StepClock",
     "build_model",
     "engine_config_for",
     "simulate",
@@ -64,6 +68,7 @@ def build_model(
     backend_options: dict[str, Any] | None = None,
     kda_timing: TimingMode | Literal["auto"] = "auto",
     conv: ConvImpl | Literal["auto"] = "auto",
+    decode_attention: str = "auto",
 ) -> HybridModel:
     """The reference model on ``device`` with the kernel backend ``backend``.
 
@@ -76,8 +81,11 @@ def build_model(
     (:mod:`prefixcache.models.timing`; ``"auto"``: ``"events"`` on CUDA, which adds no
     synchronisation to a step, ``"wall"`` on the CPU); ``conv`` the short convolution's
     implementation (``"auto"``: ``"triton"`` on CUDA, ``"torch"`` on the CPU;
-    ``prefixcache.kernels.conv_triton``). Raises ``BackendUnavailableError`` when the backend
-    cannot run here, ``UnsupportedLayerError`` when the convolution cannot.
+    ``prefixcache.kernels.conv_triton``); ``decode_attention`` how attention layers compute
+    decode rows (``"auto"``: ``"triton"`` on CUDA, ``"torch"`` on the CPU;
+    ``prefixcache.kernels.decode_attention``). Raises ``BackendUnavailableError`` when the
+    backend cannot run here, ``UnsupportedLayerError`` when the convolution or the decode
+    attention cannot.
     """
     torch_device = torch.device(device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
@@ -102,7 +110,10 @@ def build_model(
     timing: TimingMode = cast(TimingMode, kda_timing)
     if kda_timing == "auto":
         timing = "events" if torch_device.type == "cuda" else "wall"
-    model = HybridModel(config, kernel_backend, device=torch_device)
+    HybridModel.check_decode_attention(decode_attention, torch_device)  # before the weights
+    model = HybridModel(
+        config, kernel_backend, device=torch_device, decode_attention=decode_attention
+    )
     model.kda_timer = KernelTimer(torch_device, timing)
     return model
 
@@ -160,8 +171,10 @@ class SimulationReport:
     engine_config: EngineConfig | None = None
     kda_timing: str = "wall"
     conv: str = "torch"
+    decode_attention: str = "torch"
     warm_up: str = "none"
     runs: dict[str, RunResult] = field(default_factory=dict)
+    step_times: dict[str, dict[str, Any]] = field(default_factory=dict)
     policies: dict[str, Policy] = field(default_factory=dict)
     matches: dict[str, tuple[bool | None, str]] = field(default_factory=dict)
 
@@ -197,6 +210,7 @@ class SimulationReport:
                 "preemptions": run.preemptions,
                 "kda_timing_underruns": run.kda_timing_underruns,
                 "seconds": run.seconds,
+                "step_times": self.step_times.get(name, {}),
                 "manager_stats": run.manager_stats,
             }
         return {
@@ -227,6 +241,7 @@ class SimulationReport:
             "outputs_rtol": self.rtol,
             "kda_timing": self.kda_timing,
             "conv": self.conv,
+            "decode_attention": self.decode_attention,
             "warm_up": self.warm_up,
             "pools": None
             if self.engine_config is None
@@ -236,6 +251,56 @@ class SimulationReport:
                 "checkpoint_cap": self.engine_config.checkpoint_cap,
             },
         }
+
+
+class StepClock:
+    """The engine's forward, with each step's wall time recorded by its shape.
+
+    A step whose rows all have one query token (a decode step) goes to :attr:`decode_ms`, any
+    other to :attr:`prefill` as (tokens, ms). On CUDA the clock waits for the step's work before
+    reading the time; that costs nothing, since the engine reads the step's logits right after.
+    """
+
+    def __init__(self, model: HybridModel) -> None:
+        self.model = model
+        self.decode_ms: list[float] = []
+        self.prefill: list[tuple[int, float]] = []
+
+    def __call__(
+        self, step: Any, token_ids: torch.Tensor, caches: Any, logits_indices: np.ndarray
+    ) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self.model.execute(step, token_ids, caches, logits_indices)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        ms = 1e3 * (time.perf_counter() - start)
+        counts = np.diff(np.asarray(step.query_start_loc, dtype=np.int64))
+        if counts.size and int(counts.max()) == 1:
+            self.decode_ms.append(ms)
+        else:
+            self.prefill.append((int(counts.sum()), ms))
+        return logits
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, medians and means; for the other steps also the least-squares fit
+        ``fixed_ms + per_token_us * tokens`` (what a schedule model prices a step at)."""
+        out: dict[str, Any] = {
+            "decode_steps": len(self.decode_ms),
+            "prefill_steps": len(self.prefill),
+        }
+        if self.decode_ms:
+            out["decode_ms_p50"] = statistics.median(self.decode_ms)
+            out["decode_ms_mean"] = statistics.fmean(self.decode_ms)
+        if self.prefill:
+            tokens = np.asarray([t for t, _ in self.prefill], dtype=float)
+            ms = np.asarray([m for _, m in self.prefill], dtype=float)
+            out["prefill_ms_p50"] = float(np.median(ms))
+            out["prefill_tokens_p50"] = float(np.median(tokens))
+            if len(self.prefill) > 1 and float(tokens.std()) > 0:
+                slope, intercept = np.polyfit(tokens, ms, 1)
+                out["prefill_fixed_ms"] = float(intercept)
+                out["prefill_per_token_us"] = 1e3 * float(slope)
+        return out
 
 
 ProgressFactory = Callable[[str, int], Callable[[RequestResult], None]]
@@ -299,6 +364,7 @@ def simulate(
         engine_config=config,
         kda_timing=model.kda_timer.mode,
         conv=model.backend.conv_impl,
+        decode_attention=model.decode_attention,
     )
     mode: WarmUp
     if warm_up is None:
@@ -313,10 +379,12 @@ def simulate(
     _warm_up(model, names, workload, geometry, config, mode)
     for name in names:
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
-        engine = Engine(model, policy, config, observe=observe)
+        clock = StepClock(model)
+        engine = Engine(model, policy, config, forward=clock, observe=observe)
         callback = None if progress is None else progress(name, workload.spec.num_requests)
         run = engine.run(workload.build(model.config.vocab_size), on_finished=callback)
         report.runs[name] = run
+        report.step_times[name] = clock.summary()
         report.policies[name] = policy
         if "none" in report.runs:
             report.matches[name] = outputs_match(

@@ -9,7 +9,8 @@ blocks cost per token, a stated number of layer groups; ``kimi-k3-tp8/N`` is the
 times narrower, for the CPU). Its KDA layers run through the kernel layer
 (:mod:`prefixcache.kernels`: short conv + KDA recurrence, reading and writing a ``StateCache`` at
 the slots of the step plan, checkpoints included); its attention layer writes and reads a paged
-KV cache through ``slot_mapping`` and block tables. Nothing bypasses a cache: a wrong block id, a
+KV cache through ``slot_mapping`` and block tables (on CUDA, decode rows through the Triton paged
+decode kernel, which reads the blocks in place). Nothing bypasses a cache: a wrong block id, a
 stale checkpoint or a missed copy-on-write changes the logits.
 
 What it represents: the cache traffic of a hybrid model (which states and blocks a step reads
@@ -27,11 +28,18 @@ about as many bytes per token, without positional encoding, like Kimi's NoPE lay
 from __future__ import annotations
 
 from .config import KIMI_K3, MODEL_NAMES, LayerKind, ModelConfig, kimi_k3_mlp_width
-from .hybrid import HybridModel, ModelCaches, default_dtype
+from .hybrid import (
+    DECODE_ATTENTIONS,
+    HybridModel,
+    ModelCaches,
+    default_decode_attention,
+    default_dtype,
+)
 from .layers import MLP, AttentionLayer, KDALayer, paged_causal_attention, rms_norm
 from .timing import KernelTimer
 
 __all__ = [
+    "DECODE_ATTENTIONS",
     "KIMI_K3",
     "MLP",
     "MODEL_NAMES",
@@ -42,6 +50,7 @@ __all__ = [
     "LayerKind",
     "ModelCaches",
     "ModelConfig",
+    "default_decode_attention",
     "default_dtype",
     "kimi_k3_mlp_width",
     "paged_causal_attention",

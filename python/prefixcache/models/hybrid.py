@@ -24,13 +24,35 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import KDABackend, PagedKVCache, StateCache, Step
+from ..kernels._convert import to_device
 from ..kernels.copies import copy_checked_blocks, copy_checked_states, copy_shapes
+from ..kernels.decode_attention import DecodeRows, triton_unavailable_reason
+from ..kernels.errors import UnsupportedLayerError
 from ..kernels.validate import check_copies, check_snapshots
 from .config import ModelConfig
 from .layers import MLP, AttentionLayer, KDALayer, rms_norm
 from .timing import KernelTimer
 
-__all__ = ["HybridModel", "ModelCaches", "default_dtype"]
+__all__ = [
+    "DECODE_ATTENTIONS",
+    "HybridModel",
+    "ModelCaches",
+    "default_decode_attention",
+    "default_dtype",
+]
+
+#: How the attention layers compute decode rows (one query token): ``torch`` gathers each row's
+#: context and calls ``scaled_dot_product_attention`` per row; ``triton`` reads every decode
+#: row's context through the block table in one launch (``kernels.decode_attention``).
+DECODE_ATTENTIONS = ("torch", "triton")
+
+
+def default_decode_attention(device: torch.device) -> str:
+    """``"triton"`` on CUDA when Triton is installed, ``"torch"`` elsewhere (the CPU never
+    imports Triton unless asked to)."""
+    if device.type == "cuda" and triton_unavailable_reason(device) is None:
+        return "triton"
+    return "torch"
 
 
 def default_dtype(device: torch.device, backend: KDABackend) -> torch.dtype:
@@ -69,11 +91,13 @@ class HybridModel:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
+        decode_attention: str = "auto",
     ) -> None:
         self.config = config
         self.backend = backend
         self.device = torch.device(device)
         self.dtype = default_dtype(self.device, backend) if dtype is None else dtype
+        self.decode_attention = self.check_decode_attention(decode_attention, self.device)
         # On a GPU the large matrices are drawn there (the Kimi-K3 proxy has billions of
         # weights: drawing them on the host would cost seconds per process), the kernel
         # parameters on the host; on the CPU one generator draws everything.
@@ -108,6 +132,24 @@ class HybridModel:
             if isinstance(layer, KDALayer):
                 backend.check_layer(layer.params, self.dtype, self.device)
         self.kda_timer = KernelTimer(self.device)
+
+    @staticmethod
+    def check_decode_attention(name: str, device: torch.device) -> str:
+        """``name`` (``"auto"`` resolved for ``device``) if it can run there. Raises
+        ``ValueError`` on an unknown name, ``UnsupportedLayerError`` for ``triton`` where Triton
+        cannot run (a CPU without ``TRITON_INTERPRET=1``)."""
+        if name == "auto":
+            return default_decode_attention(device)
+        if name not in DECODE_ATTENTIONS:
+            raise ValueError(
+                f"decode_attention must be auto or one of {', '.join(DECODE_ATTENTIONS)}, "
+                f"got {name!r}"
+            )
+        if name == "triton":
+            reason = triton_unavailable_reason(device)
+            if reason is not None:
+                raise UnsupportedLayerError(f"decode_attention 'triton': {reason}")
+        return name
 
     @property
     def kda_layers(self) -> list[KDALayer]:
@@ -189,9 +231,20 @@ class HybridModel:
             # slots back from the GPU (a synchronisation per layer). A plan with padding (-1)
             # or a bad slot takes each cache's own checks instead.
             slots_checked = all(cache.slots_in_range(host_slots) for cache in caches.kv)
-            slot_mapping = torch.from_numpy(host_slots).to(self.device)
+            slot_mapping = to_device(torch.from_numpy(host_slots), self.device)
             if not slots_checked:
                 slot_mapping = host_slots
+        decode = None
+        if paged is not None and self.decode_attention == "triton":
+            # Selected, checked and uploaded once; every attention layer reads the same rows.
+            decode = DecodeRows.select(
+                paged.block_tables,
+                step.seq_lens,
+                step.query_start_loc,
+                num_blocks=min(cache.num_blocks for cache in caches.kv),
+                block_size=caches.kv[0].block_size,
+                device=self.device,
+            )
         copy_checked_blocks(copies, {caches.paged_group: caches.kv})
         eps = self.config.rms_eps
         states = iter(caches.states)
@@ -215,6 +268,7 @@ class HybridModel:
                         step.seq_lens,
                         step.query_start_loc,
                         slots_checked=slots_checked,
+                        decode=decode,
                     )
                 x = x + mlp.forward(rms_norm(x, mlp_norm, eps))
             index = torch.from_numpy(np.ascontiguousarray(logits_indices, dtype=np.int64))

@@ -10,7 +10,9 @@ Each layer is a frozen dataclass of weights plus a ``forward`` that works on a p
 - :class:`AttentionLayer` is causal grouped-query attention without positional encoding (Kimi
   Linear's full-attention layers are NoPE as well); it writes this step's keys and values into a
   :class:`PagedKVCache` at the plan's ``slot_mapping`` and reads each sequence's context through
-  its block table (:func:`paged_causal_attention`).
+  its block table (:func:`paged_causal_attention`); rows of one query token (decode rows) go
+  to the Triton paged decode kernel when the step hands them over
+  (:mod:`prefixcache.kernels.decode_attention`), which reads the context where it lies.
 
 Weights are random (seeded): the layers exist to exercise the caches exactly as a trained model
 would, not to produce meaningful text. No autograd: callers run under ``torch.inference_mode``.
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import KDABackend, KDALayerParams, PagedKVCache, StateCache, StatePlan, run_prefill
+from ..kernels.decode_attention import DecodeRows, paged_decode_attention
 from .config import ModelConfig
 from .timing import KernelTimer
 
@@ -46,6 +49,7 @@ def paged_causal_attention(
     block_tables: np.ndarray,
     seq_lens: np.ndarray,
     query_start_loc: np.ndarray,
+    decode: DecodeRows | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over each row's context in ``cache``.
 
@@ -54,12 +58,22 @@ def paged_causal_attention(
     cache; grouped-query heads), computed with ``torch.nn.functional.scaled_dot_product_attention``
     on the context gathered through the block table: no ``[query, context]`` score matrix is
     kept, so a 164K-token context fits on a GPU (flash / memory-efficient kernels).
+
+    ``decode``: the step's decode rows (:class:`DecodeRows`, selected from these same tables);
+    they are computed in one launch by :func:`paged_decode_attention`, without a gather, and
+    only the other rows take the per-row path.
     """
     tables = np.asarray(block_tables)
     lengths: list[int] = np.asarray(seq_lens).reshape(-1).tolist()
     loc: list[int] = np.asarray(query_start_loc).reshape(-1).tolist()
     out = torch.empty_like(query)
+    skip: set[int] = set()
+    if decode is not None and decode.num_rows:
+        paged_decode_attention(query, cache.key, cache.value, decode, out)
+        skip = set(decode.rows.tolist())
     for row, context in enumerate(lengths):
+        if row in skip:
+            continue
         first, last = loc[row], loc[row + 1]
         query_len = last - first
         key, value = cache.gather(tables[row], context)
@@ -286,12 +300,14 @@ class AttentionLayer:
         query_start_loc: np.ndarray,
         *,
         slots_checked: bool = False,
+        decode: DecodeRows | None = None,
     ) -> torch.Tensor:
         """``[T, d] -> [T, d]``: writes this step's K/V at ``slot_mapping``, then attends.
 
         ``block_tables`` ``[R, C]`` lists each row's blocks (its whole context, this step's
         tokens included); ``seq_lens`` ``[R]`` is each row's context length after the step.
-        ``slots_checked``: see ``PagedKVCache.write``'s ``checked``.
+        ``slots_checked``: see ``PagedKVCache.write``'s ``checked``. ``decode``: the step's
+        decode rows for the Triton decode kernel (:func:`paged_causal_attention`).
         """
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -305,6 +321,6 @@ class AttentionLayer:
             checked=slots_checked,
         )
         o = paged_causal_attention(
-            q.reshape(tokens, heads, dim), cache, block_tables, seq_lens, query_start_loc
+            q.reshape(tokens, heads, dim), cache, block_tables, seq_lens, query_start_loc, decode
         )
         return F.linear(o.reshape(tokens, heads * dim), self.out)
