@@ -5,9 +5,12 @@ For each layer kind of ``ModelConfig.kimi_k3_tp8`` (a KDA mixer through the mode
 backend and short convolution, a grouped-query attention mixer over a paged cache holding a
 cached prefix, the dense SwiGLU block), one packed row of T new tokens (T = 2,048, 4,096 and
 8,192; attention also after cached prefixes of 0, 64K and 128K tokens, and one decode token of
-8 rows at 128K) is timed with CUDA events (median of repeated calls after warm-up, random
-data). Each kind's time is fitted as ``fixed + per_token * T`` (least squares over the T's):
-``per_token`` is what a token costs, ``fixed`` what a step costs whatever its tokens. The host
+8 rows at 128K, through the gathering torch path and the Triton paged decode kernel, alone and
+in one layer group's decode step) is timed with CUDA events (median of repeated calls after
+warm-up, random data). Each kind's time is fitted as ``fixed + per_token * T`` (least squares
+over the T's): ``per_token`` is what a token costs, ``fixed`` what a step costs whatever its
+tokens; after 128K cached tokens the fixed part is split into the context gather, the key/value
+head repeat and the flash kernel (and a grouped-query flash call without the repeat). The host
 time of one call (its launches, no synchronisation) is printed beside: when it is well below
 the GPU time, a step's wall time follows its GPU work. Prints a table; ``--json FILE`` writes
 every figure.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -78,6 +82,59 @@ def fit(tokens: list[int], ms: list[float]) -> tuple[float, float]:
     return float(intercept), float(slope) * 1e3
 
 
+def prefill_parts(
+    record: Callable[[str, int, int, Callable[[], object]], None],
+    attention: Any,
+    cache: Any,
+    table: np.ndarray,
+    hidden: Callable[[int], torch.Tensor],
+    results: dict[str, Any],
+) -> None:
+    """Where a prefill row's attention after a 128K cached prefix spends its fixed cost: the
+    context gather, the key/value head repeat for the flash kernel, the kernel itself, and the
+    kernel on unrepeated key/value heads (grouped-query flash, if this torch's op takes it)."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    prefix, tokens = 131072, 2048
+    context = prefix + tokens
+    heads, dim = attention.num_heads, attention.head_dim
+    groups = heads // attention.num_kv_heads
+    q = hidden(tokens)[:, : heads * dim].reshape(tokens, heads, dim).transpose(0, 1)[None]
+    key, value = cache.gather(table[0], context)
+    k = key.transpose(0, 1).unsqueeze(0)
+    v = value.transpose(0, 1).unsqueeze(0)
+    k_rep, v_rep = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    mask = causal_lower_right(tokens, context)
+    record("part-gather", tokens, prefix, lambda: cache.gather(table[0], context))
+    record(
+        "part-repeat",
+        tokens,
+        prefix,
+        lambda: (k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)),
+    )
+    record(
+        "part-flash",
+        tokens,
+        prefix,
+        lambda: F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask),
+    )
+    reference = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask).float()
+
+    def flash_gqa() -> torch.Tensor:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, is_causal=True, return_debug_mask=False, scale=dim**-0.5
+        )[0]
+        return out
+
+    try:
+        got = flash_gqa().float()
+        results["flash_gqa_max_abs_difference"] = float((got - reference).abs().max())
+        record("part-flash-gqa", tokens, prefix, flash_gqa)
+    except (RuntimeError, TypeError) as error:
+        results["flash_gqa_error"] = str(error)[:300]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="flashkda-op")
@@ -88,13 +145,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from prefixcache import kernels
     from prefixcache.engine import build_model
+    from prefixcache.kernels.decode_attention import DecodeRows
     from prefixcache.models import KDALayer, ModelConfig
 
     smoke = args.smoke
     device_name = "cpu" if smoke else "cuda"
     config = ModelConfig.kimi_k3_tp8(1, divisor=32 if smoke else 1)
     backend = "torch" if smoke else args.backend
-    model = build_model(device_name, backend, config=config)
+    # The Triton decode kernel is timed beside the gathering path (both through the same
+    # model); on the CPU (--smoke) Triton runs interpreted.
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    model = build_model(device_name, backend, config=config, decode_attention="torch")
     device, dtype = model.device, model.dtype
     token_counts = (64, 128, 256) if smoke else TOKENS
     prefixes = (0, 256) if smoke else PREFIXES
@@ -170,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                     return attention.forward(x, cache, slot_mapping, table, lens, loc)
 
                 record("attention", tokens, prefix, step)
+        if not smoke:
+            prefill_parts(record, attention, cache, table, hidden, results)
         # Decode: 8 rows of one token each after the longest prefix (the decode step's shape).
         context = max(prefixes)
         x = hidden(8)
@@ -185,6 +249,42 @@ def main(argv: list[str] | None = None) -> int:
             context,
             lambda: attention.forward(x, cache, slot_mapping, tables, lens, loc),
         )
+        # The same rows through the Triton paged decode kernel (no gather), and its difference
+        # from the gathering path (bf16: a few ulps of outputs of magnitude ~1).
+        decode_rows = DecodeRows.select(
+            tables, lens, loc, num_blocks=cache.num_blocks, block_size=block, device=device
+        )
+
+        def triton_decode() -> torch.Tensor:
+            return attention.forward(x, cache, slot_mapping, tables, lens, loc, decode=decode_rows)
+
+        record("attn-decode-triton", 8, context, triton_decode)
+        gathered = attention.forward(x, cache, slot_mapping, tables, lens, loc).float()
+        results["decode_kernel_max_abs_difference"] = float(
+            (triton_decode().float() - gathered).abs().max()
+        )
+        results["decode_output_max_abs"] = float(gathered.abs().max())
+        # One layer group's decode step (3 KDA + 1 attention mixers and 4 MLPs on the 8 rows):
+        # the GPU work a decode step of the proxy repeats per group.
+        decode_state = kernels.StateCache.for_layer(kda.params, 16, device=device)
+        decode_plan = model.backend.check_plan(
+            query_start_loc=np.arange(9),
+            initial_slot=list(range(8)),
+            running_slot=list(range(8, 16)),
+            num_slots=16,
+            num_tokens=8,
+        )
+
+        def group_step(rows: DecodeRows | None) -> object:
+            h = x
+            for _ in range(3):
+                h = h + kda.forward(h, backend_, decode_state, decode_plan)
+                h = h + mlp.forward(h)
+            h = h + attention.forward(h, cache, slot_mapping, tables, lens, loc, decode=rows)
+            return h + mlp.forward(h)
+
+        record("group-decode", 8, context, lambda: group_step(None))
+        record("group-decode-triton", 8, context, lambda: group_step(decode_rows))
     results["cases"] = rows
 
     print()

@@ -6,15 +6,18 @@
 #   flashkda/_flashkda_C.abi3.so   the FlashKDA op from the vllm==0.33.0 wheel
 # torch, numpy, triton and tqdm come from the machine. Stages, each under its own time limit so
 # that a slow one leaves the others' results (simulate writes its JSON after every policy):
-#   1. the model's, the kernel layer's and the Triton convolution's GPU tests;
-#   2. benchmarks/gpu_layers.py: GPU time per token and per step of each layer kind;
+#   1. the model's, the kernel layer's, the Triton convolution's and the Triton paged decode
+#      attention's GPU tests;
+#   2. benchmarks/gpu_layers.py: GPU time per token and per step of each layer kind, the decode
+#      attention (gathering torch path against the Triton kernel) and a layer group's decode step;
 #   3. the output check: growing-prefix at the default preset (the seed geometry / 16) with the
 #      Kimi-K3 proxy, none + block + fine, outputs compared with the no-cache run;
 #   4. the seed preset, block then fine, and 5. fine then block (--no-reference: the order check).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_seed.sh            # DEPTH=2 layer groups by default
 #   STAGES=45 OUTPUT_LEN=16 ...                         # the seed runs only, 16 decode tokens
-# The two seed runs share what is left of BUDGET seconds (default 585: one 600 s device call).
+# The seed runs share what is left of BUDGET seconds (default 585: one 600 s device call); with
+# 200 output tokens each order needs most of a call: STAGES=1234, then STAGES=5 in a second call.
 set -uo pipefail
 budget=${BUDGET:-585}
 device_dir=$(cd "${DEVICE_DIR:-.device}" && pwd)
@@ -46,11 +49,11 @@ run 1 && say "1. GPU tests"
 run 1 && {
 timeout 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_models.py \
     tests/test_kernels.py 2>&1 | tail -4 | tee -a "$log"
-timeout 45 python3 -m pytest -q -p no:cacheprovider tests/test_conv_triton.py 2>&1 | tail -3 \
-    | tee -a "$log"
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_conv_triton.py \
+    tests/test_decode_attention.py 2>&1 | tail -3 | tee -a "$log"
 }
 run 2 && say "2. layer timing"
-run 2 && timeout 60 python3 benchmarks/gpu_layers.py --backend flashkda-op \
+run 2 && timeout 90 python3 benchmarks/gpu_layers.py --backend flashkda-op \
     --json "$out/layers.json" 2>>"$errors" | tee -a "$log"
 
 run 3 && say "3. output check: default preset, none + block + fine"
@@ -58,7 +61,9 @@ run 3 && timeout 100 python3 -m prefixcache simulate --preset default "${common[
     --json "$out/check.json" 2>>"$errors" | tail -8 | tee -a "$log"
 
 run 4 && say "4. seed preset, block then fine"
-run 4 && timeout $(((budget - SECONDS) / 2)) python3 -m prefixcache simulate "${seed[@]}" \
+share=1
+run 5 && share=2  # stage 4 leaves stage 5 its half of what is left
+run 4 && timeout $(((budget - SECONDS) / share)) python3 -m prefixcache simulate "${seed[@]}" \
     --policies block,fine --no-reference --json "$out/seed_block_first.json" 2>>"$errors" \
     | tail -32 | tee -a "$log"
 

@@ -5,7 +5,8 @@ For one or two ``prefixcache simulate --json`` documents of the seed preset (blo
 in either order) prints, as Markdown: per round, each policy's computed prefill tokens, KDA
 time, whole-model prefill time and TTFT p50; the totals over rounds 2 to 23 against the targets
 (KDA prefill time and TTFT p50 each >= 20% lower for fine); and, given both orders, each
-policy's figures in the two runs side by side (the order check: within 5%).
+policy's figures in the two runs side by side (the order check: within 5%); and each policy's
+measured step times (decode steps, prefill steps and their fit).
 
     python3 benchmarks/gpu_seed_report.py seed_block_first.json [seed_fine_first.json]
 """
@@ -108,6 +109,17 @@ def main(argv: list[str]) -> int:
             f"conv {document.get('conv')}, KDA timing {document.get('kda_timing')}, "
             f"warm-up {document.get('warm_up')}, {document.get('seconds', 0):.0f} s"
         )
+        for name, policy in policies.items():
+            times = policy.get("step_times") or {}
+            if times:
+                print(
+                    f"{name} steps: {times['decode_steps']} decode steps, p50 "
+                    f"{times.get('decode_ms_p50', 0):.2f} ms; {times['prefill_steps']} prefill "
+                    f"steps, p50 {times.get('prefill_ms_p50', 0):.1f} ms at "
+                    f"{times.get('prefill_tokens_p50', 0):,.0f} tokens, fit "
+                    f"{times.get('prefill_fixed_ms', 0):.2f} ms + "
+                    f"{times.get('prefill_per_token_us', 0):.2f} us a token"
+                )
         if "block" in policies and "fine" in policies:
             print("\n".join(per_round(document)))
             print()
