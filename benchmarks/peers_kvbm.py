@@ -17,8 +17,19 @@ Block size 16, full attention (kvbm-logical has no recurrent-state group). Judge
 ``vs_vllm.py``: growing-prefix with reuse, shared-prompts without. The target is 5x (a Rust
 peer).
 
+Dynamo's router ``RadixTree``, a peer for lookup speed only, runs from here too
+(``benchmarks/peers_dynamo.py``, in ``.venv-dynamo``: ``ai-dynamo-runtime`` 1.6.1 and a release
+wheel of this tree, both installed here when missing; the wheel ``make bench-peers`` built, in
+``target/peers-wheel``, when there is one); its entries (``dynamo-radixtree-lookup``, marked
+``lookup_only``) join this driver's document. ``--no-dynamo`` leaves it out.
+
 Run: ``python benchmarks/peers_kvbm.py --scale 0.25 --pairs 3 --json /tmp/kvbm.json``
-(``make bench-peers`` runs it through ``benchmarks/peers.py``).
+(``make bench-peers`` runs it through ``benchmarks/peers.py``). Instruction counts of one side
+(deterministic, whatever the load)::
+
+    python benchmarks/peers_kvbm.py --scale 0.1 --workload shared-prompts --dump /tmp/w
+    valgrind --tool=callgrind --toggle-collect='*simulate*' \
+        target/release/kvbm_vs_prefixcache /tmp/w 1 kvbm   # or prefixcache, prefixcache+extends
 """
 
 from __future__ import annotations
@@ -123,6 +134,29 @@ def dump(workload: Workload, folder: Path) -> dict[str, Any]:
     }
 
 
+DYNAMO_VENV = ROOT / ".venv-dynamo"
+
+
+def run_dynamo(args: argparse.Namespace) -> dict[str, Any]:
+    """``peers_dynamo.py`` in ``.venv-dynamo`` (made and filled when missing): its document."""
+    python = DYNAMO_VENV / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(DYNAMO_VENV)], check=True)
+        subprocess.run([*pip, "ai-dynamo-runtime==1.6.1", "numpy"], check=True)
+    wheels = sorted((ROOT / "target" / "peers-wheel").glob("prefixcache-*.whl"))
+    source = str(wheels[-1]) if wheels else str(ROOT)
+    subprocess.run([*pip, "--force-reinstall", "--no-deps", source], check=True, cwd=ROOT)
+    with tempfile.TemporaryDirectory(prefix="peers-dynamo-") as tmp:
+        out = Path(tmp) / "dynamo.json"
+        command = [str(python), str(ROOT / "benchmarks" / "peers_dynamo.py")]
+        command += ["--scale", str(args.scale), "--pairs", str(args.pairs), "--json", str(out)]
+        command += ["--workload", *args.workload]
+        subprocess.run(command, check=True, cwd=ROOT)
+        document: dict[str, Any] = json.loads(out.read_text())
+    return document
+
+
 def build_binary() -> Path:
     env = {**os.environ}
     subprocess.run(
@@ -168,6 +202,10 @@ def compare_hits(
         "prefixcache_hit_tokens": sum(our_hits.values()),
         "differing_requests": len(differing),
         "explained_partial_block": explained,
+        "differences": {
+            "kvbm_partial_block": explained,
+            "unexplained": len(differing) - explained,
+        },
         "first_differing": [[rid, peer_hits[rid], our_hits[rid]] for rid in differing[:5]],
     }
 
@@ -237,8 +275,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workload", nargs="+", choices=WORKLOAD_NAMES, default=list(WORKLOAD_NAMES)
     )
-    parser.add_argument("--json", type=Path, required=True, help="where the entries go")
+    parser.add_argument("--json", type=Path, help="where the entries go")
+    parser.add_argument("--no-dynamo", action="store_true", help="leave out Dynamo's RadixTree")
+    parser.add_argument(
+        "--dump", type=Path, help="only write the workloads' folder there (for callgrind)"
+    )
     args = parser.parse_args(argv)
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        index = {
+            "workloads": [dump(make_workload(n, args.scale), args.dump) for n in args.workload]
+        }
+        (args.dump / "index.json").write_text(json.dumps(index))
+        print(f"wrote {args.dump}")
+        return 0
+    if args.json is None:
+        parser.error("--json is required (or --dump)")
 
     binary = build_binary()
     meta = {
@@ -295,8 +347,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{e['hit_tokens_equal']} ({e['hits']['differing_requests']} differ, "
                 f"{e['hits']['explained_partial_block']} by kvbm's partial-block rule)"
             )
+    document = {PEER: results}
+    if not args.no_dynamo:
+        document.update(run_dynamo(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({PEER: results}, indent=1) + "\n")
+    args.json.write_text(json.dumps(document, indent=1) + "\n")
     print(f"wrote {args.json}; load average at the end: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -197,7 +197,10 @@ fn covered(cover: &mut HashMap<u64, usize>, r: &Request, end: usize) {
     *c = (*c).max(end.min(r.prompt.len()));
 }
 
-/// The scheduler loop of `benchmarks/vs_vllm.py` (`simulate`), step for step.
+/// The scheduler loop of `benchmarks/vs_vllm.py` (`simulate`), step for step. Never inlined:
+/// `valgrind --tool=callgrind --toggle-collect='*simulate*'` counts the instructions of one
+/// side's run (`ONLY`) and nothing of the set-up.
+#[inline(never)]
 fn simulate(w: &Workload, side: &str, backend: &mut dyn Backend) -> Result<Run> {
     let mut waiting: VecDeque<usize> = w.initial.iter().copied().collect();
     let mut running: Vec<usize> = Vec::new();
@@ -636,12 +639,35 @@ fn kvbm_hashing_floor(w: &Workload) -> f64 {
     seconds
 }
 
+const USAGE: &str = "usage: kvbm_vs_prefixcache DIR PAIRS [kvbm|prefixcache|prefixcache+extends]";
+
+/// `ONLY`: `runs` runs of one side per workload, their seconds printed (for instruction counts).
+fn run_only(dir: &Path, runs: usize, side: &str) -> Result<()> {
+    for w in Workload::load(dir)? {
+        for _ in 0..runs {
+            let run = match side {
+                "kvbm" => simulate(&w, side, &mut Kvbm::new(&w)?)?,
+                "prefixcache" => simulate(&w, side, &mut Prefixcache::new(&w, false)?)?,
+                "prefixcache+extends" => simulate(&w, side, &mut Prefixcache::new(&w, true)?)?,
+                _ => return Err(USAGE.into()),
+            };
+            println!("{} {side}: {:.4} s, {} steps", w.name, run.seconds, run.steps);
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let [_, dir, pairs] = args.as_slice() else {
-        return Err("usage: kvbm_vs_prefixcache DIR PAIRS".into());
+    let (dir, pairs, only) = match args.as_slice() {
+        [_, dir, pairs] => (dir, pairs, None),
+        [_, dir, pairs, only] => (dir, pairs, Some(only.as_str())),
+        _ => return Err(USAGE.into()),
     };
     let pairs: usize = pairs.parse()?;
+    if let Some(side) = only {
+        return run_only(Path::new(dir), pairs, side);
+    }
     let mut results = serde_json::Map::new();
     for w in Workload::load(Path::new(dir))? {
         let mut runs = Vec::new();
