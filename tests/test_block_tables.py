@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prefixcache.kernels import BlockTables
 
-# One operation: ("apply", rows, appends per row, replacements), ("rollback",), ("release", i).
+# One operation: ("apply", rows, appends per row, replacements), ("rollback", count),
+# ("release", i).
 ROW = st.integers(min_value=0, max_value=7)  # which sequence id a plan row is
 APPLY = st.tuples(
     st.just("apply"),
@@ -23,17 +24,26 @@ APPLY = st.tuples(
     st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 99)), max_size=4),
 )
 OPERATION = st.one_of(
-    APPLY, APPLY, st.tuples(st.just("rollback")), st.tuples(st.just("release"), ROW)
+    APPLY,
+    APPLY,
+    st.tuples(st.just("rollback"), st.integers(min_value=1, max_value=3)),
+    st.tuples(st.just("release"), ROW),
 )
 
 
 class ListTables:
-    """The plain-list statement of what BlockTables does."""
+    """The plain-list statement of what BlockTables does, keeping the latest ``depth`` steps.
 
-    def __init__(self) -> None:
+    A step is remembered as the whole set of tables before it and the sequences it named.
+    Rolling back n steps restores the tables from before the oldest of them. A release is never
+    undone: a released column is blanked in the remembered tables too, and a released sequence
+    leaves them, together with the steps that named it and every step before those.
+    """
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
         self.tables: dict[int, list[int]] = {}
-        self.saved: dict[int, list[int]] | None = None
-        self.released: list[tuple[int, int]] = []
+        self.steps: list[tuple[dict[int, list[int]], set[int]]] = []  # (tables before, named)
 
     def apply(
         self,
@@ -41,7 +51,7 @@ class ListTables:
         appended: list[tuple[int, int, int]],
         replaced: list[tuple[int, int, int]],
     ) -> None:
-        self.saved = {seq: list(table) for seq, table in self.tables.items()}
+        before = {seq: list(table) for seq, table in self.tables.items()}
         for seq in seq_ids:
             self.tables.setdefault(seq, [])
         for row, column, block in appended:
@@ -49,26 +59,35 @@ class ListTables:
             if column >= len(table):
                 table.extend([0] * (column + 1 - len(table)))
             table[column] = block
-        self.released = []
+        self.steps.append((before, set(seq_ids)))
+        self.steps = self.steps[-self.depth :]
         for row, column, block in replaced:
-            self.tables[seq_ids[row]][column] = block
-            self.released.append((seq_ids[row], column))
+            seq = seq_ids[row]
+            self.tables[seq][column] = block
+            for remembered, _ in self.steps:
+                if seq in remembered and column < len(remembered[seq]):
+                    remembered[seq][column] = block
 
-    def rollback(self) -> None:
-        """The appended entries are taken back; the releases stand."""
-        assert self.saved is not None
-        self.tables, self.saved = self.saved, None
-        for seq, column in self.released:
-            if seq in self.tables and column < len(self.tables[seq]):
-                self.tables[seq][column] = 0
+    def can_roll_back(self, count: int) -> bool:
+        return count <= len(self.steps)
+
+    def rollback(self, count: int) -> None:
+        """The appended entries of the latest ``count`` steps are taken back."""
+        self.tables = self.steps[-count][0]
+        self.steps = self.steps[:-count]
 
     def release(self, seq: int) -> None:
-        self.saved = None
+        named = [i for i, (_, seqs) in enumerate(self.steps) if seq in seqs]
+        if seq in self.tables and named:
+            self.steps = self.steps[named[-1] + 1 :]
+        for remembered, _ in self.steps:
+            remembered.pop(seq, None)
         self.tables.pop(seq, None)
 
 
 def assert_same(tables: BlockTables, model: ListTables) -> None:
     assert len(tables) == len(model.tables)
+    assert tables.undoable == len(model.steps)
     for seq, table in model.tables.items():
         assert seq in tables
         assert tables.row(seq) == table
@@ -82,12 +101,11 @@ def assert_same(tables: BlockTables, model: ListTables) -> None:
         assert gathered[row].tolist() == table + [0] * (width - len(table))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(OPERATION, max_size=30))
-def test_block_tables_do_what_plain_lists_do(operations: list[tuple]) -> None:
-    tables = BlockTables(rows=1, width=1)
-    model = ListTables()
-    can_roll_back = False
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(min_value=1, max_value=3), st.lists(OPERATION, max_size=30))
+def test_block_tables_do_what_plain_lists_do(depth: int, operations: list[tuple]) -> None:
+    tables = BlockTables(rows=1, width=1, depth=depth)
+    model = ListTables(depth)
     for operation in operations:
         if operation[0] == "apply":
             _, seq_ids, appends, releases = operation
@@ -106,20 +124,42 @@ def test_block_tables_do_what_plain_lists_do(operations: list[tuple]) -> None:
                 np.asarray(appended, dtype=np.int32).reshape(-1, 3),
                 np.asarray(replaced, dtype=np.int32).reshape(-1, 3),
             )
-            can_roll_back = True
         elif operation[0] == "rollback":
-            if can_roll_back:
-                model.rollback()
-                tables.rollback()
+            count = operation[1]
+            if model.can_roll_back(count):
+                model.rollback(count)
+                tables.rollback(count)
             else:
                 with pytest.raises(RuntimeError, match="no applied step"):
-                    tables.rollback()
-            can_roll_back = False
+                    tables.rollback(count)
         else:
             model.release(operation[1])
             tables.release(operation[1])
-            can_roll_back = False
         assert_same(tables, model)
+
+
+def test_two_plans_in_flight_roll_back_together_and_a_finish_keeps_the_newer_undoable() -> None:
+    # Depth 2, as an engine with two plans in flight: sequence 1 is in step A only and
+    # finishes while step B (sequences 2 and 3) is in flight; B can still be taken back.
+    tables = BlockTables(rows=2, width=2, depth=2)
+    none = np.zeros((0, 3), dtype=np.int32)
+    tables.apply([1, 2], [[0, 0, 11], [1, 0, 21]], none)  # A
+    tables.apply([2, 3], [[0, 1, 22], [1, 0, 31]], none)  # B
+    tables.release(1)
+    assert tables.undoable == 1
+    tables.rollback()
+    assert (tables.row(2), 3 in tables, 1 in tables) == ([21], False, False)
+    with pytest.raises(RuntimeError, match="no applied step"):
+        tables.rollback()  # A was forgotten with the release of sequence 1
+    # A release of a sequence in the newest step forgets both.
+    tables.apply([2], [[0, 1, 23]], none)
+    tables.apply([2, 4], [[0, 2, 24], [1, 0, 41]], none)
+    tables.rollback(2)
+    assert (tables.row(2), 4 in tables) == ([21], False)
+    tables.apply([2], [[0, 1, 25]], none)
+    tables.apply([2], [[0, 2, 26]], none)
+    tables.release(2)
+    assert tables.undoable == 0 and len(tables) == 0
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,10 @@ Every run here uses the real cache manager, the tiny model and the torch kernel 
 CPU, with ``check=True`` (the engine's block tables are compared with the manager's after every
 commit and the manager's invariants are checked). Outputs of ``block`` and ``fine`` are compared
 with a no-cache run: generated ids equal, final logits within 1e-4 relative (float32).
+
+Runs are overlapped (the default) unless a test checks what one step at a time does (its
+preemption, its decode_step fast path's abort, its one aborted plan per failure); the
+overlapped counterparts of those are in tests/test_engine_overlap.py.
 """
 
 from __future__ import annotations
@@ -73,9 +77,12 @@ def run(
     geometry: Geometry = GEOMETRY,
     config: EngineConfig | None = None,
     forward: ForwardFn | None = None,
+    overlap: bool = True,
 ) -> RunResult:
     workload = PresetWorkload("test", "test", spec, geometry)
-    config = config or engine_config_for(workload, geometry, model.backend, check=True)
+    config = config or engine_config_for(
+        workload, geometry, model.backend, check=True, overlap=overlap
+    )
     engine = Engine(
         model,
         Policy.named(policy, block_size=geometry.block_size, fine_unit=geometry.unit),
@@ -157,6 +164,7 @@ def test_small_pools_preempt_and_evict_without_changing_outputs(
         paged_blocks=20,
         state_blocks=10,
         check=True,
+        overlap=False,
     )
     result = run(model, GROWING, policy, config=config)
     assert result.preemptions > 0
@@ -191,7 +199,7 @@ def test_a_decode_step_out_of_blocks_falls_back_to_preemption(
     )
     expected = run(model, spec, "none")
     config = EngineConfig(
-        token_budget=96, max_running=3, paged_blocks=8, state_blocks=16, check=True
+        token_budget=96, max_running=3, paged_blocks=8, state_blocks=16, check=True, overlap=False
     )
     result = run(model, spec, policy, config=config)
     assert result.decode_fallbacks > 0
@@ -273,7 +281,7 @@ def test_a_failed_forward_is_aborted_and_nothing_it_wrote_is_ever_hit(
 ) -> None:
     forward, failures = poisoning_forward(model, fail_every=3)
     spec = GROWING if workload == "growing" else AGENTIC
-    result = run(model, spec, policy, forward=forward)
+    result = run(model, spec, policy, forward=forward, overlap=False)
     assert len(failures) > 3
     assert result.aborted_steps == len(failures)
     assert result.manager_stats["aborts"] == len(failures)

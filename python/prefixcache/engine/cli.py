@@ -211,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the H200 not enough to make runs independent of the policies' order) or none",
     )
     simulate.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan step k+1 while the forward of step k runs (default; on a worker thread, "
+        "two plans in flight, sampled tokens reaching the next step as placeholders, a "
+        "request waiting a step for a prefix a plan in flight computes) or, with "
+        "--no-overlap, one step at a time",
+    )
+    simulate.add_argument(
         "--no-reference",
         action="store_true",
         help="skip the none run unless --policies names it: for timing runs of block and fine "
@@ -525,6 +534,12 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"chunk budget {geometry.token_budget} tokens, up to {geometry.max_running} running"
         + (" (raised to the backend's alignment)" if adjusted else "")
     )
+    print(
+        "engine: overlapped (the host plans step k+1 while the forward of step k runs; "
+        "requests wait a step for a prefix in flight)"
+        if args.overlap
+        else "engine: one step at a time (--no-overlap)"
+    )
     started = time.perf_counter()
 
     def save_partial(partial: SimulationReport) -> None:
@@ -548,6 +563,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             reference=not args.no_reference,
             warm_up=None if args.warm_up == "auto" else args.warm_up,
             observe=observer.observe if observer.active else None,
+            overlap=args.overlap,
         )
         if observer.active and args.serve_for > 0:
             print(f"\nserving the final state for {args.serve_for:g} s")

@@ -24,8 +24,36 @@ One :class:`Engine` runs one caching policy over one workload with one model; ea
    appended; a sequence with all its output tokens is finished (``finish``), and the workload
    may release follow-up requests.
 
-Decode-only steps take the fast path: when every running sequence got a token, none finished
-and the next step would admit nobody, the commit is deferred to the next step's
+Overlapped (``EngineConfig.overlap``, the default): the manager is built with
+``max_steps_in_flight = 2`` and the forwards run on a worker thread
+(:class:`~prefixcache.engine.worker.ForwardWorker`, in submission order, like a device stream),
+so the host schedules and plans step k+1 while the forward of step k runs:
+
+- Step k+1 is planned before step k's tokens are on the host: each sequence step k samples
+  (and that does not finish with it) gets a placeholder (``append_placeholders``), which
+  step k+1 schedules like a known token; its id reaches step k+1 from step k's sampled ids
+  on the worker (on CUDA, on the device), never through the host.
+- Once step k+1 is submitted, the host waits for step k, commits it and ``resolve`` s the
+  placeholders with the sampled ids (a sequence whose last output step k sampled was not
+  scheduled in step k+1: its token is appended and it finishes), all while step k+1 runs.
+- Two plans are in flight, in a ring of two ``PlanBuffers``; the block tables keep both
+  plans' undo records. A failed forward aborts its plan, and with it the later one (the
+  manager's cascading abort ends both and rewinds their placeholders; the worker skips the
+  later forward, which would read what the failed one half wrote); both are rolled back from
+  the block tables and rescheduled.
+- Decode-only steps take ``decode_step_overlapped``: one call commits step k, resolves its
+  tokens, appends the placeholders of step k+1's samples, schedules one token of each and
+  plans step k+2 into the free buffer.
+- When the pools run short with a plan in flight, the step is cut short (what is scheduled
+  runs, nobody is admitted) and preemption waits for a step with nothing in flight, so that
+  a preempted sequence's blocks are released at once.
+- The pending answer (``EngineConfig.hold_pending``): a waiting request whose ``lookup``
+  reports ``pending_tokens`` beyond its hit waits a step instead of recomputing the prefix a
+  plan in flight is computing (``RunResult.holds`` counts those waits).
+
+Not overlapped, decode-only steps take the fast path: when every running sequence got a
+token, none finished and the next step would admit nobody, the commit is deferred to the next
+step's
 ``decode_step``, which commits, appends the tokens, schedules one token of each and plans, in
 one call. If the pools cannot supply a block there (a ``-1``), that plan is aborted and the
 step is scheduled the general way, with preemption.
@@ -37,11 +65,13 @@ that an idle engine jumps to the next arrival instead of sleeping.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,14 +84,25 @@ from ..kernels import BlockTables, Step
 from ..models import HybridModel, ModelCaches
 from .policy import PAGED_GROUP, STATE_GROUP, Policy
 from .results import RequestResult, RunResult
+from .worker import ForwardJob, ForwardResult, ForwardWorker
 from .workloads import Request, Workload
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "ForwardFn", "PoolTooSmallError"]
+__all__ = [
+    "OVERLAP_DEPTH",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "ForwardFn",
+    "PoolTooSmallError",
+]
 
 logger = logging.getLogger("prefixcache.engine")
 
 ForwardFn = Callable[[Step, torch.Tensor, ModelCaches, np.ndarray], torch.Tensor]
 """``(step, token_ids, caches, logits_indices) -> logits``: ``HybridModel.execute``'s shape."""
+
+OVERLAP_DEPTH = 2
+"""Plans in flight in an overlapped engine (the manager's ``max_steps_in_flight``)."""
 
 
 class EngineError(RuntimeError):
@@ -85,6 +126,11 @@ class EngineConfig:
         max_step_retries: consecutive failed forwards tolerated before the error propagates.
         check: after every plan (and every abort), compare the engine's block tables with the
             manager's and run the manager's invariant checks (slow; for tests).
+        overlap: plan step k+1 while the forward of step k runs on a worker thread, with
+            :data:`OVERLAP_DEPTH` plans in flight (see the module docstring); ``False``: one
+            step at a time.
+        hold_pending: overlapped, a waiting request whose prefix a plan in flight is
+            computing waits for it instead of recomputing it.
     """
 
     token_budget: int
@@ -94,6 +140,8 @@ class EngineConfig:
     checkpoint_cap: int | None = None
     max_step_retries: int = 3
     check: bool = False
+    overlap: bool = True
+    hold_pending: bool = True
 
     def __post_init__(self) -> None:
         if min(self.token_budget, self.max_running) < 1:
@@ -121,6 +169,14 @@ class _Sequence:
     final_logits: np.ndarray | None = None
     margins: list[float] = field(default_factory=list)
     preemptions: int = 0
+    # Overlapped only: placeholders appended and not yet resolved (tokens being sampled), the
+    # steps in flight it is in, the position after its latest scheduled chunk, its samples in
+    # flight, and whether a hold was already counted for it.
+    placeholders: int = 0
+    in_flight: int = 0
+    planned: int = 0
+    samples_in_flight: int = 0
+    held: bool = False
 
     @property
     def seq_id(self) -> int:
@@ -196,6 +252,8 @@ class Engine:
             state_blocks=self.config.state_blocks,
             checkpoint_cap=self.config.checkpoint_cap,
         )
+        if self.config.overlap:
+            config = replace(config, max_steps_in_flight=OVERLAP_DEPTH)
         return config if self.observe is None else replace(config, enable_events=True)
 
     def run(
@@ -205,7 +263,7 @@ class Engine:
         on_finished: Callable[[RequestResult], None] | None = None,
     ) -> RunResult:
         """Serve every request of ``workload``; ``on_finished`` is called per finished request."""
-        loop = _Loop(self, workload, on_finished)
+        loop = (_OverlapLoop if self.config.overlap else _Loop)(self, workload, on_finished)
         return loop.run()
 
 
@@ -236,7 +294,7 @@ class _Loop:
         self.block_size = block_size
         self.buffers = pc.PlanBuffers(rows=self.config.max_running)
         self.tables = BlockTables(PAGED_GROUP, rows=self.config.max_running)
-        self.result = RunResult(policy=engine.policy.name)
+        self.result = RunResult(policy=engine.policy.name, overlap=self.config.overlap)
         self.pending: list[tuple[float, int, Request]] = []
         self.handed: list[Request] = []  # follow-ups arriving "now"
         self.live: dict[int, _Sequence] = {}
@@ -435,6 +493,8 @@ class _Loop:
             return True
         self.failures = 0
         seconds = time.perf_counter() - started
+        self.result.forward_seconds += seconds
+        self.result.wait_seconds += seconds  # the host waits for a forward it does not overlap
         kda_seconds = kda_timer.take()
         self.result.kda_timing_underruns += kda_timer.underruns - underruns
         self.result.steps += 1
@@ -557,3 +617,472 @@ class _Loop:
                         f"the manager's {theirs}"
                     )
         self.manager.check_invariants()
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A plan in flight: built, submitted to the worker, not yet committed or aborted."""
+
+    step_id: int
+    buffers: pc.PlanBuffers
+    rows: list[_Sequence]
+    num_computed: list[int]
+    num_scheduled: list[int]
+    prefill: list[bool]  # per row: a prefill chunk (no sample of the sequence before it)
+    samples: list[_Sequence]  # rows that sample a token, in sample order
+    finishing: set[int]  # ids of the samples that are their sequence's last output
+    future: Future[ForwardResult] | None  # None: an empty plan (nothing to run)
+    placeholders: bool = False  # the placeholders of its non-finishing samples are appended
+    result: ForwardResult | None = None
+
+
+class _OverlapLoop(_Loop):
+    """The state of one overlapped :meth:`Engine.run` (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        workload: Workload,
+        on_finished: Callable[[RequestResult], None] | None,
+    ) -> None:
+        super().__init__(engine, workload, on_finished)
+        rows = self.config.max_running
+        self.ring = [pc.PlanBuffers(rows=rows) for _ in range(OVERLAP_DEPTH)]
+        self.tables = BlockTables(PAGED_GROUP, rows=rows, depth=OVERLAP_DEPTH)
+        self.flights: deque[_Flight] = deque()
+        self.worker = ForwardWorker(self.model, self.engine.forward, self.caches)
+
+    def run(self) -> RunResult:
+        try:
+            return self._serve()
+        finally:
+            self.worker.close()  # first: the worker switches the KDA timer per step
+            self.model.kda_timer.enabled = True
+
+    # --- one iteration ------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Plan and submit the next step, then wait for the oldest in flight once two are;
+        returns whether anything happened (a plan submitted, a step ended)."""
+        done = self.flights[0] if self.flights and self.flights[0].result is not None else None
+        launched = False
+        if done is not None and self.fast_path_ready(done):
+            launched = self.decode_overlapped(done)
+        else:
+            while self.flights and self.flights[0].result is not None:
+                self.end_step(self.flights.popleft())
+            self.admit_arrivals()  # follow-ups of the requests that finished
+            self.append_placeholders()
+            if self.schedule():
+                launched = self.launch()
+        waited = False
+        if (
+            self.flights
+            and self.flights[0].result is None
+            and (len(self.flights) == OVERLAP_DEPTH or not launched)
+        ):
+            self.wait_oldest()
+            waited = True
+        return launched or waited or done is not None
+
+    def fast_path_ready(self, done: _Flight) -> bool:
+        """Whether the next step is one token of every running sequence, each of which the
+        step in flight samples (and none finishes), with nobody to admit."""
+        if len(self.flights) != OVERLAP_DEPTH or done.finishing or not done.placeholders:
+            return False
+        newest = self.flights[-1]
+        running = self.running
+        return (
+            not newest.finishing
+            and len(newest.rows) == len(newest.samples) == len(running)
+            and all(a is b for a, b in zip(newest.samples, running, strict=True))
+            and len(running) <= self.config.token_budget
+            and not self.would_admit()
+        )
+
+    def decode_overlapped(self, done: _Flight) -> bool:
+        """Commit ``done``, resolve its tokens, append the placeholders of the step in flight,
+        schedule one token each and plan, in one ``decode_step_overlapped`` call."""
+        self.flights.popleft()
+        assert done.result is not None
+        newest = self.flights[-1]
+        ids = np.fromiter((seq.seq_id for seq in self.running), dtype=np.uint64)
+        resolve = np.fromiter((seq.seq_id for seq in done.samples), dtype=np.uint64)
+        tokens = np.asarray(done.result.sampled, dtype=np.uint32)
+        buffers = self.free_buffers()
+        scheduled = self.manager.decode_step_overlapped(
+            buffers, ids, resolve_ids=resolve, tokens=tokens, commit=done.step_id
+        )
+        self.took_tokens(done, resolved=True)
+        newest.placeholders = True
+        for seq in self.running:
+            seq.placeholders += 1
+        self.result.decode_steps += 1
+        fell_back = not bool((scheduled == 1).all())
+        if fell_back:
+            # Out of blocks for some sequence: the plan holds the others; the rest are
+            # scheduled the general way in a later step.
+            self.result.decode_fallbacks += 1
+        for seq, count in zip(self.running, scheduled.tolist(), strict=True):
+            if count == 1:
+                seq.planned += 1
+        return self.submit_plan(buffers)
+
+    # --- scheduling ---------------------------------------------------------------------------
+
+    def append_placeholders(self) -> None:
+        """Placeholders for the samples of the newest step in flight that do not finish."""
+        if not self.flights or self.flights[-1].placeholders:
+            return
+        newest = self.flights[-1]
+        newest.placeholders = True
+        samples = [seq for seq in newest.samples if seq.seq_id not in newest.finishing]
+        if samples:
+            self.manager.append_placeholders(
+                np.fromiter((seq.seq_id for seq in samples), dtype=np.uint64)
+            )
+            for seq in samples:
+                seq.placeholders += 1
+
+    def position(self, seq: _Sequence) -> int:
+        """Where the sequence's next chunk starts: after its latest chunk in flight, or at
+        what the manager has committed."""
+        return seq.planned if seq.in_flight else self.manager.num_computed(seq.seq_id)
+
+    def schedule(self) -> list[_Sequence]:
+        """Schedule this step's sequences (running ones first, then admissions); with a plan
+        in flight, a sequence the pools cannot serve ends the step's scheduling instead of
+        preempting (a preempted sequence in flight would keep its blocks until its step
+        ends)."""
+        manager = self.manager
+        budget = self.config.token_budget
+        scheduled: list[_Sequence] = []
+        preemptions = self.result.preemptions
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            remaining = len(seq.tokens) + seq.placeholders - self.position(seq)
+            if remaining <= 0:  # its last output is being sampled
+                index += 1
+                continue
+            result = manager.schedule(seq.seq_id, min(remaining, budget))
+            if result is None and self.flights:
+                return scheduled  # short of blocks: admit nobody, preempt once nothing flies
+            while result is None:
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+                result = manager.schedule(seq.seq_id, min(remaining, budget))
+            if result is None:
+                break
+            if result.num_tokens > 0:
+                budget -= result.num_tokens
+                seq.planned = result.num_computed + result.num_tokens
+                scheduled.append(seq)
+            index += 1
+        if self.result.preemptions != preemptions:
+            return scheduled  # memory is short: admit nobody in a step that had to preempt
+        held: list[_Sequence] = []
+        while (
+            self.waiting and budget > 0 and len(self.running) + len(held) < self.config.max_running
+        ):
+            seq = self.waiting[0]
+            hit = manager.lookup(seq.seq_id)
+            if hit.tokens and not self.engine.policy.caches_prefixes:
+                raise EngineError(
+                    f"sequence {seq.seq_id} hit {hit.tokens} tokens under policy 'none'"
+                )
+            pending = int(hit.pending_tokens) - int(hit.tokens)
+            if self.config.hold_pending and hit.pending_plan is not None and pending > 0:
+                # A plan in flight computes a longer prefix of it: wait for that instead of
+                # recomputing it (the plan is the oldest or the next one: a step or two). The
+                # requests behind it may be admitted meanwhile; a held one takes a running
+                # place in this count, so a step looks up at most max_running requests.
+                self.result.holds += 1
+                if not seq.held:
+                    seq.held = True
+                    self.result.held_requests += 1
+                    self.result.held_pending_tokens += pending
+                held.append(self.waiting.popleft())
+                continue
+            remaining = len(seq.tokens) - int(hit.tokens)
+            result = manager.schedule(seq.seq_id, min(remaining, budget))
+            if result is None or result.num_tokens == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            budget -= result.num_tokens
+            seq.planned = result.num_computed + result.num_tokens
+            scheduled.append(seq)
+        self.waiting.extendleft(reversed(held))  # in their places, ahead of the rest
+        return scheduled
+
+    def preempt(self, seq: _Sequence) -> None:
+        assert not seq.in_flight and not seq.placeholders, "preempted only with nothing in flight"
+        super().preempt(seq)
+
+    def free_buffers(self) -> pc.PlanBuffers:
+        """The buffers of the ring that no plan in flight holds."""
+        held = {id(flight.buffers) for flight in self.flights}
+        for buffers in self.ring:
+            if id(buffers) not in held:
+                return buffers
+        raise EngineError("every plan buffer holds a plan in flight")  # a bug: at most D
+
+    # --- launching ----------------------------------------------------------------------------
+
+    def launch(self) -> bool:
+        """Build the scheduled step into the free buffers and submit it."""
+        buffers = self.free_buffers()
+        self.manager.build_plan_into(buffers)
+        return self.submit_plan(buffers)
+
+    def submit_plan(self, buffers: pc.PlanBuffers) -> bool:
+        """Apply the plan ``buffers`` hold to the block tables, prepare its inputs (holes for
+        the tokens being sampled) and submit its forward; returns True."""
+        count = buffers.num_rows
+        step_id = buffers.step_id
+        assert step_id is not None
+        rows = [self.live[seq_id] for seq_id in buffers.seq_ids[:count].tolist()]
+        try:
+            self.tables.apply_plan(buffers)
+        except Exception:
+            self.abort_all()  # a plan the tables refuse is a bug: it propagates
+            raise
+        if self.config.check:
+            self.check(rows)
+        num_computed = buffers.num_computed[:count].tolist()
+        num_scheduled = buffers.num_scheduled[:count].tolist()
+        query_end = buffers.query_start_loc[1 : count + 1].tolist()
+        token_ids: list[int] = []
+        holes: dict[int, tuple[list[int], list[int]]] = {}  # step id -> positions, samples
+        logits_indices: list[int] = []
+        samples: list[_Sequence] = []
+        finishing: set[int] = set()
+        prefill: list[bool] = []
+        for seq, start, scheduled_, last in zip(
+            rows, num_computed, num_scheduled, query_end, strict=True
+        ):
+            end = start + scheduled_
+            known = len(seq.tokens)
+            token_ids.extend(seq.tokens[start:end])
+            if end > known:
+                # The tokens past the known ones are placeholders: each is the sample of the
+                # step in flight that holds the sequence's oldest unresolved sample.
+                source = self.sample_source(seq, end - max(start, known))
+                for (source_step, index), position in zip(
+                    source, range(max(start, known), end), strict=True
+                ):
+                    positions, indices = holes.setdefault(source_step, ([], []))
+                    positions.append(last - end + position)
+                    indices.append(index)
+                    token_ids.append(0)
+            prefill.append(seq.prefilling and not seq.samples_in_flight)
+            seq.in_flight += 1
+            if end == known + seq.placeholders:
+                logits_indices.append(last - 1)
+                samples.append(seq)
+                seq.samples_in_flight += 1
+                if len(seq.outputs) + seq.samples_in_flight >= seq.request.output_len:
+                    finishing.add(seq.seq_id)
+        future = None
+        if count:
+            step = Step.from_plan(buffers, [self.tables])
+            job = ForwardJob(
+                step_id=step_id,
+                step=step,
+                token_ids=torch.tensor(token_ids, dtype=torch.int64),
+                fills=[
+                    (
+                        source_step,
+                        np.asarray(positions, dtype=np.int64),
+                        np.asarray(indices, dtype=np.int64),
+                    )
+                    for source_step, (positions, indices) in holes.items()
+                ],
+                logits_indices=np.asarray(logits_indices, dtype=np.int64),
+                timed=any(prefill),
+            )
+            future = self.worker.submit(job)
+        flight = _Flight(
+            step_id=step_id,
+            buffers=buffers,
+            rows=rows,
+            num_computed=num_computed,
+            num_scheduled=num_scheduled,
+            prefill=prefill,
+            samples=samples,
+            finishing=finishing,
+            future=future,
+        )
+        if future is None:  # an empty plan (every decode out of blocks): nothing to run
+            flight.result = ForwardResult(
+                step_id=step_id,
+                sampled_ids=torch.zeros(0, dtype=torch.int64),
+                logits_host=torch.zeros((0, 0)),
+                seconds=0.0,
+                kda_seconds=0.0,
+                underruns=0,
+            ).materialize()
+        self.flights.append(flight)
+        return True
+
+    def sample_source(self, seq: _Sequence, count: int) -> list[tuple[int, int]]:
+        """``(step id, sample index)`` of the ``count`` newest placeholders of ``seq``."""
+        found: list[tuple[int, int]] = []
+        for flight in reversed(self.flights):
+            if flight.placeholders and seq.seq_id not in flight.finishing:
+                for index, sample in enumerate(flight.samples):
+                    if sample is seq:
+                        found.append((flight.step_id, index))
+            if len(found) == count:
+                return found[::-1]
+        raise EngineError(
+            f"sequence {seq.seq_id}: {count} placeholder(s) scheduled but no step in flight "
+            f"samples them"
+        )
+
+    # --- ending steps -------------------------------------------------------------------------
+
+    def wait_oldest(self) -> None:
+        """Wait for the oldest step in flight; on a failure abort it and every later one."""
+        flight = self.flights[0]
+        assert flight.future is not None
+        started = time.perf_counter()
+        try:
+            flight.result = flight.future.result().materialize()
+        except Exception as error:
+            self.result.wait_seconds += time.perf_counter() - started
+            self.failed(flight, error)
+            return
+        self.result.wait_seconds += time.perf_counter() - started
+        self.result.forward_seconds += flight.result.seconds
+
+    def failed(self, flight: _Flight, error: Exception) -> None:
+        """The oldest step's forward raised: abort it and the later plans, collect their
+        forwards (skipped), roll both back from the block tables."""
+        flights = list(self.flights)
+        self.flights.clear()
+        ended = self.manager.abort(flight.buffers)
+        if ended != [f.step_id for f in flights]:
+            raise EngineError(f"abort of step {flight.step_id} ended {ended}, not {flights}")
+        self.collect(flights[1:])
+        self.tables.rollback(len(flights))
+        self.forget(flights)
+        self.result.aborted_steps += 1
+        self.result.cascaded_aborts += len(flights) - 1
+        self.failures += 1
+        if self.config.check:
+            self.check([seq for f in flights for seq in f.rows])
+        if self.failures > self.config.max_step_retries:
+            raise error
+        logger.warning(
+            "step %s failed (%s: %s); aborted with %d later step(s), the sequences will be "
+            "rescheduled",
+            flight.step_id,
+            type(error).__name__,
+            error,
+            len(flights) - 1,
+        )
+
+    def forget(self, flights: list[_Flight]) -> None:
+        """The engine's view of the sequences of aborted plans: nothing in flight, and the
+        placeholders the manager kept (it rewinds those appended since the oldest plan)."""
+        for seq in {id(s): s for f in flights for s in f.rows}.values():
+            seq.in_flight = 0
+            seq.samples_in_flight = 0
+            if seq.seq_id in self.live:
+                seq.placeholders = self.manager.num_placeholders(seq.seq_id)
+
+    def abort_all(self) -> None:
+        """Abort every plan in flight (after a bug: the error propagates)."""
+        if self.flights:
+            flights = list(self.flights)
+            self.flights.clear()
+            self.manager.abort(flights[0].buffers)
+            self.collect(flights)
+
+    def collect(self, flights: list[_Flight]) -> None:
+        """Wait until the worker is done with aborted plans (each ran, failed or was
+        skipped), then let it run new ones."""
+        for flight in flights:
+            if flight.future is not None:
+                with contextlib.suppress(Exception):
+                    flight.future.result()
+        self.worker.recover()
+
+    def end_step(self, flight: _Flight) -> None:
+        """Commit the oldest step, take its tokens (resolving the placeholders), finish the
+        sequences that got their last output."""
+        self.manager.commit(flight.buffers)
+        finished = self.took_tokens(flight, resolved=False)
+        for seq in finished:
+            self.finish(seq)
+        if self.config.check:
+            self.check(flight.rows)
+
+    def took_tokens(self, flight: _Flight, *, resolved: bool) -> list[_Sequence]:
+        """Account a committed step; give each sample to its sequence (``resolve`` of its
+        placeholder unless ``resolved``: the fast path's call did it). Returns the sequences
+        that got their last output (to finish)."""
+        result = flight.result
+        assert result is not None and result.logits is not None
+        self.failures = 0
+        self.result.steps += bool(flight.rows)
+        self.result.kda_timing_underruns += result.underruns
+        total_tokens = max(1, sum(flight.num_scheduled))
+        for seq, start, count, prefill in zip(
+            flight.rows, flight.num_computed, flight.num_scheduled, flight.prefill, strict=True
+        ):
+            seq.in_flight -= 1
+            if seq.hit_tokens is None:
+                seq.hit_tokens = start
+            if prefill:
+                share = count / total_tokens
+                seq.computed_prefill_tokens += count
+                seq.prefill_seconds += result.seconds * share
+                seq.kda_prefill_seconds += result.kda_seconds * share
+        now = self.now()
+        finished: list[_Sequence] = []
+        resolve: list[_Sequence] = []
+        for index, seq in enumerate(flight.samples):
+            token = result.sampled[index]
+            seq.final_logits = result.logits[index]
+            seq.margins.append(_margin(result.logits[index]))
+            seq.samples_in_flight -= 1
+            seq.prefilling = False
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.outputs.append(token)
+            seq.tokens.append(token)
+            if seq.seq_id in flight.finishing:
+                finished.append(seq)
+            else:
+                resolve.append(seq)
+        if resolve and flight.placeholders:
+            for seq in resolve:
+                seq.placeholders -= 1
+            if not resolved:
+                self.manager.resolve_batch(
+                    np.fromiter((seq.seq_id for seq in resolve), dtype=np.uint64),
+                    np.fromiter((seq.tokens[-1] for seq in resolve), dtype=np.uint32),
+                )
+        elif resolve:
+            self.manager.append_batch(
+                np.fromiter((seq.seq_id for seq in resolve), dtype=np.uint64),
+                np.fromiter((seq.tokens[-1] for seq in resolve), dtype=np.uint32),
+            )
+        return finished
+
+    def check(self, rows: list[_Sequence]) -> None:
+        """The base checks, and each live sequence's placeholders against the manager's."""
+        super().check(rows)
+        for seq in rows:
+            if seq.seq_id in self.live:
+                theirs = self.manager.num_placeholders(seq.seq_id)
+                if seq.placeholders != theirs:
+                    raise EngineError(
+                        f"sequence {seq.seq_id}: {seq.placeholders} placeholders in the "
+                        f"engine, {theirs} in the manager"
+                    )

@@ -93,15 +93,27 @@ class RunResult:
         requests: results by request id.
         seconds: wall time of the run.
         steps: forward steps committed.
+        overlap: whether the run overlapped steps (``EngineConfig.overlap``).
         aborted_steps: steps whose forward raised (aborted, then retried).
+        cascaded_aborts: overlapped, plans in flight after a failed one, aborted with it.
         decode_steps: steps planned by ``decode_step`` (the fast path: commit, append,
-            schedule and plan in one call).
-        decode_fallbacks: ``decode_step`` plans aborted because the pools could not supply a
-            sequence's block (the step was then scheduled the general way, with preemption).
+            schedule and plan in one call; overlapped, ``decode_step_overlapped``).
+        decode_fallbacks: fast-path plans the pools could not supply a sequence's block in:
+            not overlapped, aborted (the step was then scheduled the general way, with
+            preemption); overlapped, run without that sequence (scheduled later).
         preemptions: preemptions (sequences released to make room, recomputed later).
         kda_timing_underruns: KDA blocks timed in ``"gpu"`` mode whose launches outlasted the
             backlog (their time includes idle GPU time; see ``prefixcache.models.timing``).
         manager_stats: the cache manager's statistics at the end (as a dict).
+        forward_seconds: wall time of the forwards (sampling and the copy of the logits to
+            the host included; on CUDA overlapped, the GPU time between two events).
+        wait_seconds: wall time the host waited for forwards (not overlapped: all of it).
+        holds: overlapped, request-steps a waiting request was held because a plan in flight
+            was computing a longer prefix of it than the cache held (``lookup``'s
+            ``pending_tokens`` above its ``tokens``), instead of recomputing that prefix.
+        held_requests: requests held at least once.
+        held_pending_tokens: over the held requests, the prefix tokens in flight beyond
+            their hit when first held (what admitting them then would have recomputed).
     """
 
     policy: str
@@ -114,6 +126,24 @@ class RunResult:
     preemptions: int = 0
     kda_timing_underruns: int = 0
     manager_stats: dict[str, Any] = field(default_factory=dict)
+    overlap: bool = False
+    cascaded_aborts: int = 0
+    forward_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    holds: int = 0
+    held_requests: int = 0
+    held_pending_tokens: int = 0
+
+    @property
+    def host_seconds(self) -> float:
+        """Wall time the host worked (scheduling, planning, inputs, commits): not waiting."""
+        return self.seconds - self.wait_seconds
+
+    @property
+    def hidden_host_seconds(self) -> float:
+        """Host time hidden behind forwards: the host's time less the time the forwards
+        waited for it (``seconds - forward_seconds``); 0 when nothing overlaps."""
+        return self.host_seconds - (self.seconds - self.forward_seconds)
 
     @property
     def prompt_tokens(self) -> int:

@@ -17,6 +17,7 @@ roundoffs per layer across 4 layers and the final projection.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -34,7 +35,7 @@ from ..kernels.backend import ConvImpl
 from ..kernels.ops import conv_function, default_conv
 from ..models import HybridModel, KernelTimer, ModelConfig
 from ..models.timing import TimingMode
-from .engine import Engine, EngineConfig
+from .engine import OVERLAP_DEPTH, Engine, EngineConfig
 from .policy import PAGED_GROUP, POLICY_NAMES, STATE_GROUP, Policy
 from .results import RequestResult, RunResult, outputs_match
 from .workloads import Geometry, GrowingPrefixSpec, PresetWorkload
@@ -124,6 +125,7 @@ def engine_config_for(
     backend: KDABackend,
     *,
     check: bool = False,
+    overlap: bool = True,
 ) -> EngineConfig:
     """Pools large enough that the preset evicts (almost) nothing it could reuse.
 
@@ -133,7 +135,8 @@ def engine_config_for(
     ``backend``); on top of that the pools keep the reusable prefixes (one attention block per
     block of them, and one state slot as slack) and what each finished request leaves
     published: two attention blocks (a partial last block and a copy-on-write destination) and
-    three checkpoints (tail, junction, decode tail).
+    three checkpoints (tail, junction, decode tail). ``overlap`` sizes them for an overlapped
+    engine (``OVERLAP_DEPTH`` plans in flight: more running states per sequence).
     """
     spec = workload.spec
     cached_blocks = math.ceil(spec.cache_tokens() / geometry.block_size)
@@ -144,6 +147,8 @@ def engine_config_for(
     for name in POLICY_NAMES:
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
         config = policy.cache_config(backend, paged_blocks=2, state_blocks=2)
+        if overlap:
+            config = dataclasses.replace(config, max_steps_in_flight=OVERLAP_DEPTH)
         budget = geometry.token_budget
         paged_bound = max(paged_bound, config.blocks_for_sequence(PAGED_GROUP, longest, budget))
         state_bound = max(state_bound, config.blocks_for_sequence(STATE_GROUP, longest, budget))
@@ -153,6 +158,7 @@ def engine_config_for(
         paged_blocks=1 + cached_blocks + 2 * requests + running * paged_bound,
         state_blocks=1 + cached_blocks + 3 * requests + running * state_bound,
         check=check,
+        overlap=overlap,
     )
 
 
@@ -207,6 +213,14 @@ class SimulationReport:
                 "decode_steps": run.decode_steps,
                 "decode_fallbacks": run.decode_fallbacks,
                 "aborted_steps": run.aborted_steps,
+                "overlap": run.overlap,
+                "cascaded_aborts": run.cascaded_aborts,
+                "holds": run.holds,
+                "held_requests": run.held_requests,
+                "held_pending_tokens": run.held_pending_tokens,
+                "forward_seconds": run.forward_seconds,
+                "host_seconds": run.host_seconds,
+                "hidden_host_seconds": run.hidden_host_seconds,
                 "preemptions": run.preemptions,
                 "kda_timing_underruns": run.kda_timing_underruns,
                 "seconds": run.seconds,
@@ -319,6 +333,7 @@ def simulate(
     reference: bool = True,
     warm_up: bool | WarmUp | None = None,
     observe: Callable[[pc.CacheManager], Callable[[], object]] | None = None,
+    overlap: bool = True,
 ) -> SimulationReport:
     """Run ``none`` (first: it is the reference) and the other ``policies``, in their order.
 
@@ -341,7 +356,8 @@ def simulate(
     ``on_policy(report)`` is called after each policy's run (the report then holds the
     policies run so far, each checked), so a long run's finished policies can be saved before
     the next one starts. ``observe`` is handed to every measured run's :class:`Engine` (an
-    event publisher or a metrics endpoint following each run's manager).
+    event publisher or a metrics endpoint following each run's manager). ``overlap`` runs the
+    engine overlapped (``EngineConfig.overlap``; ignored with an ``engine_config``, which says).
     """
     unknown = [name for name in policies if name not in POLICY_NAMES]
     if unknown:
@@ -350,7 +366,7 @@ def simulate(
     names = ["none"] if reference or "none" in policies else []
     names += [name for name in dict.fromkeys(policies) if name != "none"]
     geometry = workload.geometry.aligned(model.backend.checkpoint_alignment)
-    config = engine_config or engine_config_for(workload, geometry, model.backend)
+    config = engine_config or engine_config_for(workload, geometry, model.backend, overlap=overlap)
     rtol = FLOAT32_RTOL if model.dtype in (torch.float32, torch.float64) else LOW_PRECISION_RTOL
     report = SimulationReport(
         workload=workload.name,
@@ -433,7 +449,9 @@ def _warm_up(
         warm, warm_config = workload, config
     else:
         warm = warm_up_workload(workload, geometry)
-        warm_config = engine_config_for(warm, geometry, model.backend, check=config.check)
+        warm_config = engine_config_for(
+            warm, geometry, model.backend, check=config.check, overlap=config.overlap
+        )
     timer = model.kda_timer
     backlog, underruns = timer.backlog_cycles, timer.underruns
     for name in names:

@@ -5,9 +5,10 @@ lists only what changed, ``appended`` and ``replaced`` rows ``(row, column, bloc
 the plan row, ``replaced`` block 0 a released block). :class:`BlockTables` holds every live
 sequence's table in one preallocated ``int32`` array, grown geometrically, applies one step's
 entries in ``O(rows + entries)`` (NumPy fancy indexing, no Python loop over blocks), can take
-the latest step's appended entries back when it is aborted (its releases stand, as in the
-core), and hands the kernels the ``[R, C]`` table of a step's rows (a NumPy gather: no per-step
-Python rebuild of the tables, whatever the contexts' lengths).
+the appended entries of the latest ``depth`` steps back when they are aborted (an engine that
+overlaps steps has two plans in flight, and aborting the older one ends both: ``rollback(2)``;
+releases stand, as in the core), and hands the kernels the ``[R, C]`` table of a step's rows (a
+NumPy gather: no per-step Python rebuild of the tables, whatever the contexts' lengths).
 
 Entries beyond a row's length are always 0 (the null block), so a gathered table is
 null-padded, as the core's ``CacheManager.block_table`` is.
@@ -15,6 +16,7 @@ null-padded, as the core's ``CacheManager.block_table`` is.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,17 +50,23 @@ class BlockTables:
         group: the paged group's index in the cache configuration (whose plan entries
             :meth:`apply_plan` reads).
         rows, width: initial capacity (sequences, blocks per sequence); both grow by doubling.
+        depth: how many of the latest applies :meth:`rollback` can take back (the cache
+            configuration's ``max_steps_in_flight``).
     """
 
-    def __init__(self, group: int = 0, *, rows: int = 16, width: int = 16) -> None:
+    def __init__(self, group: int = 0, *, rows: int = 16, width: int = 16, depth: int = 1) -> None:
         if rows < 1 or width < 1:
             raise ValueError(f"rows and width must be >= 1, got {rows} and {width}")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         self.group = group
+        self.depth = depth
         self._table = np.zeros((rows, width), dtype=np.int32)
         self._lengths = np.zeros(rows, dtype=np.int64)
         self._row_of: dict[int, int] = {}
         self._free: list[int] = list(range(rows - 1, -1, -1))
-        self._undo: _Undo | None = None
+        # The undo records of the latest applies, oldest first (at most ``depth``).
+        self._undo: deque[_Undo] = deque()
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -67,6 +75,11 @@ class BlockTables:
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._row_of
+
+    @property
+    def undoable(self) -> int:
+        """How many of the latest applies :meth:`rollback` can take back now."""
+        return len(self._undo)
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -104,22 +117,15 @@ class BlockTables:
         ``appended`` / ``replaced`` are ``[n, 3]`` rows ``(row, column, block)``: appended
         entries extend the rows, replaced ones overwrite columns the rows already have (the
         core reports a sliding window's released blocks there, as block 0). A sequence seen
-        for the first time gets a row. Until the next ``apply`` or :meth:`release`,
-        :meth:`rollback` takes the appended entries back. Raises ``ValueError`` (nothing
-        changed) on an entry outside the rows or a replaced column a row does not have.
+        for the first time gets a row. :meth:`rollback` can take the appended entries back
+        until ``depth`` later applies have been made, or a :meth:`release` of one of the rows
+        (see there). Raises ``ValueError`` (nothing changed) on an entry outside the rows or a
+        replaced column a row does not have.
         """
         ids: list[int] = np.asarray(seq_ids, dtype=np.int64).reshape(-1).tolist()
         added = np.asarray(appended, dtype=np.int64).reshape(-1, 3)
         releases = np.asarray(replaced, dtype=np.int64).reshape(-1, 3)
-        for name, entries in (("appended", added), ("replaced", releases)):
-            if entries.size and (
-                entries[:, 0].min() < 0
-                or entries[:, 0].max() >= len(ids)
-                or entries[:, 1].min() < 0
-            ):
-                raise ValueError(
-                    f"{name} entries name rows outside [0, {len(ids)}) or negative columns"
-                )
+        self._check_entries(len(ids), added, releases)
         created: list[int] = []
         rows = np.empty(len(ids), dtype=np.int64)
         for index, seq_id in enumerate(ids):
@@ -139,14 +145,26 @@ class BlockTables:
         undo = _Undo(created, rows, lengths, (cell_rows, columns), old)
         released_rows = rows[releases[:, 0]]
         if bool((releases[:, 1] >= self._lengths[released_rows]).any()):
-            previous, self._undo = self._undo, undo
-            self.rollback()
-            self._undo = previous
+            self._undo_one(undo)
             raise ValueError("a replaced entry names a column its row does not have")
         # Releases stand when the step is aborted (the core does not take them back; the next
         # plan reports them again), so they are not recorded for the rollback.
         self._table[released_rows, releases[:, 1]] = releases[:, 2]
-        self._undo = undo
+        self._undo.append(undo)
+        if len(self._undo) > self.depth:
+            self._undo.popleft()  # its step ended long ago (at most depth are in flight)
+
+    @staticmethod
+    def _check_entries(num_rows: int, added: np.ndarray, releases: np.ndarray) -> None:
+        for name, entries in (("appended", added), ("replaced", releases)):
+            if entries.size and (
+                entries[:, 0].min() < 0
+                or entries[:, 0].max() >= num_rows
+                or entries[:, 1].min() < 0
+            ):
+                raise ValueError(
+                    f"{name} entries name rows outside [0, {num_rows}) or negative columns"
+                )
 
     def apply_plan(self, plan: StepPlanLike) -> None:
         """:meth:`apply` of this group's part of ``plan`` (a ``StepPlan`` or ``PlanBuffers``)."""
@@ -157,24 +175,42 @@ class BlockTables:
             part.replaced[: part.num_replaced],
         )
 
-    def rollback(self) -> None:
-        """Take back the latest :meth:`apply`'s appended entries (its step was aborted)."""
-        undo = self._undo
-        if undo is None:
-            raise RuntimeError("no applied step to roll back (it was rolled back or released)")
-        self._undo = None
-        self._table[undo.cells] = undo.old
-        self._lengths[undo.rows] = undo.lengths
-        for seq_id in undo.created:
-            self._drop(seq_id)
+    def rollback(self, count: int = 1) -> None:
+        """Take back the appended entries of the latest ``count`` applies, newest first (their
+        steps were aborted: a cascading abort of two plans in flight is ``rollback(2)``).
+
+        Raises ``RuntimeError`` (nothing changed) when fewer than ``count`` can be taken back
+        (:attr:`undoable`: they were rolled back already, released, or more than ``depth``).
+        """
+        if count < 1 or count > len(self._undo):
+            raise RuntimeError(
+                f"no applied step to roll back: {count} asked, {len(self._undo)} can be "
+                f"(rolled back already, released, or beyond the depth {self.depth})"
+            )
+        for _ in range(count):
+            self._undo_one(self._undo.pop())
 
     def release(self, seq_id: int) -> None:
         """Drop the row of ``seq_id`` (finished or preempted); nothing if it has none.
 
-        The latest step can no longer be rolled back afterwards.
+        The applies that wrote this row, and every apply before them, can no longer be
+        rolled back afterwards; later applies that did not touch it still can (a sequence
+        finished while the next plan, which it is not in, is in flight).
         """
-        self._undo = None
-        if seq_id in self._row_of:
+        row = self._row_of.get(seq_id)
+        if row is None:
+            return
+        for index in range(len(self._undo) - 1, -1, -1):
+            if bool((self._undo[index].rows == row).any()):
+                for _ in range(index + 1):
+                    self._undo.popleft()
+                break
+        self._drop(seq_id)
+
+    def _undo_one(self, undo: _Undo) -> None:
+        self._table[undo.cells] = undo.old
+        self._lengths[undo.rows] = undo.lengths
+        for seq_id in undo.created:
             self._drop(seq_id)
 
     # --- storage ------------------------------------------------------------------------------
