@@ -6,17 +6,19 @@
 //! `add` -> `lookup` -> `schedule` -> `build_plan` -> kernels -> `commit` | `abort`.
 //!
 //! Modules, bottom-up (no import circle; `tests/module_graph.rs` checks it): `limits`, `error`,
-//! `hashing` (digests), `pool` (one pool's blocks, reference counts, LRU), `index` (published
-//! keys), `events`, `stats`; `config` (configuration, the rules, the group layout); `store`
+//! `hashing` (digests), `chains` (many chains across threads), `pool` (one pool's blocks,
+//! reference counts, LRU), `index` (published keys), `events`, `stats`; `config` (configuration, the rules, the group layout); `store`
 //! (pools + index + events: allocation, publication, eviction); `hit` (what a lookup returns,
 //! and the hit rule over store, layout and a sequence's content); `sequence` (a sequence, its
 //! phase, its per-group blocks and step); `table` (the sequence table and the finished cache);
 //! `admission` and `checkpoints` (the blocks a chunk gets, the checkpoints it exports);
-//! `manager` (the protocol's state and sequence calls); `schedule`, `plan`, `commit`
-//! (the step's calls); `invariants`.
+//! `manager` (the protocol's state and sequence calls); `batch` (`add_batch`); `schedule`,
+//! `plan`, `commit` (the step's calls); `invariants`.
 #![forbid(unsafe_code)]
 
 mod admission;
+mod batch;
+mod chains;
 mod checkpoints;
 mod commit;
 pub mod config;
@@ -36,6 +38,7 @@ pub mod stats;
 mod store;
 mod table;
 
+pub use batch::AddRequest;
 pub use config::{
     aligned_geometry, is_exportable_offset, nearest_exportable_offsets, CacheConfig,
     CheckpointGrid, GroupConfig, GroupKind, PoolConfig, Retention, StateGroupConfig,

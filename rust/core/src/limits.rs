@@ -34,8 +34,11 @@ pub const MAX_MULTIMODAL_INPUTS: usize = 4096;
 pub const MAX_EXTRA_KEY_BYTES: usize = 4096;
 
 /// Most ids one batch call takes (`schedule_batch`, `append_batch`, `decode_step`,
-/// `block_table`).
+/// `block_table`; the requests of one `add_batch`).
 pub const MAX_BATCH_SEQUENCES: usize = 1 << 20;
+
+/// Most threads one `add_batch` hashes its prompts on (the calling thread included).
+pub const MAX_HASH_THREADS: usize = 64;
 
 /// Most tokens one step may schedule in all (`query_start_loc` is `int32` in the plan): a
 /// `schedule` is clamped to what is left of it, as it is to what its sequence has left.

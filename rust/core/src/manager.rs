@@ -36,7 +36,7 @@ use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
 use crate::sequence::{PagedSeq, Phase, Retiring, Sequence, StateSeq};
 use crate::stats::{GroupStats, Stats};
 use crate::store::BlockStore;
-use crate::table::{shared_units, SequenceTable};
+use crate::table::{shared_units, Deferred, SequenceTable};
 
 use crate::hit::pending_hit;
 pub use crate::limits::MAX_SEQUENCE_TOKENS;
@@ -296,6 +296,13 @@ impl CacheManager {
         extra: ExtraKeys,
         extends: Option<u64>,
     ) -> Result<Added> {
+        self.check_add(seq_id, tokens, &extra)?;
+        self.admit(seq_id, tokens, extra, extends, None)
+    }
+
+    /// What `add` refuses before it changes anything: a live id, an empty prompt, a sequence
+    /// `validate_sequence` refuses.
+    pub(crate) fn check_add(&self, seq_id: u64, tokens: &[u32], extra: &ExtraKeys) -> Result<()> {
         if self.table.by_id.contains_key(&seq_id) {
             return Err(CacheError::DuplicateSequence { seq_id });
         }
@@ -304,7 +311,20 @@ impl CacheManager {
                 "sequence {seq_id} has no tokens: a prompt needs at least one token"
             )));
         }
-        validate_sequence(tokens.len(), &extra)?;
+        validate_sequence(tokens.len(), extra)
+    }
+
+    /// `add` of a request `check_add` accepted. With `deferred` (`add_batch`), the digests
+    /// past those reused and unit 0 are left for the batch to compute, and a source that is
+    /// itself deferred is hashed first if this request reuses more of it than it holds.
+    pub(crate) fn admit(
+        &mut self,
+        seq_id: u64,
+        tokens: &[u32],
+        extra: ExtraKeys,
+        extends: Option<u64>,
+        mut deferred: Option<&mut Deferred>,
+    ) -> Result<Added> {
         let unit = self.unit;
         // Headroom for decoded tokens, so the first appends do not copy a long prompt.
         let capacity = tokens.len() + tokens.len() / 16 + 256;
@@ -312,13 +332,19 @@ impl CacheManager {
             None => self.live_prefix_source(tokens, &extra),
             Some(_) => (None, None),
         };
-        let (extends_found, (common, n)) =
-            match extends.or(live).and_then(|o| self.table.extends_source(o)) {
-                Some((t, e, h)) => {
-                    (extends.is_some(), shared_units(unit, tokens, &extra, &t, &e, h.len()))
-                }
-                None => (false, (0, 0)),
-            };
+        let source = extends.or(live);
+        // A deferred source is compared with the digests it will hold, as after its own `add`.
+        let source_units = source.and_then(|o| deferred.as_deref()?.units_of(o));
+        let (extends_found, (common, n)) = match source.and_then(|o| self.table.extends_source(o)) {
+            Some((t, e, h)) => {
+                let units = source_units.unwrap_or(h.len());
+                (extends.is_some(), shared_units(unit, tokens, &extra, &t, &e, units))
+            }
+            None => (false, (0, 0)),
+        };
+        if let (Some(d), Some(o)) = (deferred.as_deref_mut(), source) {
+            d.settle(&mut self.table, &mut self.hasher, unit, o, n);
+        }
         // From here on the live sequence is `extends`, when it shares a unit.
         let extends = extends.or_else(|| live.filter(|_| n > 0));
         // A finished sequence extended by its next turn hands its buffers over: the shared
@@ -365,8 +391,8 @@ impl CacheManager {
         if reused == 0 {
             hashes.extend(first); // unit 0, hashed by `live_prefix_source`
         }
-        self.hasher.extend(&owned, unit, &extra, &mut hashes);
-        let hashed_units = (hashes.len() - reused) as u32;
+        let units = self.hash_prompt(&owned, &extra, &mut hashes, deferred.is_some());
+        let hashed_units = (units - reused) as u32;
         if let Some(&h) = hashes.first().filter(|_| self.config.reuse_live_prefixes) {
             self.table.live_prefixes.insert(h, seq_id);
         }
@@ -393,7 +419,10 @@ impl CacheManager {
             pending_checkpoints: Vec::new(),
             retiring: None,
         };
-        self.table.insert(seq);
+        let slot = self.table.insert(seq);
+        if let Some(d) = deferred.filter(|_| units > self.seq(slot).hashes.len()) {
+            d.defer(seq_id, slot, units);
+        }
         Ok(Added { reused_tokens: reused as u32 * unit, hashed_units, extends_found })
     }
 

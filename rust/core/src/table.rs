@@ -10,8 +10,9 @@ use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 
+use crate::chains::Chain;
 use crate::error::{CacheError, Result};
-use crate::hashing::{Digest, ExtraKeys};
+use crate::hashing::{Digest, ExtraKeys, Hasher};
 use crate::limits::human_bytes;
 use crate::pool::BlockId;
 use crate::sequence::Sequence;
@@ -464,6 +465,66 @@ pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
         i += 1;
     }
     i
+}
+
+/// The sequences one `add_batch` registered whose digests are not all computed yet (each
+/// holds the digests it reused and that of unit 0): by id, its slot and the number of digests
+/// it has once hashed, which is what a sequence added alone would hold.
+#[derive(Debug, Default)]
+pub(crate) struct Deferred {
+    pending: FxHashMap<u64, (usize, usize)>,
+}
+
+impl Deferred {
+    /// The digests `id` will hold once hashed, if its hashing is deferred.
+    pub fn units_of(&self, id: u64) -> Option<usize> {
+        self.pending.get(&id).map(|&(_, units)| units)
+    }
+
+    pub fn defer(&mut self, id: u64, slot: usize, units: usize) {
+        self.pending.insert(id, (slot, units));
+    }
+
+    /// Hashes `id` now, on this thread, if it is deferred and holds fewer than `needed`
+    /// digests: a later request of the batch reuses that many of them.
+    pub fn settle(
+        &mut self,
+        table: &mut SequenceTable,
+        hasher: &mut Hasher,
+        unit: u32,
+        id: u64,
+        needed: usize,
+    ) {
+        let Some(&(slot, _)) = self.pending.get(&id) else { return };
+        let seq = table.get_mut(slot);
+        if seq.hashes.len() < needed {
+            hasher.extend(&seq.tokens, unit, &seq.extra, &mut seq.hashes);
+            self.pending.remove(&id);
+        }
+    }
+
+    /// The slots still to hash, in slot order.
+    pub fn slots(&self) -> Vec<usize> {
+        let mut slots: Vec<usize> = self.pending.values().map(|&(slot, _)| slot).collect();
+        slots.sort_unstable();
+        slots
+    }
+}
+
+impl SequenceTable {
+    /// The hash chains of the live sequences in `slots` (in slot order; each slot once).
+    pub fn chains(&mut self, slots: &[usize]) -> Vec<Chain<'_>> {
+        let mut wanted = vec![false; self.seqs.len()];
+        for &slot in slots {
+            wanted[slot] = true;
+        }
+        self.seqs
+            .iter_mut()
+            .zip(wanted)
+            .filter_map(|(seq, wanted)| seq.as_mut().filter(|_| wanted))
+            .map(|s| Chain { tokens: &s.tokens, extra: &s.extra, hashes: &mut s.hashes })
+            .collect()
+    }
 }
 
 /// What two sequences share: `(common tokens, shared units)`. The units are the leading units
