@@ -16,7 +16,8 @@ timed):
   release of the copy sources, ``take_new_block_ids``), ``append_output_token_ids`` (which
   hashes new full blocks) and ``free``. Chunk ends of the hybrid configuration come from the
   scheduler's own ``_mamba_block_aligned_split`` (untimed: it is scheduler policy).
-- :class:`PrefixcacheBackend`: ``prefixcache.CacheManager``: ``add`` (hashing), ``lookup``,
+- :class:`PrefixcacheBackend`: ``prefixcache.CacheManager``: ``add_batch`` of a step's arrivals
+  (hashing, across cores), ``lookup``,
   ``schedule`` (admissions, prefill chunks), ``decode_step`` for a step that only decodes
   (commit of the previous step, append, schedule and plan in one call), otherwise
   ``commit`` + ``append_batch`` + ``schedule_tokens`` + ``build_plan_into`` (the plan written
@@ -89,6 +90,15 @@ class Backend(ABC):
 
     def start_step(self) -> None:  # noqa: B027 (optional hook: most managers need nothing)
         """Opens a scheduler step."""
+
+    def add(self, request: Request) -> None:  # noqa: B027 (a manager that hashes nothing)
+        """Takes in one arrived request (hashes its prompt, where the manager does)."""
+
+    def add_batch(self, requests: list[Request]) -> None:
+        """Takes in the requests that arrived for this step, in order (``add`` of each, unless
+        the manager has a call for several)."""
+        for request in requests:
+            self.add(request)
 
     @abstractmethod
     def admit(self, request: Request, budget: int) -> tuple[int, int] | None:
@@ -232,6 +242,9 @@ class VllmBackend(Backend):
         self.calls["hash"] += 1
         return vllm_request
 
+    def add(self, request: Request) -> None:
+        self._vllm_request(request)
+
     def _split(self, vllm_request: Any, tokens: int, hit: int = 0) -> int:
         if not self.hybrid:
             return tokens
@@ -370,7 +383,6 @@ class PrefixcacheBackend(Backend):
         self.in_flight = False
         self.pending: dict[int, int] = {}
         self.decodes: np.ndarray | None = None
-        self.added: set[int] = set()
 
     # An engine's decode step is one call, `decode_step`: it commits the previous step (kept
     # in flight until then), appends the tokens sampled from it, schedules one token of each
@@ -405,18 +417,21 @@ class PrefixcacheBackend(Backend):
             if (scheduled < 0).any():
                 raise RuntimeError("prefixcache ran out of blocks: the pool is sized too small")
 
+    def add(self, request: Request) -> None:
+        self.add_batch([request])
+
+    def add_batch(self, requests: list[Request]) -> None:
+        ids = [r.request_id for r in requests]
+        prompts = [r.prompt for r in requests]
+        extends = [r.extends for r in requests] if self.reuse else None
+        manager = self.manager
+        self._timed("add", lambda: manager.add_batch(ids, prompts, extends=extends))
+
     def admit(self, request: Request, budget: int) -> tuple[int, int] | None:
         self.flush()
         manager = self.manager
         seconds = self.seconds
         rid = request.request_id
-        if rid not in self.added:
-            extends = request.extends if self.reuse else None
-            t0 = perf_counter()
-            manager.add(rid, request.prompt, extends=extends)
-            seconds["add"] += perf_counter() - t0
-            self.calls["add"] += 1
-            self.added.add(rid)
         t0 = perf_counter()
         manager.lookup(rid)
         t1 = perf_counter()
@@ -475,7 +490,6 @@ class PrefixcacheBackend(Backend):
         self.manager.finish(request.request_id)
         self.seconds["finish"] += perf_counter() - t0
         self.calls["finish"] += 1
-        self.added.discard(request.request_id)
 
 
 class BlockArrays:

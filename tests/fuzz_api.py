@@ -1523,6 +1523,67 @@ class FuzzMachine(RuleBasedStateMachine):
             "tokens of a sequence it may reuse from have the same tokens and extra keys",
         )
 
+    @rule(
+        ids=st.lists(mostly(st.integers(0, 19), st.just(-1), odds=30), max_size=6),
+        bases=st.lists(st.integers(0, 40), min_size=6, max_size=6),
+        keeps=st.lists(st.integers(0, 64), min_size=6, max_size=6),
+        suffixes=st.lists(st.lists(st.integers(0, 3), max_size=24), min_size=6, max_size=6),
+        chain=st.lists(st.booleans(), min_size=6, max_size=6),
+        threads=st.sampled_from([None, 0, 1, 2, 3]),
+    )
+    def add_batch(
+        self,
+        ids: list[int],
+        bases: list[int],
+        keeps: list[int],
+        suffixes: list[list[int]],
+        chain: list[bool],
+        threads: int | None,
+    ) -> None:
+        """`add_batch`: all or nothing, and each request's result as its own `add` in order
+        would give it (a request may extend, and share tokens with, an earlier one of the
+        same batch)."""
+        known = self.known()
+        prompts: list[list[int]] = []
+        extends: list[int | None] = []
+        expect = Expect()
+        seen: set[int] = set()
+        for i, seq_id in enumerate(ids):
+            earlier = prompts[i - 1] if i and chain[i] else None
+            source = known[bases[i] % len(known)] if known and bases[i] < 32 else None
+            head = earlier if earlier is not None else (source.tokens if source else [])
+            prompts.append(head[: keeps[i]] + suffixes[i])
+            extends.append(ids[i - 1] if earlier is not None else None)
+            # The ids are read first; then the first request `add` would refuse decides.
+            if expect.errors or min(ids) < 0:
+                continue
+            if seq_id in self.live or seq_id in seen:
+                expect.must(pc.DuplicateSequenceError, f"sequence {seq_id} is live")
+            elif not prompts[-1]:
+                expect.must(pc.InvalidRequestError, f"request {i} has no tokens")
+            seen.add(seq_id)
+        if ids and min(ids) < 0:
+            expect.must(pc.InvalidRequestError, f"a negative seq_id in {ids}")
+        live_before = self.mgr.num_sequences
+        added = self.call(
+            expect,
+            f"add_batch({ids}, {[len(p) for p in prompts]} tokens, extends={extends}, "
+            f"threads={threads})",
+            lambda: self.mgr.add_batch(ids, prompts, extends=extends, threads=threads),
+        )
+        if isinstance(added, BaseException):
+            self.check(
+                self.mgr.num_sequences == live_before, "a refused add_batch admitted requests"
+            )
+            self.absorb_events(None, "add_batch (refused)")
+            return
+        self.check(len(added) == len(ids), f"add_batch returned {len(added)} results")
+        for seq_id, tokens, ext, result in zip(ids, prompts, extends, added, strict=True):
+            seq = Seq(seq_id, list(tokens), None, None, ())
+            self.check_added(seq, result, ext)
+            self.live[seq_id] = seq
+        self.absorb_events(None, "add_batch")
+
     # -- lookup and schedule ----------------------------------------------------------------------
 
     @precondition(lambda self: bool(self.live))

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_BLOCK_SIZE",
     "MAX_EXTRA_KEY_BYTES",
     "MAX_GROUPS",
+    "MAX_HASH_THREADS",
     "MAX_HASH_UNIT",
     "MAX_LOOKAHEAD_TOKENS",
     "MAX_MULTIMODAL_INPUTS",
@@ -87,6 +88,7 @@ MAX_BLOCKS_PER_POOL: int
 MAX_BLOCK_SIZE: int  # a paged block size or sliding window, in tokens
 MAX_EXTRA_KEY_BYTES: int  # a cache salt or multimodal hash, in bytes
 MAX_GROUPS: int
+MAX_HASH_THREADS: int  # threads one add_batch hashes on
 MAX_HASH_UNIT: int
 MAX_LOOKAHEAD_TOKENS: int
 MAX_STEPS_IN_FLIGHT: int
@@ -637,6 +639,23 @@ class CacheManager:
 
         With `extends`, the hashes of the prefix shared with that sequence are reused and only
         the new tail is hashed (also without the GIL).
+        """
+    def add_batch(
+        self,
+        seq_ids: _Ints,
+        prompts: Sequence[_Ints],
+        extends: Sequence[int | None] | None = None,
+        extra_keys: Sequence[ExtraKeys | None] | None = None,
+        threads: int | None = None,
+    ) -> list[Added]:
+        """`add` of several sequences in one call: the same sequences, digests and results as
+        `add` of each in order (reuse among the batch's own requests included), the prompts
+        hashed on up to `threads` threads (default: one per core, at most
+        `MAX_HASH_THREADS`) without the GIL.
+
+        `extends` and `extra_keys`: one entry (or `None`) per id. All or nothing: when `add`
+        would refuse a request (a live or repeated id, an empty prompt, bad extra keys), the
+        call raises that request's error and admits none of them.
         """
     def lookup(self, seq_id: int) -> Hit:
         """The hit the sequence would get now (changes no cache state)."""

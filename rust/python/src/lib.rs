@@ -93,6 +93,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The bounds on every count the API takes (`prefixcache_core::limits`), for callers that
     // split work to fit them.
     m.add("MAX_BATCH_SEQUENCES", limits::MAX_BATCH_SEQUENCES)?;
+    m.add("MAX_HASH_THREADS", limits::MAX_HASH_THREADS)?;
     m.add("MAX_BLOCK_SIZE", limits::MAX_BLOCK_SIZE)?;
     m.add("MAX_BLOCKS_PER_POOL", limits::MAX_BLOCKS_PER_POOL)?;
     m.add("MAX_EXTRA_KEY_BYTES", limits::MAX_EXTRA_KEY_BYTES)?;

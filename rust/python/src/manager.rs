@@ -41,7 +41,8 @@ use std::sync::{Arc, Mutex, TryLockError};
 
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
-use prefixcache_core::{CacheError, CacheManager, HashAlgorithm, Scheduled, StepPlan};
+use prefixcache_core::limits::MAX_HASH_THREADS;
+use prefixcache_core::{AddRequest, CacheError, CacheManager, HashAlgorithm, Scheduled, StepPlan};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt};
@@ -221,6 +222,24 @@ fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     convert::int_sequence(obj, "seq_ids", MAX_SEQ_ID, BATCH)
 }
 
+/// One entry per id of an `add_batch` (`None` entries kept as `None`), or `None` for each
+/// when `obj` is `None`; an `InvalidRequestError` when the lengths differ.
+fn per_id<'py>(
+    obj: Option<&Bound<'py, PyAny>>,
+    n: usize,
+    what: &str,
+) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(vec![None; n]);
+    };
+    let len = obj.len()?;
+    if len != n {
+        let message = format!("add_batch got {n} seq_ids and {len} {what}: give one per id");
+        return Err(convert::range_error(obj.py(), Domain::Request, message));
+    }
+    obj.try_iter()?.map(|item| item.map(|i| Some(i).filter(|i| !i.is_none()))).collect()
+}
+
 /// A schedule result as `schedule_tokens` reports it: the tokens, or -1 (out of blocks).
 fn tokens_or_refused(result: Option<&Scheduled>) -> i32 {
     result.map_or(-1, |s| i32::try_from(s.num_tokens).unwrap_or(i32::MAX))
@@ -337,6 +356,63 @@ impl PyCacheManager {
         // short prompt may extend a long sequence, whose prefix the core compares).
         let tokens = convert::tokens(tokens, "tokens", SEQUENCE)?;
         self.enter(py, Work::Long, move |m| m.add(id, &tokens, extra, extends)).map(PyAdded::from)
+    }
+
+    /// `add` of several sequences in one call, as `add` of each in order would register them
+    /// (reuse among the batch's own requests included), their prompts hashed on up to
+    /// `threads` threads (0: one per core) without the GIL.
+    ///
+    /// `seq_ids`: list or 1-D integer array; `prompts`: one token sequence per id; `extends`
+    /// and `extra_keys`: `None`, or one entry (or `None`) per id. All or nothing: a request
+    /// `add` would refuse makes the call raise that error and admit none of them.
+    #[pyo3(signature = (seq_ids, prompts, extends = None, extra_keys = None, threads = None))]
+    fn add_batch(
+        &self,
+        seq_ids: &Bound<'_, PyAny>,
+        prompts: &Bound<'_, PyAny>,
+        extends: Option<&Bound<'_, PyAny>>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+        threads: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<PyAdded>> {
+        let py = seq_ids.py();
+        let ids = self::seq_ids(seq_ids)?;
+        let threads = match threads.filter(|t| !t.is_none()) {
+            Some(t) => convert::int_in(t, "threads", 0, MAX_HASH_THREADS as u64, Domain::Request)?,
+            None => 0,
+        };
+        let n = ids.len();
+        let prompts = per_id(Some(prompts), n, "prompts")?;
+        let extends = per_id(extends, n, "extends")?;
+        let extra = per_id(extra_keys, n, "extra_keys")?;
+        // Copied out with the GIL held, hashed without it.
+        let mut tokens = Vec::with_capacity(n);
+        for prompt in &prompts {
+            match prompt {
+                Some(p) => tokens.push(convert::tokens(p, "prompts[i]", SEQUENCE)?),
+                None => return Err(PyTypeError::new_err("add_batch: a prompt is None")),
+            }
+        }
+        let extends = extends
+            .iter()
+            .map(|e| e.as_ref().map(|e| self::seq_id(e)).transpose())
+            .collect::<PyResult<Vec<_>>>()?;
+        let extra =
+            extra.iter().map(|e| convert::extra_keys(e.as_ref())).collect::<PyResult<Vec<_>>>()?;
+        self.enter(py, Work::Long, move |m| {
+            let requests = ids
+                .iter()
+                .zip(&tokens)
+                .zip(extra.into_iter().zip(extends))
+                .map(|((&seq_id, tokens), (extra, extends))| AddRequest {
+                    seq_id,
+                    tokens,
+                    extra,
+                    extends,
+                })
+                .collect();
+            m.add_batch(requests, threads as usize)
+        })
+        .map(|added| added.into_iter().map(PyAdded::from).collect())
     }
 
     /// The hit the sequence would get now. Changes no cache state (counts a statistic).
