@@ -201,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
         "prefixcache.kernels.decode_attention; needs --device cuda)",
     )
     simulate.add_argument(
+        "--no-prefill-split",
+        action="store_true",
+        help="attend to a prefill chunk's cached prefix in one flash call (default on CUDA: "
+        "cut into pieces that fill the GPU, merged by their log-sum-exps; "
+        "prefixcache.kernels.prefill_attention)",
+    )
+    simulate.add_argument(
         "--warm-up",
         # "auto" + prefixcache.engine.simulate.WARM_UPS (imported lazily)
         choices=("auto", "none", "shapes", "full"),
@@ -494,6 +501,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             kda_timing=args.kda_timing,
             conv=args.conv,
             decode_attention=args.decode_attention,
+            split_prefill=not args.no_prefill_split,
         )
         workload = workload_preset(
             name, args.preset, trace_path=trace_path, vocab_size=model.config.vocab_size
@@ -525,8 +533,8 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"{config.kda_head_dim}, attention {config.attention_heads}/{config.attention_kv_heads}"
         f"x{config.attention_head_dim}, MLP {config.mlp_hidden_size}, vocabulary "
         f"{config.vocab_size}, {str(model.dtype).removeprefix('torch.')}, random weights; "
-        f"conv {backend.conv_impl}, decode attention {model.decode_attention}, KDA timing "
-        f"{model.kda_timer.mode}"
+        f"conv {backend.conv_impl}, decode attention {model.decode_attention}, prefill split "
+        f"{'on' if model.split_prefill else 'off'}, KDA timing {model.kda_timer.mode}"
     )
     adjusted = geometry != workload.geometry
     print(

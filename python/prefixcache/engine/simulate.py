@@ -70,6 +70,7 @@ def build_model(
     kda_timing: TimingMode | Literal["auto"] = "auto",
     conv: ConvImpl | Literal["auto"] = "auto",
     decode_attention: str = "auto",
+    split_prefill: bool = True,
 ) -> HybridModel:
     """The reference model on ``device`` with the kernel backend ``backend``.
 
@@ -84,9 +85,10 @@ def build_model(
     implementation (``"auto"``: ``"triton"`` on CUDA, ``"torch"`` on the CPU;
     ``prefixcache.kernels.conv_triton``); ``decode_attention`` how attention layers compute
     decode rows (``"auto"``: ``"triton"`` on CUDA, ``"torch"`` on the CPU;
-    ``prefixcache.kernels.decode_attention``). Raises ``BackendUnavailableError`` when the
-    backend cannot run here, ``UnsupportedLayerError`` when the convolution or the decode
-    attention cannot.
+    ``prefixcache.kernels.decode_attention``); ``split_prefill`` whether a prefill chunk's
+    cached prefix is split across the GPU (``prefixcache.kernels.prefill_attention``). Raises
+    ``BackendUnavailableError`` when the backend cannot run here, ``UnsupportedLayerError`` when
+    the convolution or the decode attention cannot.
     """
     torch_device = torch.device(device)
     if torch_device.type == "cuda" and not torch.cuda.is_available():
@@ -113,7 +115,11 @@ def build_model(
         timing = "events" if torch_device.type == "cuda" else "wall"
     HybridModel.check_decode_attention(decode_attention, torch_device)  # before the weights
     model = HybridModel(
-        config, kernel_backend, device=torch_device, decode_attention=decode_attention
+        config,
+        kernel_backend,
+        device=torch_device,
+        decode_attention=decode_attention,
+        split_prefill=split_prefill,
     )
     model.kda_timer = KernelTimer(torch_device, timing)
     return model
@@ -178,6 +184,7 @@ class SimulationReport:
     kda_timing: str = "wall"
     conv: str = "torch"
     decode_attention: str = "torch"
+    split_prefill: bool = True
     warm_up: str = "none"
     runs: dict[str, RunResult] = field(default_factory=dict)
     step_times: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -256,6 +263,7 @@ class SimulationReport:
             "kda_timing": self.kda_timing,
             "conv": self.conv,
             "decode_attention": self.decode_attention,
+            "split_prefill": self.split_prefill,
             "warm_up": self.warm_up,
             "pools": None
             if self.engine_config is None
@@ -381,6 +389,7 @@ def simulate(
         kda_timing=model.kda_timer.mode,
         conv=model.backend.conv_impl,
         decode_attention=model.decode_attention,
+        split_prefill=model.split_prefill,
     )
     mode: WarmUp
     if warm_up is None:

@@ -92,12 +92,15 @@ class HybridModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         decode_attention: str = "auto",
+        split_prefill: bool = True,
     ) -> None:
         self.config = config
         self.backend = backend
         self.device = torch.device(device)
         self.dtype = default_dtype(self.device, backend) if dtype is None else dtype
         self.decode_attention = self.check_decode_attention(decode_attention, self.device)
+        # Whether a prefill chunk's cached prefix may be split across the GPU (CUDA, bf16).
+        self.split_prefill = split_prefill
         # On a GPU the large matrices are drawn there (the Kimi-K3 proxy has billions of
         # weights: drawing them on the host would cost seconds per process), the kernel
         # parameters on the host; on the CPU one generator draws everything.
@@ -269,6 +272,7 @@ class HybridModel:
                         step.query_start_loc,
                         slots_checked=slots_checked,
                         decode=decode,
+                        split_prefill=self.split_prefill,
                     )
                 x = x + mlp.forward(rms_norm(x, mlp_norm, eps))
             index = torch.from_numpy(np.ascontiguousarray(logits_indices, dtype=np.int64))

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..kernels import KDABackend, KDALayerParams, PagedKVCache, StateCache, StatePlan, run_prefill
 from ..kernels.decode_attention import DecodeRows, paged_decode_attention
+from ..kernels.prefill_attention import flash_attend, prefix_splits, split_prefix_attention
 from .config import ModelConfig
 from .timing import KernelTimer
 
@@ -50,6 +51,7 @@ def paged_causal_attention(
     seq_lens: np.ndarray,
     query_start_loc: np.ndarray,
     decode: DecodeRows | None = None,
+    split_prefill: bool = True,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over each row's context in ``cache``.
 
@@ -61,7 +63,10 @@ def paged_causal_attention(
 
     ``decode``: the step's decode rows (:class:`DecodeRows`, selected from these same tables);
     they are computed in one launch by :func:`paged_decode_attention`, without a gather, and
-    only the other rows take the per-row path.
+    only the other rows take the per-row path. On CUDA in fp16/bf16, a chunk after a cached
+    prefix goes to the flash kernel with its grouped key/value heads as they are, its prefix
+    split across the GPU when the chunk alone would not fill it (``split_prefill``;
+    :mod:`prefixcache.kernels.prefill_attention`).
     """
     tables = np.asarray(block_tables)
     lengths: list[int] = np.asarray(seq_lens).reshape(-1).tolist()
@@ -84,10 +89,18 @@ def paged_causal_attention(
             o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         elif query_len == context:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16):
+            # A chunk after a cached prefix: causal aligned to the bottom right, by the flash
+            # kernel without a [query, context] mask (1.3 GB at 8K x 164K) or repeated heads.
+            prefix = context - query_len
+            splits = prefix_splits(query_len, prefix, q.shape[1]) if split_prefill else 1
+            if splits > 1:
+                o = split_prefix_attention(q, k, v, splits, flash_attend)
+            else:
+                o = flash_attend(q, k, v, True, q.shape[-1] ** -0.5)[0]
         elif query.device.type == "cuda":
-            # A chunk after a cached prefix: causal aligned to the bottom right. The flash kernel
-            # does it without a [query, context] mask (1.3 GB at 8K x 164K); it takes equal head
-            # counts, so the key/value heads are repeated for the query groups.
+            # float32 (the torch backend): the flash kernel through SDPA's lower-right bias,
+            # which takes equal head counts, so the key/value heads are repeated.
             # Imported here: torch.nn.attention.bias imports Triton, which the CPU never needs
             # (and Triton decides at its first import whether it runs interpreted).
             from torch.nn.attention.bias import causal_lower_right
@@ -301,13 +314,15 @@ class AttentionLayer:
         *,
         slots_checked: bool = False,
         decode: DecodeRows | None = None,
+        split_prefill: bool = True,
     ) -> torch.Tensor:
         """``[T, d] -> [T, d]``: writes this step's K/V at ``slot_mapping``, then attends.
 
         ``block_tables`` ``[R, C]`` lists each row's blocks (its whole context, this step's
         tokens included); ``seq_lens`` ``[R]`` is each row's context length after the step.
         ``slots_checked``: see ``PagedKVCache.write``'s ``checked``. ``decode``: the step's
-        decode rows for the Triton decode kernel (:func:`paged_causal_attention`).
+        decode rows for the Triton decode kernel, ``split_prefill`` whether a chunk's cached
+        prefix may be split across the GPU (both: :func:`paged_causal_attention`).
         """
         tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -321,6 +336,12 @@ class AttentionLayer:
             checked=slots_checked,
         )
         o = paged_causal_attention(
-            q.reshape(tokens, heads, dim), cache, block_tables, seq_lens, query_start_loc, decode
+            q.reshape(tokens, heads, dim),
+            cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            decode,
+            split_prefill,
         )
         return F.linear(o.reshape(tokens, heads * dim), self.out)

@@ -1,0 +1,103 @@
+"""A prefill chunk's attention with its cached prefix split (``kernels.prefill_attention``).
+
+The rule: a chunk of T query tokens ending a C-token context sees, for its i-th token, every key
+at positions 0 .. C - T + i, with weights softmax(q . k * scale). Cutting the prefix into pieces
+and merging the pieces' results by their log-sum-exps must give that attention, whatever the
+number of pieces, a remainder that does not divide evenly, or grouped heads. Checked on the CPU
+with plain softmax pieces against a direct masked softmax, and on a GPU with the flash kernel
+against torch's scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernels_support import kernels
+
+prefill = importlib.import_module(f"{kernels.__name__}.prefill_attention")
+
+
+def direct(q, k, v):
+    """The rule, in float64: a boolean mask of what each query token sees."""
+    query_len, context = q.shape[2], k.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    sees = torch.ones(query_len, context, dtype=torch.bool).tril(diagonal=context - query_len)
+    return F.scaled_dot_product_attention(
+        q.double(),
+        k.double().repeat_interleave(groups, dim=1),
+        v.double().repeat_interleave(groups, dim=1),
+        attn_mask=sees,
+    )
+
+
+def tensors(query_len, context, heads, kv_heads, dim, dtype, seed, device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, query_len, dim, generator=generator)
+    # Keys and values as the model passes them: token-major storage, head axis transposed.
+    k = torch.randn(context, kv_heads, dim, generator=generator).transpose(0, 1).unsqueeze(0)
+    v = torch.randn(context, kv_heads, dim, generator=generator).transpose(0, 1).unsqueeze(0)
+    return (x.to(device=device, dtype=dtype) for x in (q, k, v))
+
+
+@pytest.mark.parametrize(
+    ("query_len", "context", "splits"),
+    [(5, 29, 3), (5, 29, 24), (8, 9, 1), (16, 80, 4), (3, 100, 7)],
+)
+def test_split_prefix_equals_the_rule(query_len, context, splits):
+    q, k, v = tensors(query_len, context, 6, 2, 8, torch.float64, seed=context + splits)
+    got = prefill.split_prefix_attention(q, k, v, splits, prefill.math_attend)
+    torch.testing.assert_close(got, direct(q, k, v), rtol=1e-12, atol=1e-12)
+
+
+def test_math_attend_returns_the_log_sum_exp():
+    q, k, v = tensors(4, 10, 2, 1, 8, torch.float64, seed=3)
+    out, lse = prefill.math_attend(q, k, v, True, 0.25)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, dim=1)) * 0.25
+    # Query 0 sees keys 0 .. 6 (7 of 10).
+    torch.testing.assert_close(lse[0, :, 0], torch.logsumexp(scores[0, :, 0, :7], dim=-1))
+    assert out.shape == q.shape
+
+
+def test_a_split_needs_a_prefix_for_every_piece():
+    q, k, v = tensors(4, 6, 2, 1, 8, torch.float64, seed=1)
+    with pytest.raises(ValueError, match="pieces"):
+        prefill.split_prefix_attention(q, k, v, 3, prefill.math_attend)
+
+
+def test_splits_fill_the_gpu_without_tiny_pieces():
+    # The proxy's 12 heads at T = 2,048 after 128K: 192 blocks, so 5 pieces (960 blocks).
+    assert prefill.prefix_splits(2048, 131072, 12) == 5
+    # A long chunk already fills it; a short prefix is not cut below the smallest piece.
+    assert prefill.prefix_splits(16384, 131072, 12) == 1
+    assert prefill.prefix_splits(256, 3 * prefill.MIN_PIECE + 5, 12) == 3
+    assert prefill.prefix_splits(256, prefill.MIN_PIECE - 1, 12) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("query_len", "context"), [(2048, 40000), (300, 20000), (1000, 1001)])
+def test_flash_split_equals_sdpa_on_the_gpu(query_len, context):
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = tensors(query_len, context, 12, 2, 128, torch.bfloat16, seed=7, device="cuda")
+    expected = F.scaled_dot_product_attention(
+        q,
+        k.repeat_interleave(6, dim=1),
+        v.repeat_interleave(6, dim=1),
+        attn_mask=causal_lower_right(query_len, context),
+    ).float()
+    whole = prefill.flash_attend(q, k, v, True, 128**-0.5)[0].float()
+    torch.testing.assert_close(whole, expected, rtol=1e-2, atol=1e-2)  # heads unrepeated
+    splits = max(2, prefill.prefix_splits(query_len, context - query_len, 12))
+    if context - query_len >= splits:
+        got = prefill.split_prefix_attention(q, k, v, splits, prefill.flash_attend).float()
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    # The flash kernel's log-sum-exp is the natural one of the scaled scores.
+    _, lse = prefill.flash_attend(q[:, :, :4], k[:, :, :64], v[:, :, :64], False, 128**-0.5)
+    _, expected_lse = prefill.math_attend(
+        q[:, :, :4].float(), k[:, :, :64].float(), v[:, :, :64].float(), False, 128**-0.5
+    )
+    torch.testing.assert_close(lse.float(), expected_lse, rtol=1e-3, atol=1e-3)
