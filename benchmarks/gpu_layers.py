@@ -10,7 +10,8 @@ in one layer group's decode step) is timed with CUDA events (median of repeated 
 warm-up, random data). Each kind's time is fitted as ``fixed + per_token * T`` (least squares
 over the T's): ``per_token`` is what a token costs, ``fixed`` what a step costs whatever its
 tokens; after 128K cached tokens the fixed part is split into the context gather, the key/value
-head repeat and the flash kernel (and a grouped-query flash call without the repeat). The host
+head repeat and the flash kernel (and a grouped-query flash call without the repeat, and one
+with the prefix split across the GPU, which the model's attention now does). The host
 time of one call (its launches, no synchronisation) is printed beside: when it is well below
 the GPU time, a step's wall time follows its GPU work. Prints a table; ``--json FILE`` writes
 every figure.
@@ -92,7 +93,8 @@ def prefill_parts(
 ) -> None:
     """Where a prefill row's attention after a 128K cached prefix spends its fixed cost: the
     context gather, the key/value head repeat for the flash kernel, the kernel itself, and the
-    kernel on unrepeated key/value heads (grouped-query flash, if this torch's op takes it)."""
+    kernel on unrepeated key/value heads (grouped-query flash, if this torch's op takes it), and
+    the prefix split across the GPU (``kernels.prefill_attention``, the model's path)."""
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
@@ -133,6 +135,20 @@ def prefill_parts(
         record("part-flash-gqa", tokens, prefix, flash_gqa)
     except (RuntimeError, TypeError) as error:
         results["flash_gqa_error"] = str(error)[:300]
+    # The prefix cut into pieces that fill the GPU, merged by log-sum-exp (the model's path).
+    from prefixcache.kernels import prefill_attention as split
+
+    pieces = split.prefix_splits(tokens, prefix, heads)
+    results["prefill_splits"] = pieces
+
+    def flash_split() -> torch.Tensor:
+        return split.split_prefix_attention(q, k, v, pieces, split.flash_attend)
+
+    if pieces > 1:
+        results["flash_split_max_abs_difference"] = float(
+            (flash_split().float() - reference).abs().max()
+        )
+        record("part-flash-split", tokens, prefix, flash_split)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,8 @@
 #   flashkda/_flashkda_C.abi3.so   the FlashKDA op from the vllm==0.33.0 wheel
 # torch, numpy, triton and tqdm come from the machine. Stages, each under its own time limit so
 # that a slow one leaves the others' results (simulate writes its JSON after every policy):
-#   1. the model's, the kernel layer's, the Triton convolution's and the Triton paged decode
-#      attention's GPU tests;
+#   1. the model's, the kernel layer's, the Triton convolution's, the Triton paged decode
+#      attention's and the split prefill attention's GPU tests;
 #   2. benchmarks/gpu_layers.py: GPU time per token and per step of each layer kind, the decode
 #      attention (gathering torch path against the Triton kernel) and a layer group's decode step;
 #   3. the output check: growing-prefix at the default preset (the seed geometry / 16) with the
@@ -18,6 +18,8 @@
 #   STAGES=45 OUTPUT_LEN=16 ...                         # the seed runs only, 16 decode tokens
 #   DECODE_ATTENTION=torch ...    # decode rows through the gathering path (default: the Triton
 #                                 # kernel, unless its GPU tests fail in stage 1)
+#   PREFILL_SPLIT=0 ...           # a chunk's cached prefix in one flash call (default: split,
+#                                 # unless its GPU tests fail in stage 1)
 # The seed runs share what is left of BUDGET seconds (default 585: one 600 s device call); with
 # 200 output tokens each order needs most of a call: STAGES=1234, then STAGES=5 in a second call.
 set -uo pipefail
@@ -43,6 +45,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torc
 "triton", triton.__version__)' | tee -a "$log"
 
 decode=${DECODE_ATTENTION:-auto}  # the attention of decode rows (auto: the Triton kernel)
+split=()  # a prefill chunk's cached prefix split across the GPU (--no-prefill-split: one call)
+[[ ${PREFILL_SPLIT:-1} == 1 ]] || split=(--no-prefill-split)
 stages=${STAGES:-12345}  # which stages to run, e.g. STAGES=45
 run() { [[ $stages == *"$1"* ]]; }
 
@@ -55,9 +59,12 @@ timeout 45 python3 -m pytest -q -p no:cacheprovider tests/test_conv_triton.py 2>
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py 2>&1 \
     | tail -3 | tee -a "$log"
 [[ ${PIPESTATUS[0]} == 0 ]] || { decode=torch; say "decode kernel tests failed: torch decode"; }
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_attention.py 2>&1 \
+    | tail -3 | tee -a "$log"
+[[ ${PIPESTATUS[0]} == 0 ]] || { split=(--no-prefill-split); say "split tests failed: no split"; }
 }
 common=(--device cuda --backend flashkda-op --model kimi-k3-tp8 --depth "$depth"
-    --decode-attention "$decode")
+    --decode-attention "$decode" "${split[@]}")
 seed=(--preset seed "${common[@]}" ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${WARM_UP:+--warm-up "$WARM_UP"})
 run 2 && say "2. layer timing"
 run 2 && timeout 90 python3 benchmarks/gpu_layers.py --backend flashkda-op \
