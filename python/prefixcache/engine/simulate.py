@@ -276,36 +276,52 @@ class SimulationReport:
 
 
 class StepClock:
-    """The engine's forward, with each step's wall time recorded by its shape.
+    """The engine's forward, with each step's time recorded by its shape.
 
     A step whose rows all have one query token (a decode step) goes to :attr:`decode_ms`, any
-    other to :attr:`prefill` as (tokens, ms). On CUDA the clock waits for the step's work before
-    reading the time; that costs nothing, since the engine reads the step's logits right after.
+    other to :attr:`prefill` as (tokens, ms). On CUDA the time is the GPU's between two events
+    recorded around the forward (nothing waits for them, so an overlapped engine stays
+    overlapped; :meth:`summary` reads them), elsewhere the wall clock.
     """
 
     def __init__(self, model: HybridModel) -> None:
         self.model = model
         self.decode_ms: list[float] = []
         self.prefill: list[tuple[int, float]] = []
+        self._pending: list[tuple[int | None, Any, Any]] = []
 
     def __call__(
         self, step: Any, token_ids: torch.Tensor, caches: Any, logits_indices: np.ndarray
     ) -> torch.Tensor:
+        counts = np.diff(np.asarray(step.query_start_loc, dtype=np.int64))
+        tokens = None if counts.size and int(counts.max()) == 1 else int(counts.sum())
+        if self.model.device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            begin.record()
+            logits = self.model.execute(step, token_ids, caches, logits_indices)
+            end.record()
+            self._pending.append((tokens, begin, end))
+            return logits
         start = time.perf_counter()
         logits = self.model.execute(step, token_ids, caches, logits_indices)
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        ms = 1e3 * (time.perf_counter() - start)
-        counts = np.diff(np.asarray(step.query_start_loc, dtype=np.int64))
-        if counts.size and int(counts.max()) == 1:
+        self._add(tokens, 1e3 * (time.perf_counter() - start))
+        return logits
+
+    def _add(self, tokens: int | None, ms: float) -> None:
+        if tokens is None:
             self.decode_ms.append(ms)
         else:
-            self.prefill.append((int(counts.sum()), ms))
-        return logits
+            self.prefill.append((tokens, ms))
 
     def summary(self) -> dict[str, Any]:
         """Counts, medians and means; for the other steps also the least-squares fit
         ``fixed_ms + per_token_us * tokens`` (what a schedule model prices a step at)."""
+        if self._pending:
+            self._pending[-1][2].synchronize()
+            for shape, begin, end in self._pending:
+                self._add(shape, float(begin.elapsed_time(end)))
+            self._pending.clear()
         out: dict[str, Any] = {
             "decode_steps": len(self.decode_ms),
             "prefill_steps": len(self.prefill),
