@@ -67,6 +67,35 @@ bench-vllm: $(VLLM_VENV)/.vllm-installed
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps .
 	PYTHONHASHSEED=0 OPENBLAS_NUM_THREADS=1 $(NICE) $(VLLM_VENV)/bin/python benchmarks/vs_vllm.py $(VS_VLLM_ARGS)
 
+# prefixcache against every peer manager (docs/BENCHMARKS.md, "Against peer managers"):
+# benchmarks/peers.py runs each peer's driver in that peer's environment and merges what they
+# print into benchmarks/results/peers.json (+ docs/peers.png). vLLM: .venv-vllm as above.
+# SGLang 0.5.23: its wheel without its GPU stack, plus what its cache modules import, and torch
+# 2.14.1 (its Rust tree core links that torch; it shadows a newer one of the system's
+# site-packages, which the environment otherwise shares). kvbm: the project's Python (its
+# driver builds the Rust peer binary). PEERS_ARGS="--scale 0.25 --pairs 3" for a quick run;
+# PEERS_ARGS="--peers sglang --merge" measures one peer and keeps the others' entries.
+SGLANG_VENV := .venv-sglang
+SGLANG_IMPORTS := psutil pybase64 starlette aiohttp transformers dill apache-tvm-ffi \
+	sentencepiece compressed-tensors gguf openai partial_json_parser datasets xxhash matplotlib
+PEERS_ARGS ?=
+
+$(SGLANG_VENV)/.sglang-installed:
+	$(PYTHON) -m venv --system-site-packages $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --disable-pip-version-check --no-deps 'sglang==0.5.23'
+	$(SGLANG_VENV)/bin/pip install -q --disable-pip-version-check 'torch==2.14.1' 'torchvision==0.29.1' $(SGLANG_IMPORTS)
+	@touch $@
+
+.PHONY: bench-peers
+bench-peers: $(VLLM_VENV)/.vllm-installed $(SGLANG_VENV)/.sglang-installed
+	rm -rf target/peers-wheel
+	$(PIP) wheel -q --disable-pip-version-check --no-deps -w target/peers-wheel .
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/peers-wheel/prefixcache-*.whl
+	$(SGLANG_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps target/peers-wheel/prefixcache-*.whl
+	PYTHONHASHSEED=0 OPENBLAS_NUM_THREADS=1 $(NICE) $(PYTHON) benchmarks/peers.py \
+		--python-vllm $(VLLM_VENV)/bin/python --python-sglang $(SGLANG_VENV)/bin/python \
+		--python-kvbm $(PYTHON) $(PEERS_ARGS)
+
 lint: install
 	cargo fmt --all -- --check
 	cargo clippy -p prefixcache-core --all-targets -- -D warnings

@@ -60,7 +60,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,8 @@ CONFIGS: dict[str, list[ManagerConfig]] = {
         ManagerConfig("attention-b16-sha256", "attention", 16, 16, "sha256"),
     ],
 }
+# Why a peer's hit differs from prefixcache's for one request (None: unexplained).
+HitRule = Callable[[Request, ManagerConfig, "RunResult", "RunResult"], "str | None"]
 REUSE_JUDGED = {"growing-prefix": True, "shared-prompts": False}
 # Workloads whose requests share prefixes with requests still running: there prefixcache also
 # runs as configured by default (``reuse_live_prefixes``, no ``extends``), reported beside.
@@ -251,35 +253,54 @@ def floor_to(value: int, multiple: int) -> int:
     return value // multiple * multiple
 
 
+def vllm_hit_rule(
+    request: Request, config: ManagerConfig, peer: RunResult, ours: RunResult
+) -> str | None:
+    """Why vLLM's hit differs from prefixcache's, or ``None`` when neither publication rule
+    gives what was measured: vLLM keys blocks when it allocates them (same step included),
+    prefixcache publishes at ``commit``."""
+    if config.kind != "attention":
+        return None
+    rid = request.request_id
+    limit = min(request.prefix_len, len(request.prompt) - 1)
+    vllm_expected = floor_to(min(limit, peer.cover_at_admission[rid][1]), config.unit)
+    our_expected = floor_to(min(limit, ours.cover_at_admission[rid][0]), config.unit)
+    if peer.hits[rid] == vllm_expected and ours.hits[rid] == our_expected:
+        return "same_step"
+    return None
+
+
 def compare_hits(
-    workload: Workload, config: ManagerConfig, vllm: RunResult, ours: RunResult
+    workload: Workload,
+    config: ManagerConfig,
+    peer_run: RunResult,
+    ours: RunResult,
+    rule: HitRule = vllm_hit_rule,
+    peer: str = "vllm",
 ) -> dict[str, Any]:
-    """Per-request hit tokens of both managers, with every difference classified."""
+    """Per-request hit tokens of both managers, with every difference classified by
+    ``rule`` (a reason, or ``None``: unexplained)."""
     requests = {r.request_id: r for r in _all_requests(workload)}
     differing: list[int] = []
-    explained = 0
-    for rid, vllm_hit in vllm.hits.items():
-        our_hit = ours.hits[rid]
-        if our_hit == vllm_hit:
+    reasons: dict[str, int] = {}
+    for rid, peer_hit in peer_run.hits.items():
+        if ours.hits[rid] == peer_hit:
             continue
         differing.append(rid)
-        request = requests[rid]
-        if config.kind != "attention":
-            continue
-        limit = min(request.prefix_len, len(request.prompt) - 1)
-        # vLLM: blocks are keyed when allocated (same step included); prefixcache: at commit.
-        vllm_expected = floor_to(min(limit, vllm.cover_at_admission[rid][1]), config.unit)
-        our_expected = floor_to(min(limit, ours.cover_at_admission[rid][0]), config.unit)
-        if vllm_hit == vllm_expected and our_hit == our_expected:
-            explained += 1
-    return {
-        "requests": len(vllm.hits),
-        "vllm_hit_tokens": sum(vllm.hits.values()),
+        reason = rule(requests[rid], config, peer_run, ours) or "unexplained"
+        reasons[reason] = reasons.get(reason, 0) + 1
+    result: dict[str, Any] = {
+        "requests": len(peer_run.hits),
+        f"{peer}_hit_tokens": sum(peer_run.hits.values()),
         "prefixcache_hit_tokens": sum(ours.hits.values()),
         "differing_requests": len(differing),
-        "explained_same_step": explained,
         "first_differing": differing[:5],
     }
+    if peer == "vllm":
+        result["explained_same_step"] = reasons.get("same_step", 0)
+    else:
+        result["differences"] = reasons
+    return result
 
 
 def _all_requests(workload: Workload) -> list[Request]:
@@ -303,8 +324,8 @@ def _median_calls(runs: list[RunResult]) -> dict[str, dict[str, float]]:
     }
 
 
-def _ratios(vllm: list[RunResult], ours: list[RunResult]) -> list[float]:
-    return [v.seconds / o.seconds for v, o in zip(vllm, ours, strict=True)]
+def _ratios(peer: list[RunResult], ours: list[RunResult]) -> list[float]:
+    return [v.seconds / o.seconds for v, o in zip(peer, ours, strict=True)]
 
 
 def _entry(
@@ -316,7 +337,12 @@ def _entry(
     meta: dict[str, Any],
     floors: list[float] | None = None,
     parallel_floors: list[float] | None = None,
+    peer: str = "vllm",
+    rule: HitRule = vllm_hit_rule,
+    target: float = TARGET_RATIO,
 ) -> dict[str, Any]:
+    """One configuration's figures over its pairs; ``peer`` names the other manager's keys
+    (``vllm_seconds`` in vs_vllm.json, ``peer_seconds`` in peers.json)."""
     ratios = _ratios(vllm, ours)
     ceiling: dict[str, Any] = {}
     if floors:
@@ -332,9 +358,9 @@ def _entry(
             "hashing_floor_parallel_seconds": statistics.median(parallel_floors),
             "ratio_ceiling_parallel_median": statistics.median(ceilings),
         }
-    hits = compare_hits(workload, config, vllm[0], ours[0])
+    hits = compare_hits(workload, config, vllm[0], ours[0], rule, peer)
     hashed_tokens = sum(len(r.prompt) + len(r.output) for r in _all_requests(workload))
-    vllm_hash = statistics.median(
+    peer_hash = statistics.median(
         run.by_call.get("hash", 0.0) + run.by_call.get("append_output_token_ids", 0.0)
         for run in vllm
     )
@@ -342,27 +368,92 @@ def _entry(
         run.hits == ours[0].hits for run in ours
     )
     median = statistics.median(ratios)
+    hashing = {f"{peer}_hashing_us_per_1k_tokens": peer_hash / hashed_tokens * 1e9}
     return {
         "ratio_min": min(ratios),
         "ratio_median": median,
         "ratio_max": max(ratios),
-        "vllm_seconds": statistics.median(run.seconds for run in vllm),
+        f"{peer}_seconds": statistics.median(run.seconds for run in vllm),
         "prefixcache_seconds": statistics.median(run.seconds for run in ours),
         "hit_tokens_equal": hits["differing_requests"] == 0,
         "ratios": ratios,
-        "vllm_runs_seconds": [run.seconds for run in vllm],
+        f"{peer}_runs_seconds": [run.seconds for run in vllm],
         "prefixcache_runs_seconds": [run.seconds for run in ours],
-        "vllm_calls": _median_calls(vllm),
+        f"{peer}_calls": _median_calls(vllm),
         "prefixcache_calls": _median_calls(ours),
-        "steps": {"vllm": vllm[0].steps, "prefixcache": ours[0].steps},
-        "vllm_hashing_us_per_1k_tokens": vllm_hash / hashed_tokens * 1e9,
+        "steps": {peer: vllm[0].steps, "prefixcache": ours[0].steps},
+        **(hashing if peer_hash else {}),
         "hits": {**hits, "same_in_every_pair": stable},
         "hash_reuse": config.reuse,
         "live_prefix_reuse": config.live_prefixes,
         **ceiling,
         "target_judged_here": judged,
-        "meets_target": median >= TARGET_RATIO,
+        "target_ratio": target,
+        "meets_target": median >= target,
         **meta,
+    }
+
+
+def run_config(
+    workload: Workload,
+    config: ManagerConfig,
+    pairs: int,
+    make_peer: Callable[[], Backend],
+    meta: dict[str, Any],
+    peer: str = "vllm",
+    rule: HitRule = vllm_hit_rule,
+    target: float = TARGET_RATIO,
+) -> dict[str, dict[str, Any]]:
+    """Alternating pairs in this process: the peer (a fresh ``make_peer()``), then
+    prefixcache in each variant (without reuse; with ``extends``; with live prefixes where
+    the workload shares running prefixes), then prefixcache's hashing floor. Returns an entry
+    per variant; the judged one is ``REUSE_JUDGED``'s."""
+    name = workload.name
+    reuse = dataclasses.replace(
+        config, name=config.name + "+extends", reuse=True, live_prefixes=True
+    )
+    live = dataclasses.replace(config, name=config.name + "+live", live_prefixes=True)
+    variants = [config, reuse] + ([live] if LIVE_REUSE[name] else [])
+    peer_runs: list[RunResult] = []
+    runs: dict[str, list[RunResult]] = {v.name: [] for v in variants}
+    floors: list[float] = []
+    parallel_floors: list[float] = []
+    for pair in range(pairs):
+        backend = make_peer()
+        with frozen_heap():
+            peer_runs.append(simulate(workload, backend))
+        for variant in variants:
+            runs[variant.name].append(run_once("prefixcache", variant, workload))
+        floors.append(hashing_floor(config, workload))
+        parallel_floors.append(hashing_floor_parallel(config, workload))
+        print(
+            f"{name} {config.name} pair {pair}: {backend.label} "
+            f"{peer_runs[-1].seconds:.3f} s, prefixcache "
+            + ", ".join(
+                f"{v.name.removeprefix(config.name) or 'no reuse'} {runs[v.name][-1].seconds:.4f} s"
+                for v in variants
+            )
+            + f", hashing floor {floors[-1]:.4f} s (parallel {parallel_floors[-1]:.4f} s)",
+            flush=True,
+        )
+    # Judged with `extends` where the workload re-sends prefixes, elsewhere without any
+    # reuse (every prompt hashed in full, as vLLM does).
+    judged = reuse if REUSE_JUDGED[name] else config
+    return {
+        variant.name: _entry(
+            workload,
+            variant,
+            peer_runs,
+            runs[variant.name],
+            variant is judged,
+            meta,
+            floors if variant is config else None,
+            parallel_floors if variant is config else None,
+            peer,
+            rule,
+            target,
+        )
+        for variant in variants
     }
 
 
@@ -497,52 +588,20 @@ def main(argv: list[str] | None = None) -> int:
         for config in CONFIGS[workload_name]:
             if args.config and config.name not in args.config:
                 continue
-            reuse = dataclasses.replace(
-                config, name=config.name + "+extends", reuse=True, live_prefixes=True
+            entries = run_config(
+                workload,
+                config,
+                args.pairs,
+                lambda config=config, workload=workload: make_backend("vllm", config, workload),
+                meta,
             )
-            live = dataclasses.replace(config, name=config.name + "+live", live_prefixes=True)
-            variants = [config, reuse] + ([live] if LIVE_REUSE[workload_name] else [])
-            vllm_runs: list[RunResult] = []
-            runs: dict[str, list[RunResult]] = {v.name: [] for v in variants}
-            floors: list[float] = []
-            parallel_floors: list[float] = []
-            for pair in range(args.pairs):
-                vllm_runs.append(run_once("vllm", config, workload))
-                for variant in variants:
-                    runs[variant.name].append(run_once("prefixcache", variant, workload))
-                floors.append(hashing_floor(config, workload))
-                parallel_floors.append(hashing_floor_parallel(config, workload))
-                print(
-                    f"{workload_name} {config.name} pair {pair}: vLLM "
-                    f"{vllm_runs[-1].seconds:.3f} s, prefixcache "
-                    + ", ".join(
-                        f"{v.name.removeprefix(config.name) or 'no reuse'} "
-                        f"{runs[v.name][-1].seconds:.4f} s"
-                        for v in variants
-                    )
-                    + f", hashing floor {floors[-1]:.4f} s"
-                    + f" (parallel {parallel_floors[-1]:.4f} s)",
-                    flush=True,
-                )
-            # Judged with `extends` where the workload re-sends prefixes, elsewhere without any
-            # reuse (every prompt hashed in full, as vLLM does).
-            judged = reuse if REUSE_JUDGED[workload_name] else config
-            for variant in variants:
-                results[workload_name][variant.name] = _entry(
-                    workload,
-                    variant,
-                    vllm_runs,
-                    runs[variant.name],
-                    variant is judged,
-                    meta,
-                    floors if variant is config else None,
-                    parallel_floors if variant is config else None,
-                )
+            results[workload_name].update(entries)
             if args.profile:
-                for profiled in variants:
+                for profiled in entries:
+                    variant = _variant(config, profiled)
                     profiles.append(
-                        f"## {workload_name} / {profiled.name}\n"
-                        + profile_prefixcache(profiled, workload)
+                        f"## {workload_name} / {profiled}\n"
+                        + profile_prefixcache(variant, workload)
                     )
     print(markdown_table(results))
     print(calls_table(results))
@@ -561,6 +620,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.json} and {args.chart}")
     print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
     return 0
+
+
+def _variant(config: ManagerConfig, name: str) -> ManagerConfig:
+    """The prefixcache variant of ``config`` that ``run_config`` names ``name``."""
+    suffix = name.removeprefix(config.name)
+    return dataclasses.replace(
+        config, name=name, reuse=suffix == "+extends", live_prefixes=bool(suffix)
+    )
 
 
 def _git_commit() -> str:
