@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
 
+import numpy as np
 from vs_vllm_backends import Backend
 from vs_vllm_workloads import Request, Workload
 
@@ -256,10 +257,12 @@ class SglangBackend(Backend):
         req = self.reqs.get(rid)
         if req is None:
             params = self.params_cls(temperature=0, max_new_tokens=len(request.output))
+            tokens = array("q")
+            tokens.frombytes(request.prompt.astype(np.int64).tobytes())
             req = self.req_cls(
                 rid=str(rid),
                 origin_input_text="",
-                origin_input_ids=array("q", request.prompt.tolist()),
+                origin_input_ids=tokens,
                 sampling_params=params,
             )
             self.reqs[rid] = req
