@@ -278,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="where the entries go")
     parser.add_argument("--no-dynamo", action="store_true", help="leave out Dynamo's RadixTree")
     parser.add_argument(
+        "--kvbm-inactive",
+        choices=("lineage", "lru"),
+        default="lineage",
+        help="kvbm's inactive-pool backend: the builder's default (Lineage) or LRU + TinyLFU",
+    )
+    parser.add_argument(
         "--dump", type=Path, help="only write the workloads' folder there (for callgrind)"
     )
     args = parser.parse_args(argv)
@@ -297,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "scale": args.scale,
         "pairs": args.pairs,
         "peer": PEER,
+        "kvbm_inactive_backend": args.kvbm_inactive,
         "load_average_at_start": round(os.getloadavg()[0], 2),
     }
     with tempfile.TemporaryDirectory(prefix="peers-kvbm-") as tmp:
@@ -309,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             check=True,
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, "KVBM_INACTIVE": args.kvbm_inactive},
         )
     raw = json.loads(done.stdout)
     results: dict[str, dict[str, Any]] = {}
@@ -347,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{e['hit_tokens_equal']} ({e['hits']['differing_requests']} differ, "
                 f"{e['hits']['explained_partial_block']} by kvbm's partial-block rule)"
             )
-    document = {PEER: results}
+    peer = PEER if args.kvbm_inactive == "lineage" else f"{PEER}-{args.kvbm_inactive}"
+    document = {peer: results}
     if not args.no_dynamo:
         document.update(run_dynamo(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Instant;
 
+use kvbm_logical::manager::FrequencyTrackingCapacity;
 use kvbm_logical::{BlockManager, BlockRegistry, SchedulableSequence, ScheduleError};
 use prefixcache_core::{
     CacheConfig, CacheManager, ExtraKeys, GroupConfig, GroupKind, HashAlgorithm, HashConfig,
@@ -473,13 +474,21 @@ struct Kvbm {
 impl Kvbm {
     /// The builder's defaults (the Lineage inactive backend, a registry without frequency
     /// tracking), with as many usable blocks as prefixcache's pool (which counts its null
-    /// block 0).
+    /// block 0). `KVBM_INACTIVE=lru` picks the LRU inactive backend instead (the crate's
+    /// README example, with its `TinyLFU` frequency tracker), for comparison.
     fn new(w: &Workload) -> Result<Self> {
-        let manager = BlockManager::<G1>::builder()
+        let builder = BlockManager::<G1>::builder()
             .block_count(w.pool_blocks as usize - 1)
-            .block_size(w.block_size as usize)
-            .registry(BlockRegistry::builder().build())
-            .build()?;
+            .block_size(w.block_size as usize);
+        let manager = match std::env::var("KVBM_INACTIVE").as_deref() {
+            Ok("lru") => {
+                let tracker = FrequencyTrackingCapacity::Medium.create_tracker();
+                let registry = BlockRegistry::builder().frequency_tracker(tracker).build();
+                builder.registry(registry).with_lru_backend().build()?
+            }
+            Ok("lineage") | Err(_) => builder.registry(BlockRegistry::builder().build()).build()?,
+            Ok(other) => return Err(format!("KVBM_INACTIVE={other}: lineage or lru").into()),
+        };
         Ok(Self {
             manager,
             block_size: w.block_size,
