@@ -710,3 +710,95 @@ fn main() -> Result<()> {
     println!("{}", Value::Object(results));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One growing-prefix stream: each round's prompt is the previous one plus `growth` tokens
+    /// (the previous round's outputs are not fed back), a follow-up of the previous round.
+    fn stream(first: usize, growth: usize, rounds: usize, outputs: usize) -> Workload {
+        let longest = first + growth * (rounds - 1);
+        let mut tokens: Vec<u32> = (0..longest as u32).map(|i| i * 7 + 1).collect();
+        let mut requests = Vec::new();
+        for round in 0..rounds {
+            let output = tokens.len()..tokens.len() + outputs;
+            tokens.extend((0..outputs as u32).map(|i| 1_000_000 + round as u32 * 100 + i));
+            requests.push(Request {
+                id: round as u64,
+                prompt: 0..first + growth * round,
+                output,
+                extends: round.checked_sub(1).map(|r| r as u64),
+                prefix_key: 0,
+                follow_ups: if round + 1 < rounds { vec![round + 1] } else { vec![] },
+            });
+        }
+        Workload {
+            name: "stream".into(),
+            block_size: 16,
+            token_budget: 64,
+            max_running: 4,
+            pool_blocks: 64,
+            tokens,
+            requests,
+            initial: vec![0],
+        }
+    }
+
+    /// Every round hits the previous round's whole blocks on both sides, and both sides run the
+    /// same steps: the loop drives each manager through complete requests.
+    #[test]
+    fn a_round_hits_the_previous_prompts_full_blocks_on_every_side() {
+        let w = stream(40, 32, 4, 3);
+        // Round r > 0 hits round r - 1's prompt (40 + 32 (r - 1) tokens) rounded down to 16.
+        let expected = vec![(0, 0), (1, 32), (2, 64), (3, 96)];
+        let kvbm = simulate(&w, "kvbm", &mut Kvbm::new(&w).unwrap()).unwrap();
+        let plain = simulate(&w, "prefixcache", &mut Prefixcache::new(&w, false).unwrap()).unwrap();
+        let reuse = simulate(&w, "reuse", &mut Prefixcache::new(&w, true).unwrap()).unwrap();
+        for run in [&kvbm, &plain, &reuse] {
+            assert_eq!(run.hits, expected, "{}", run.side);
+            assert_eq!(run.steps, kvbm.steps, "{}", run.side);
+        }
+        // A prompt of 40 + 3 x 32 tokens in chunks of at most 64, then 3 outputs: each round
+        // ran, and every call was counted.
+        assert_eq!(kvbm.calls["release"], 4);
+        assert_eq!(plain.calls["finish"], 4);
+    }
+
+    /// A chunk that ends inside a block: kvbm registers that block once the chunk ran (its
+    /// tokens are all known), so a request admitted in the next step hits it; prefixcache keys
+    /// a block once all its tokens are computed.
+    #[test]
+    fn kvbm_registers_the_block_a_chunk_ends_in() {
+        // Two 100-token prompts share their first 64 tokens. Step 1 computes request 0's first
+        // 56 tokens (the budget); step 2 its last 44, and admits request 1 with the 12 left.
+        let mut tokens: Vec<u32> = (0..100).collect();
+        tokens.extend(0..64);
+        tokens.extend(500..536);
+        tokens.extend([9, 9, 9, 9]);
+        let request = |id: u64, prompt, output| Request {
+            id,
+            prompt,
+            output,
+            extends: None,
+            prefix_key: 0,
+            follow_ups: vec![],
+        };
+        let w = Workload {
+            name: "chunks".into(),
+            block_size: 16,
+            token_budget: 56,
+            max_running: 2,
+            pool_blocks: 64,
+            tokens,
+            requests: vec![request(0, 0..100, 200..202), request(1, 100..200, 202..204)],
+            initial: vec![0, 1],
+        };
+        let kvbm = simulate(&w, "kvbm", &mut Kvbm::new(&w).unwrap()).unwrap();
+        let ours = simulate(&w, "prefixcache", &mut Prefixcache::new(&w, false).unwrap()).unwrap();
+        // 56 tokens computed: blocks 0 to 2 whole, block 3 (48..64) holds 8 of its 16.
+        assert_eq!(kvbm.cover, vec![(0, 0), (1, 56)]);
+        assert_eq!(kvbm.hits, vec![(0, 0), (1, 64)]);
+        assert_eq!(ours.hits, vec![(0, 0), (1, 48)]);
+    }
+}
