@@ -21,7 +21,9 @@
 #   PREFILL_SPLIT=0 ...           # a chunk's cached prefix in one flash call (default: split,
 #                                 # unless its GPU tests fail in stage 1)
 # The seed runs share what is left of BUDGET seconds (default 585: one 600 s device call); with
-# 200 output tokens each order needs most of a call: STAGES=1234, then STAGES=5 in a second call.
+# 200 output tokens each order takes about 240 s (2026-12-02): STAGES=45 fits one call, stages
+# 1 to 3 take about 130 s more. SEED_ARGS=--no-overlap measures one step at a time, as
+# docs/BENCHMARKS.md's figures are (the overlapped engine adds a step's wait to TTFT).
 set -uo pipefail
 budget=${BUDGET:-585}
 device_dir=$(cd "${DEVICE_DIR:-.device}" && pwd)

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     model = HybridModel(config, backend)  # its caches are allocated, never computed
     geometry = workload.geometry.aligned(backend.checkpoint_alignment)
-    pools = engine_config_for(workload, geometry, backend)
+    # One step at a time: the hooks are those of the plain loop (the seed runs use --no-overlap).
+    pools = engine_config_for(workload, geometry, backend, overlap=False)
 
     def stand_in(step: Any, token_ids: Any, caches: Any, logits_indices: Any) -> torch.Tensor:
         return torch.zeros(len(logits_indices), config.vocab_size)
