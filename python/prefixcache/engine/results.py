@@ -106,7 +106,8 @@ class RunResult:
             backlog (their time includes idle GPU time; see ``prefixcache.models.timing``).
         manager_stats: the cache manager's statistics at the end (as a dict).
         forward_seconds: wall time of the forwards (sampling and the copy of the logits to
-            the host included; on CUDA overlapped, the GPU time between two events).
+            the host included; overlapped, the worker's whole job, its placeholder tokens
+            filled in too; on CUDA overlapped, the GPU time between two events).
         wait_seconds: wall time the host waited for forwards (not overlapped: all of it).
         holds: overlapped, request-steps a waiting request was held because a plan in flight
             was computing a longer prefix of it than the cache held (``lookup``'s

@@ -75,7 +75,8 @@ class ForwardResult:
     step_id: int
     sampled_ids: torch.Tensor  # host int64 [S] (pinned on CUDA, filled asynchronously)
     logits_host: torch.Tensor  # host float32 [S, V]
-    seconds: float  # the forward's time (CPU: wall clock; CUDA: between two events)
+    seconds: float  # the job's time, filling its tokens to the host copies (CPU: wall clock;
+    # CUDA: between two events around the forward, sampling and copies)
     kda_seconds: float
     underruns: int
     done: Any = None  # the CUDA event after the copies (None on the CPU)
@@ -159,6 +160,7 @@ class ForwardWorker:
     def _run(self, job: ForwardJob) -> ForwardResult:
         device = self.device
         cuda = device.type == "cuda"
+        began = time.perf_counter()
         token_ids = job.token_ids.to(device)
         for step_id, positions, indices in job.fills:
             sampled = self._samples[step_id]  # KeyError: a hole naming a job not run last
@@ -173,7 +175,6 @@ class ForwardWorker:
         if cuda:
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
-        began = time.perf_counter()
         logits = self.forward(job.step, token_ids, self.caches, job.logits_indices)
         sampled = logits.argmax(dim=-1)
         self._samples[job.step_id] = sampled
