@@ -16,9 +16,9 @@
 
 use rustc_hash::FxHashSet;
 
-use crate::chains::extend_chains;
+use crate::chains::{extend_chains, threads_for};
 use crate::error::{CacheError, Result};
-use crate::hashing::{Digest, ExtraKeys};
+use crate::hashing::{Digest, ExtraKeys, HashAlgorithm};
 use crate::limits::MAX_HASH_THREADS;
 use crate::manager::{check_batch_len, Added, CacheManager};
 use crate::table::Deferred;
@@ -93,10 +93,24 @@ impl CacheManager {
         added
             .try_reserve_exact(requests.len())
             .map_err(|_| CacheError::invalid("add_batch's results could not be allocated"))?;
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, usize::from)
+        } else {
+            threads
+        };
+        // Deferred, the prompts are read again after all of them are copied in: worth it for
+        // SHA-256 (compute-bound, interleaved even on one thread) or when threads will share
+        // the work, not for XXH3 on one thread (it would read them back from a farther cache).
+        let unit = self.unit as usize;
+        let units = requests.iter().map(|r| r.tokens.len() / unit).sum();
+        let algorithm = self.hasher.algorithm();
+        let defer = algorithm == HashAlgorithm::Sha256
+            || threads_for(algorithm, units, unit, requests.len(), threads) > 1;
         let mut deferred = Deferred::default();
         let mut failure = None;
         for r in requests {
-            match self.admit(r.seq_id, r.tokens, r.extra, r.extends, Some(&mut deferred)) {
+            let d = Some(&mut deferred).filter(|_| defer);
+            match self.admit(r.seq_id, r.tokens, r.extra, r.extends, d) {
                 Ok(a) => added.push(a),
                 Err(e) => {
                     failure = Some(e);
@@ -104,11 +118,6 @@ impl CacheManager {
                 }
             }
         }
-        let threads = if threads == 0 {
-            std::thread::available_parallelism().map_or(1, usize::from)
-        } else {
-            threads
-        };
         let slots = deferred.slots();
         let hasher = &self.hasher;
         extend_chains(hasher, &mut self.table.chains(&slots), self.unit, threads);

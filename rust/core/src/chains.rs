@@ -56,10 +56,7 @@ pub(crate) fn extend_chains(hasher: &Hasher, chains: &mut [Chain<'_>], unit: u32
     let units: usize = chains.iter().map(|c| c.remaining(unit_len)).sum();
     let threads = threads_for(hasher.algorithm(), units, unit_len, chains.len(), threads);
     if threads <= 1 {
-        let mut hasher = hasher.clone();
-        for chain in chains.iter_mut() {
-            hasher.extend(chain.tokens, unit, chain.extra, chain.hashes);
-        }
+        extend_interleaved(hasher, chains.iter_mut().collect(), unit);
         return;
     }
     // Longest processing time first: each chain, longest first, to the least loaded thread.
@@ -76,12 +73,7 @@ pub(crate) fn extend_chains(hasher: &Hasher, chains: &mut [Chain<'_>], unit: u32
     for (chain, &t) in chains.iter_mut().zip(&owner) {
         shares[t].push(chain);
     }
-    let work = |share: Vec<&mut Chain<'_>>| {
-        let mut hasher = hasher.clone();
-        for chain in share {
-            hasher.extend(chain.tokens, unit, chain.extra, chain.hashes);
-        }
-    };
+    let work = |share: Vec<&mut Chain<'_>>| extend_interleaved(hasher, share, unit);
     std::thread::scope(|scope| {
         let mut shares = shares.into_iter();
         let own = shares.next();
@@ -92,6 +84,36 @@ pub(crate) fn extend_chains(hasher: &Hasher, chains: &mut [Chain<'_>], unit: u32
             work(share);
         }
     });
+}
+
+/// Extends every chain of `share` on this thread, two at a time (`Hasher::extend_pair`):
+/// when one of the two is complete the next chain takes its place, and the last one left is
+/// extended alone.
+fn extend_interleaved(hasher: &Hasher, share: Vec<&mut Chain<'_>>, unit: u32) {
+    let unit_len = unit as usize;
+    let (mut first, mut second) = (hasher.clone(), hasher.clone());
+    let mut queue = share.into_iter().filter(|c| c.remaining(unit_len) > 0);
+    let mut lanes = (queue.next(), queue.next());
+    while let (Some(a), Some(b)) = (&mut lanes.0, &mut lanes.1) {
+        first.extend_pair(
+            &mut second,
+            unit,
+            (a.tokens, a.extra, &mut *a.hashes),
+            (b.tokens, b.extra, &mut *b.hashes),
+        );
+        if a.remaining(unit_len) == 0 {
+            lanes.0 = queue.next();
+        }
+        if matches!(&lanes.1, Some(b) if b.remaining(unit_len) == 0) {
+            lanes.1 = queue.next();
+        }
+        if lanes.0.is_none() {
+            lanes = (lanes.1.take(), queue.next());
+        }
+    }
+    if let Some(last) = lanes.0.or(lanes.1) {
+        first.extend(last.tokens, unit, last.extra, last.hashes);
+    }
 }
 
 #[cfg(test)]

@@ -42,6 +42,8 @@ macro_rules! ensure {
     };
 }
 
+#[path = "model/batch.rs"]
+mod batch;
 #[path = "model/extra.rs"]
 mod extra;
 #[path = "model/hostile.rs"]
@@ -97,8 +99,10 @@ fn run(setup: &Setup, ops: &[Op]) -> Result<BTreeMap<&'static str, u64>, String>
 
 /// What the random traffic must reach over a fixed sample of cases: a property whose generator
 /// stopped reaching these would still pass, without testing them.
-const PATHS: [&str; 38] = [
+const PATHS: [&str; 40] = [
     "add reused hashes",
+    "add_batch reused a request of its own batch",
+    "add_batch refused all of its requests",
     "add reused a live prefix",
     "plan refilled in place",
     "hit",

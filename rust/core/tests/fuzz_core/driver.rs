@@ -21,16 +21,17 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use prefixcache_core::limits::{MAX_BATCH_SEQUENCES, MAX_LOOKAHEAD_TOKENS};
+use prefixcache_core::limits::{MAX_BATCH_SEQUENCES, MAX_HASH_THREADS, MAX_LOOKAHEAD_TOKENS};
 use prefixcache_core::{
-    hash_prefix, CacheConfig, CacheError, CacheEvent, CacheManager, Digest, ExtraKeys, GroupConfig,
-    GroupKind, Hit, PoolUsage, Scheduled, StateGroupConfig, Stats, StepPlan,
+    hash_prefix, AddRequest, Added, CacheConfig, CacheError, CacheEvent, CacheManager, Digest,
+    ExtraKeys, GroupConfig, GroupKind, Hit, PoolUsage, Scheduled, StateGroupConfig, Stats,
+    StepPlan,
 };
 
 use crate::content::Contents;
 use crate::extra::{refusal, resolve};
 use crate::ident::{Idents, Prefix};
-use crate::ops::{FuzzOp, Id, Num, Plan};
+use crate::ops::{BatchAdd, FuzzOp, Id, Num, Plan};
 
 macro_rules! ensure {
     ($cond:expr, $($arg:tt)+) => {
@@ -243,6 +244,7 @@ impl Fuzz {
                 let extends = extends.map(|e| self.id(e));
                 self.add(id, tokens, keys, extends)?;
             }
+            FuzzOp::AddBatch { adds, threads } => self.add_batch(adds, usize::from(*threads))?,
             FuzzOp::Lookup(id) => {
                 let id = self.id(*id);
                 let before = self.m.pool_usage();
@@ -484,6 +486,89 @@ impl Fuzz {
         let before = self.outside();
         self.calls += 1;
         let r = self.m.add(id, &tokens, extra.clone(), extends);
+        self.check_add(id, tokens, extra, extends, r, &before)
+    }
+
+    /// `add_batch`: the requests built as `Add` builds them, a batch's earlier requests
+    /// counting as known sequences (a prompt, `extends` or an id may be theirs). The rule:
+    /// with more than `MAX_HASH_THREADS` threads, or any request `add` would refuse (a live id,
+    /// one given earlier in the batch, bad extra keys), the call is refused and changes
+    /// nothing; otherwise each result is checked as `add`'s, in order.
+    fn add_batch(&mut self, adds: &[BatchAdd], threads: usize) -> Result<(), String> {
+        let mut known: Vec<(u64, Vec<u32>, ExtraKeys)> = self
+            .seqs
+            .iter()
+            .chain(self.finished.iter())
+            .map(|(&id, s)| (id, s.tokens.clone(), s.extra.clone()))
+            .collect();
+        let mut requests: Vec<(u64, Vec<u32>, ExtraKeys, Option<u64>)> = Vec::new();
+        for (id, source, len, suffix, extends, extra) in adds {
+            let (mut tokens, base) = if source % 3 == 0 || known.is_empty() {
+                let base = u32::from(source / 3 % 4) * 1000;
+                ((base..base + u32::from(*len)).collect::<Vec<u32>>(), None)
+            } else {
+                let (_, t, e) = &known[usize::from(*source) % known.len()];
+                (t[..t.len().min(usize::from(*len))].to_vec(), Some(e.clone()))
+            };
+            tokens.extend(self.fresh(usize::from(*suffix)));
+            let keys = resolve(extra, tokens.len() as u32, base.as_ref());
+            let pick = |id: Id, this: &mut Self| match id {
+                Id::Known(i) if !known.is_empty() => known[usize::from(i) % known.len()].0,
+                other => this.id(other),
+            };
+            let id = pick(*id, self);
+            let extends = extends.map(|e| pick(e, self));
+            known.push((id, tokens.clone(), keys.clone()));
+            requests.push((id, tokens, keys, extends));
+        }
+        let mut ids = HashSet::new();
+        let refused = requests.iter().position(|(id, tokens, keys, _)| {
+            let duplicate = self.seqs.contains_key(id) || !ids.insert(*id);
+            duplicate || refusal(keys, tokens.len() as u32).is_some()
+        });
+        let before = self.outside();
+        self.calls += 1;
+        let batch = requests
+            .iter()
+            .map(|(seq_id, tokens, extra, extends)| AddRequest {
+                seq_id: *seq_id,
+                tokens,
+                extra: extra.clone(),
+                extends: *extends,
+            })
+            .collect();
+        let r = self.m.add_batch(batch, threads);
+        not_invariant("add_batch", &r)?;
+        if threads > MAX_HASH_THREADS || refused.is_some() {
+            ensure!(
+                r.as_ref().is_err_and(|e| e.kind() == "DuplicateSequence"
+                    || e.kind() == "InvalidRequest"),
+                "add_batch on {threads} threads, request {refused:?} refused by the rule: {r:?}"
+            );
+            ensure!(self.outside() == before, "a refused add_batch changed the manager");
+            self.saw("add_batch refused");
+            return self.absorb(&Stores::None);
+        }
+        let added = r.map_err(|e| format!("add_batch of {} requests: {e}", requests.len()))?;
+        ensure!(added.len() == requests.len(), "add_batch returned {} results", added.len());
+        for ((id, tokens, keys, extends), a) in requests.into_iter().zip(added) {
+            self.check_add(id, tokens, keys, extends, Ok(a), &before)?;
+        }
+        self.saw("add_batch added");
+        Ok(())
+    }
+
+    /// Checks what `add` (or `add_batch`, for one request) returned for this request, the
+    /// manager's outside being `before` before the call, and records the sequence.
+    fn check_add(
+        &mut self,
+        id: u64,
+        tokens: Vec<u32>,
+        extra: ExtraKeys,
+        extends: Option<u64>,
+        r: Result<Added, CacheError>,
+        before: &Outside,
+    ) -> Result<(), String> {
         not_invariant("add", &r)?;
         let bad = refusal(&extra, tokens.len() as u32);
         let live = self.seqs.contains_key(&id);
@@ -498,7 +583,7 @@ impl Fuzz {
                         || (bad.is_some() && e.kind() == "InvalidRequest"),
                     "add of {id} (live {live}, keys {bad:?}): {e}"
                 );
-                ensure!(self.outside() == before, "a refused add changed the manager");
+                ensure!(self.outside() == *before, "a refused add changed the manager");
                 self.saw("add refused");
                 return self.absorb(&Stores::None);
             }

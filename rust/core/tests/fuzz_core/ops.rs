@@ -42,6 +42,9 @@ pub(crate) enum Plan {
     Id(u8),
 }
 
+/// One request of an `AddBatch`: `Add`'s id, source, len, suffix, extends and extra keys.
+pub(crate) type BatchAdd = (Id, u8, u8, u8, Option<Id>, ExtraOp);
+
 #[derive(Clone, Debug)]
 pub(crate) enum FuzzOp {
     Add {
@@ -56,6 +59,12 @@ pub(crate) enum FuzzOp {
         high_tokens: bool,
     },
     Lookup(Id),
+    /// `add_batch` of these requests (`Add`'s fields but `high_tokens`), on `threads` threads
+    /// (beyond `MAX_HASH_THREADS` sometimes).
+    AddBatch {
+        adds: Vec<BatchAdd>,
+        threads: u8,
+    },
     Schedule {
         id: Id,
         budget: Num,
@@ -184,6 +193,9 @@ pub(crate) fn op() -> impl Strategy<Value = FuzzOp> {
             .prop_map(|(id, source, len, suffix, extends, extra, high_tokens)| FuzzOp::Add {
                 id, source, len, suffix, extends, extra, high_tokens
             }),
+        2 => (prop::collection::vec((new_id(), any::<u8>(), 1u8..=40, 0u8..8, prop::option::of(id()), extra()), 0..=5),
+               prop_oneof![8 => 0u8..4, 1 => 64u8..=66])
+            .prop_map(|(adds, threads)| FuzzOp::AddBatch { adds, threads }),
         3 => id().prop_map(FuzzOp::Lookup),
         6 => (id(), budget(), lookahead(), any::<bool>())
             .prop_map(|(id, budget, lookahead, exact)| FuzzOp::Schedule { id, budget, lookahead, exact }),

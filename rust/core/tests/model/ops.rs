@@ -54,6 +54,11 @@ pub(crate) enum Hostile {
 #[derive(Clone, Debug)]
 pub(crate) enum Op {
     Add(AddOp),
+    /// `add_batch` of these requests (`model/batch.rs`), on `threads` threads.
+    AddBatch {
+        adds: Vec<AddOp>,
+        threads: u8,
+    },
     Lookup {
         pick: u8,
     },
@@ -142,6 +147,19 @@ fn add(extra_keys: bool) -> impl Strategy<Value = Op> {
         })
 }
 
+fn add_batch(extra_keys: bool) -> impl Strategy<Value = Op> {
+    (prop::collection::vec(add(extra_keys), 0..6), 0u8..4).prop_map(|(ops, threads)| {
+        let adds = ops
+            .into_iter()
+            .filter_map(|op| match op {
+                Op::Add(add) => Some(add),
+                _ => None,
+            })
+            .collect();
+        Op::AddBatch { adds, threads }
+    })
+}
+
 fn hostile() -> impl Strategy<Value = Op> {
     let what = prop_oneof![
         Just(Hostile::LookaheadBeyondLimit),
@@ -174,6 +192,7 @@ fn step() -> impl Strategy<Value = Op> {
 pub(crate) fn op(extra_keys: bool) -> BoxedStrategy<Op> {
     let calls = prop_oneof![
         10 => add(extra_keys),
+        1 => add_batch(extra_keys),
         2 => any::<u8>().prop_map(|pick| Op::Lookup { pick }),
         8 => schedule(),
         3 => (budget(), any::<bool>(), prop::bool::weighted(0.2))

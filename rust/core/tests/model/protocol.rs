@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 
 use prefixcache_core::limits::MAX_LOOKAHEAD_TOKENS;
-use prefixcache_core::{CacheError, CacheEvent, ExtraKeys, PoolUsage, Scheduled};
+use prefixcache_core::{Added, CacheError, CacheEvent, ExtraKeys, PoolUsage, Scheduled};
 
 use crate::extra;
 use crate::ops::{AddOp, Op};
@@ -36,6 +36,7 @@ impl Model {
     pub(crate) fn apply(&mut self, op: &Op) -> Result<(), String> {
         match *op {
             Op::Add(ref add) => self.add(add),
+            Op::AddBatch { ref adds, threads } => self.add_batch(adds, usize::from(threads)),
             Op::Lookup { pick } => self.lookup(self.pick(pick, SeqModel::any)),
             Op::Schedule { pick, budget, exact, lookahead } => self.schedule(
                 &[self.pick(pick, SeqModel::runnable)],
@@ -193,6 +194,21 @@ impl Model {
     ) -> Result<bool, String> {
         let usage = self.m.pool_usage();
         let result = self.m.add(id, &tokens, keys.clone(), extends);
+        self.check_add(id, tokens, keys, extends, result, &usage)
+    }
+
+    /// Checks what `add` (or `add_batch`, for one of its requests) returned for this request
+    /// against the model, `usage` being the pools before the call, and records the sequence.
+    /// Returns whether it was added.
+    pub(crate) fn check_add(
+        &mut self,
+        id: u64,
+        tokens: Vec<u32>,
+        keys: ExtraKeys,
+        extends: Option<u64>,
+        result: Result<Added, CacheError>,
+        usage: &[PoolUsage],
+    ) -> Result<bool, String> {
         let refusal = extra::refusal(&keys, tokens.len() as u32);
         if self.seqs.contains_key(&id) || refusal.is_some() {
             // Both refusals apply when both are wrong; which one is reported is not specified.
