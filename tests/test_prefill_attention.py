@@ -70,8 +70,12 @@ def test_a_split_needs_a_prefix_for_every_piece():
 def test_splits_fill_the_gpu_without_tiny_pieces():
     # The proxy's 12 heads at T = 2,048 after 128K: 192 blocks, so 5 pieces (960 blocks).
     assert prefill.prefix_splits(2048, 131072, 12) == 5
-    # A long chunk already fills it; a short prefix is not cut below the smallest piece.
+    # T = 4,096: 384 blocks, 3 pieces. A chunk with half the target or more is not split
+    # (8,192 tokens: 768 blocks, where 2 pieces were slower on the H200).
+    assert prefill.prefix_splits(4096, 131072, 12) == 3
+    assert prefill.prefix_splits(8192, 131072, 12) == 1
     assert prefill.prefix_splits(16384, 131072, 12) == 1
+    # A short prefix is not cut below the smallest piece.
     assert prefill.prefix_splits(256, 3 * prefill.MIN_PIECE + 5, 12) == 3
     assert prefill.prefix_splits(256, prefill.MIN_PIECE - 1, 12) == 1
 

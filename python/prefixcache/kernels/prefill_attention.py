@@ -50,9 +50,14 @@ MIN_PIECE = 4096
 
 def prefix_splits(query_len: int, prefix_len: int, heads: int) -> int:
     """S, the number of prefix pieces for a chunk of ``query_len`` tokens after ``prefix_len``
-    cached ones with ``heads`` query heads: enough blocks for :data:`TARGET_BLOCKS`, no piece
-    under :data:`MIN_PIECE` tokens; 1 means no split."""
+    cached ones with ``heads`` query heads: none (1) when one call has at least half of
+    :data:`TARGET_BLOCKS` blocks of work, else enough pieces for :data:`TARGET_BLOCKS`, no piece
+    under :data:`MIN_PIECE` tokens. On the H200 at 131,072 cached tokens, 5 pieces took a
+    2,048-token chunk from 8.19 to 5.93 ms and 3 pieces a 4,096-token one from 14.74 to 10.63 ms,
+    while 2 pieces made an 8,192-token chunk (768 blocks) 4% slower."""
     blocks = heads * -(-query_len // QUERY_TILE)
+    if 2 * blocks >= TARGET_BLOCKS:
+        return 1
     wanted = -(-TARGET_BLOCKS // max(1, blocks))
     return max(1, min(wanted, prefix_len // MIN_PIECE))
 
