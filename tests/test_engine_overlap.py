@@ -269,3 +269,37 @@ def test_overlap_is_the_default_and_the_flag_reaches_the_engine(
             report.engine_config,
         )
         assert engine.manager_config().max_steps_in_flight == (2 if overlap else 1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the core plans a junction checkpoint only against committed content: a prompt "
+    "scheduled while the prefix it shares is in flight gets none (reported for the core)",
+)
+def test_a_junction_against_a_prefix_in_flight_is_checkpointed_as_one_step_at_a_time() -> None:
+    # The rule wanted: overlapping steps never costs a later request its hit. A, then B, share
+    # a 64-token prefix and then differ; one step at a time, B is scheduled after A committed,
+    # so B's chunk checkpoints the junction (64) and C, sharing the prefix too, hits 64. With
+    # A still in flight when B is scheduled, C should hit 64 all the same.
+    from conftest import hybrid_config
+
+    prefix = list(range(64))
+    hits = []
+    for overlapped in (False, True):
+        config = hybrid_config(unit=8, block_size=16, alignment=8)
+        manager = pc.CacheManager(dataclasses.replace(config, max_steps_in_flight=2))
+        manager.add(1, prefix + list(range(1000, 1032)))
+        manager.schedule(1, 96)
+        first = manager.build_plan()
+        if not overlapped:
+            manager.commit(first)
+        manager.add(2, prefix + list(range(2000, 2032)))
+        manager.schedule(2, 96)
+        second = manager.build_plan()
+        if overlapped:
+            manager.commit(first)
+        manager.commit(second)
+        manager.add(3, prefix + list(range(3000, 3032)))
+        hits.append(manager.lookup(3).tokens)
+    assert hits[0] == 64  # one step at a time
+    assert hits[1] == hits[0]
