@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("prefixcache._core")
 
@@ -34,6 +36,7 @@ from prefixcache.engine import (
     EngineConfig,
     ForwardFn,
     Policy,
+    PoolTooSmallError,
     RunResult,
     build_model,
     engine_config_for,
@@ -269,6 +272,57 @@ def test_overlap_is_the_default_and_the_flag_reaches_the_engine(
             report.engine_config,
         )
         assert engine.manager_config().max_steps_in_flight == (2 if overlap else 1)
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    lengths=st.lists(st.integers(min_value=20, max_value=70), min_size=2, max_size=4),
+    shared=st.integers(min_value=0, max_value=40),
+    outputs=st.lists(st.integers(min_value=1, max_value=8), min_size=4, max_size=4),
+    paged_blocks=st.integers(min_value=6, max_value=40),
+    fail_every=st.sampled_from([0, 2, 3, 5]),
+    policy=st.sampled_from(["none", "block", "fine"]),
+)
+def test_random_traces_pools_and_failures_change_no_output(
+    model: HybridModel,
+    lengths: list[int],
+    shared: int,
+    outputs: list[int],
+    paged_blocks: int,
+    fail_every: int,
+    policy: str,
+) -> None:
+    # Prompts sharing a prefix of `shared` tokens, small attention pools (evicting and
+    # preempting), forwards failing every few calls: overlapped, the outputs are those of the
+    # no-cache run one step at a time with pools that hold everything.
+    rng = np.random.default_rng(len(lengths) * 1000 + shared)
+    common = rng.integers(0, 1000, size=shared)
+    requests = tuple(
+        Request(
+            i,
+            np.concatenate([common, rng.integers(0, 1000, size=n)]),
+            output_len=outputs[i],
+            arrival_s=0.0,
+        )
+        for i, n in enumerate(lengths)
+    )
+    spec = TraceSpec(path=Path("inline"), requests=requests)
+    reference = run(model, spec, "none", overlap=False)
+    config = EngineConfig(
+        token_budget=96, max_running=3, paged_blocks=paged_blocks, state_blocks=48, check=True
+    )
+    forward = poisoning_forward(model, fail_every)[0] if fail_every else None
+    try:
+        one_step = run(model, spec, policy, config=dataclasses.replace(config, overlap=False))
+    except PoolTooSmallError:
+        return  # pools too small for one of the prompts: nothing to compare
+    assert_matches(one_step, reference)
+    result = run(model, spec, policy, config=config, forward=forward)
+    assert_matches(result, reference)
 
 
 @pytest.mark.xfail(
