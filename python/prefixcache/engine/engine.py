@@ -635,6 +635,10 @@ class _Flight:
     placeholders: bool = False  # the placeholders of its non-finishing samples are appended
     result: ForwardResult | None = None
 
+    def __post_init__(self) -> None:
+        # Sequence id -> its index among the samples (a placeholder's source, in O(1)).
+        self.sample_index = {seq.seq_id: index for index, seq in enumerate(self.samples)}
+
 
 class _OverlapLoop(_Loop):
     """The state of one overlapped :meth:`Engine.run` (see the module docstring)."""
@@ -933,9 +937,9 @@ class _OverlapLoop(_Loop):
         found: list[tuple[int, int]] = []
         for flight in reversed(self.flights):
             if flight.placeholders and seq.seq_id not in flight.finishing:
-                for index, sample in enumerate(flight.samples):
-                    if sample is seq:
-                        found.append((flight.step_id, index))
+                index = flight.sample_index.get(seq.seq_id)
+                if index is not None:
+                    found.append((flight.step_id, index))
             if len(found) == count:
                 return found[::-1]
         raise EngineError(
