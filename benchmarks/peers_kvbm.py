@@ -3,16 +3,18 @@
 The Python ``kvbm`` 1.6.1 needs NIXL to import and a GPU driver to build its block manager, so
 the pure-Rust ``kvbm-logical`` crate is driven instead, from the Rust binary of
 ``rust/peers`` (``kvbm_vs_prefixcache``), against ``prefixcache_core::CacheManager`` on the same
-scheduler loop in the same process (``vs_vllm.py``'s ``simulate``, step for step; the binary's
-documentation lists every call each side makes). This driver writes the token streams of
-``vs_vllm_workloads.py`` to a folder (``index.json`` + one ``tokens.u32`` per workload), builds
-and runs the binary, and turns its runs into entries of ``peers.json``.
+scheduler loop in the same process (``vs_vllm.py``'s ``simulate``, step for step, each step's
+arrivals taken in with one ``add_batch``: prefixcache's hashes them across the machine's cores,
+kvbm builds each one's sequence; the binary's documentation lists every call each side makes).
+This driver writes the token streams of ``vs_vllm_workloads.py`` to a folder (``index.json`` +
+one ``tokens.u32`` per workload), builds and runs the binary, and turns its runs into entries
+of ``peers.json``.
 
 Each pair runs kvbm, then prefixcache without hash reuse, then prefixcache with reuse
 (``add(..., extends=)`` + live prefixes), in one process; ratio = kvbm / prefixcache seconds,
 min / median / max over the pairs. Both hash as they do in an engine: kvbm builds a
 ``TokenBlockSequence`` per request (XXH3-64 lineage hash of every full block), prefixcache's
-``add`` hashes with XXH3-128 (the ``attention-b16-xxh3`` configuration of ``vs_vllm.py``).
+``add_batch`` hashes with XXH3-128 (the ``attention-b16-xxh3`` configuration of ``vs_vllm.py``).
 Block size 16, full attention (kvbm-logical has no recurrent-state group). Judged as in
 ``vs_vllm.py``: growing-prefix with reuse, shared-prompts without. The target is 5x (a Rust
 peer).
@@ -243,6 +245,7 @@ def entry(
             "hashing_floor_seconds": statistics.median(floors["prefixcache"]),
             "ratio_ceiling_median": statistics.median(ceilings),
             "ratio_ceilings": ceilings,
+            "hashing_floor_parallel_seconds": statistics.median(floors["prefixcache_parallel"]),
             "peer_hashing_floor_seconds": statistics.median(floors["kvbm"]),
         }
     return {
@@ -327,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         floors = {
             "prefixcache": data["hashing_floor_seconds"],
+            "prefixcache_parallel": data["hashing_floor_parallel_seconds"],
             "kvbm": data["kvbm_hashing_floor_seconds"],
         }
         requests = {r.request_id: r for r in all_requests(workloads[name])[0]}

@@ -4,8 +4,9 @@
 //! `benchmarks/peers_kvbm.py` writes the token streams of `benchmarks/vs_vllm_workloads.py`
 //! to a folder (`index.json` + `tokens.u32`, see [`Workload::load`]) and reads what this
 //! binary prints. The loop ([`simulate`]) is `simulate` of `benchmarks/vs_vllm.py`, step for
-//! step: running decodes first, then running prefill chunks, then admissions under one token
-//! budget per step; a request samples its next output token once all its known tokens are
+//! step: the requests that arrived since the last step taken in with one `add_batch`, then
+//! running decodes, then running prefill chunks, then admissions under one token budget per
+//! step; a request samples its next output token once all its known tokens are
 //! computed and finishes after its last one; a finished request may release follow-ups (the
 //! next round of a growing-prefix stream).
 //!
@@ -13,14 +14,15 @@
 //! bookkeeping is not timed), hashing included as each side does it:
 //!
 //! - [`Kvbm`]: one `SchedulableSequence` per request, as Dynamo's scheduler integration
-//!   drives it: construction (hashes every full block of the prompt: `hash`),
+//!   drives it: construction when the request arrives (hashes every full block of the
+//!   prompt: `hash`),
 //!   `match_and_add_prefix` at admission, `schedule_prefill` per chunk and `apply_prefill`
 //!   once the step ran (the final chunk with the first sampled token), `schedule_decode` +
 //!   `apply_decode` per decoded token (a completed block is hashed and registered there),
 //!   `release` and the drop of the sequence at finish (its blocks go back to the pools).
 //! - [`Prefixcache`]: `prefixcache_core::CacheManager`, the calls `PrefixcacheBackend` of
-//!   `benchmarks/vs_vllm_backends.py` makes through Python, made directly: `add` (hashing),
-//!   `lookup` + `schedule` at admission, `schedule` per prefill chunk, `decode_step` for a
+//!   `benchmarks/vs_vllm_backends.py` makes through Python, made directly: `add_batch` of a
+//!   step's arrivals (hashing, across the machine's cores), `lookup` + `schedule` at admission, `schedule` per prefill chunk, `decode_step` for a
 //!   step that only decodes the sequences that sampled (commit of the step in flight, append,
 //!   schedule, plan), otherwise `commit` + `append_batch` + `schedule_batch` +
 //!   `build_plan_into`, and `finish`. The engine reads the plan's vectors in place (Python's
@@ -37,8 +39,8 @@ use std::time::Instant;
 use kvbm_logical::manager::FrequencyTrackingCapacity;
 use kvbm_logical::{BlockManager, BlockRegistry, SchedulableSequence, ScheduleError};
 use prefixcache_core::{
-    CacheConfig, CacheManager, ExtraKeys, GroupConfig, GroupKind, HashAlgorithm, HashConfig,
-    PoolConfig, StepPlan,
+    AddRequest, CacheConfig, CacheManager, ExtraKeys, GroupConfig, GroupKind, HashAlgorithm,
+    HashConfig, PoolConfig, StepPlan,
 };
 use serde_json::{json, Value};
 
@@ -150,6 +152,8 @@ impl Clock {
 
 /// What the scheduler loop asks of a manager (`Backend` of `vs_vllm_backends.py`).
 trait Backend {
+    /// Takes in the requests that arrived for this step, in order (hashes their prompts).
+    fn add_batch(&mut self, w: &Workload, requests: &[&Request]) -> Result<()>;
     /// Looks the request up and schedules its first chunk: `(hit, tokens)`, or `None` when
     /// the manager has no blocks for it (it stays waiting).
     fn admit(&mut self, w: &Workload, r: &Request, budget: usize)
@@ -204,6 +208,9 @@ fn covered(cover: &mut HashMap<u64, usize>, r: &Request, end: usize) {
 #[inline(never)]
 fn simulate(w: &Workload, side: &str, backend: &mut dyn Backend) -> Result<Run> {
     let mut waiting: VecDeque<usize> = w.initial.iter().copied().collect();
+    // Requests that arrived since the last step: each step takes them in with one `add_batch`
+    // before it admits anything, as vLLM's engine takes a step's new requests.
+    let mut arrived: Vec<usize> = w.initial.clone();
     let mut running: Vec<usize> = Vec::new();
     let mut computed: HashMap<usize, usize> = HashMap::new();
     let mut produced: HashMap<usize, usize> = HashMap::new();
@@ -215,6 +222,11 @@ fn simulate(w: &Workload, side: &str, backend: &mut dyn Backend) -> Result<Run> 
     let mut steps = 0;
     while !waiting.is_empty() || !running.is_empty() {
         steps += 1;
+        if !arrived.is_empty() {
+            let requests: Vec<&Request> = arrived.iter().map(|&p| &w.requests[p]).collect();
+            backend.add_batch(w, &requests)?;
+            arrived.clear();
+        }
         let mut budget = w.token_budget;
         let mut scheduled: Vec<(usize, usize)> = Vec::new();
         let decoding: Vec<usize> = running.iter().copied().filter(|p| produced[p] > 0).collect();
@@ -283,6 +295,7 @@ fn simulate(w: &Workload, side: &str, backend: &mut dyn Backend) -> Result<Run> 
                 backend.finish(w.requests[p].id)?;
                 running.retain(|&q| q != p);
                 waiting.extend(w.requests[p].follow_ups.iter().copied());
+                arrived.extend(w.requests[p].follow_ups.iter().copied());
             }
         }
     }
@@ -307,7 +320,6 @@ struct Prefixcache {
     /// Sampled tokens not yet appended, in sampling order.
     pending: Vec<(u64, u32)>,
     decodes: Option<Vec<u64>>,
-    added: HashSet<u64>,
     clock: Clock,
 }
 
@@ -337,7 +349,6 @@ impl Prefixcache {
             in_flight: false,
             pending: Vec::new(),
             decodes: None,
-            added: HashSet::new(),
             clock: Clock::default(),
         })
     }
@@ -370,20 +381,29 @@ impl Prefixcache {
 }
 
 impl Backend for Prefixcache {
+    fn add_batch(&mut self, w: &Workload, requests: &[&Request]) -> Result<()> {
+        let batch = requests
+            .iter()
+            .map(|r| AddRequest {
+                seq_id: r.id,
+                tokens: w.prompt(r),
+                extra: ExtraKeys::default(),
+                extends: if self.reuse { r.extends } else { None },
+            })
+            .collect();
+        let t0 = Instant::now();
+        self.manager.add_batch(batch, 0)?;
+        self.clock.add("add_batch", t0, 1);
+        Ok(())
+    }
+
     fn admit(
         &mut self,
-        w: &Workload,
+        _: &Workload,
         r: &Request,
         budget: usize,
     ) -> Result<Option<(usize, usize)>> {
         self.flush()?;
-        if !self.added.contains(&r.id) {
-            let extends = if self.reuse { r.extends } else { None };
-            let t0 = Instant::now();
-            self.manager.add(r.id, w.prompt(r), ExtraKeys::default(), extends)?;
-            self.clock.add("add", t0, 1);
-            self.added.insert(r.id);
-        }
         let t0 = Instant::now();
         self.manager.lookup(r.id)?;
         self.clock.add("lookup", t0, 1);
@@ -448,7 +468,6 @@ impl Backend for Prefixcache {
         let t0 = Instant::now();
         self.manager.finish(id)?;
         self.clock.add("finish", t0, 1);
-        self.added.remove(&id);
         Ok(())
     }
 
@@ -519,21 +538,39 @@ impl Kvbm {
     }
 }
 
+impl Kvbm {
+    /// Builds the request's sequence, which hashes every full block of the prompt; it takes
+    /// the engine's token vector (made before the clock starts).
+    fn build(&mut self, w: &Workload, r: &Request) {
+        let tokens = w.prompt(r).to_vec();
+        let t0 = Instant::now();
+        let seq = SchedulableSequence::<G1>::new(tokens, r.output.len(), self.block_size, None);
+        self.clock.add("hash", t0, 1);
+        self.sequences.insert(r.id, seq);
+    }
+}
+
 impl Backend for Kvbm {
+    fn add_batch(&mut self, w: &Workload, requests: &[&Request]) -> Result<()> {
+        for r in requests {
+            self.build(w, r);
+        }
+        Ok(())
+    }
+
     fn admit(
         &mut self,
         w: &Workload,
         r: &Request,
         budget: usize,
     ) -> Result<Option<(usize, usize)>> {
-        // The sequence hashes every full block of the prompt when it is built; it takes the
-        // engine's token vector (made before the clock starts).
-        let tokens = w.prompt(r).to_vec();
+        if !self.sequences.contains_key(&r.id) {
+            self.build(w, r);
+        }
         let t0 = Instant::now();
-        let mut seq = SchedulableSequence::<G1>::new(tokens, r.output.len(), self.block_size, None);
-        self.clock.add("hash", t0, 1);
-        let t0 = Instant::now();
-        let matched = seq.match_and_add_prefix(&self.manager)?;
+        let manager = &self.manager;
+        let seq = self.sequences.get_mut(&r.id).ok_or("kvbm: unknown sequence")?;
+        let matched = seq.match_and_add_prefix(manager)?;
         self.clock.add("match_and_add_prefix", t0, 1);
         let hit = matched * self.block_size as usize;
         if hit >= r.prompt.len() {
@@ -541,11 +578,10 @@ impl Backend for Kvbm {
                 format!("kvbm matched all of request {}'s prompt (not driven)", r.id).into()
             );
         }
-        self.sequences.insert(r.id, seq);
         if let Some(tokens) = self.schedule_chunk(r.id, budget)? {
             return Ok(Some((hit, tokens)));
         }
-        // The request waits; its next admission builds and matches it again.
+        // The request waits; its next admission builds (hashes) and matches it again.
         let t0 = Instant::now();
         drop(self.sequences.remove(&r.id));
         self.clock.add("release", t0, 1);
@@ -635,6 +671,24 @@ fn hashing_floor(w: &Workload) -> Result<f64> {
     Ok(seconds)
 }
 
+/// `hashing_floor` with every prompt in one `add_batch` (hashed across the machine's cores).
+fn hashing_floor_parallel(w: &Workload) -> Result<f64> {
+    let mut manager = CacheManager::new(prefixcache_config(w, HashAlgorithm::Xxh3_128, false))?;
+    let batch = w
+        .requests
+        .iter()
+        .map(|r| AddRequest {
+            seq_id: r.id,
+            tokens: w.prompt(r),
+            extra: ExtraKeys::default(),
+            extends: None,
+        })
+        .collect();
+    let t0 = Instant::now();
+    manager.add_batch(batch, 0)?;
+    Ok(t0.elapsed().as_secs_f64())
+}
+
 /// kvbm's hashing alone: every prompt's `TokenBlockSequence` built once (what `hash` times).
 fn kvbm_hashing_floor(w: &Workload) -> f64 {
     let mut seconds = 0.0;
@@ -681,6 +735,7 @@ fn main() -> Result<()> {
     for w in Workload::load(Path::new(dir))? {
         let mut runs = Vec::new();
         let mut floors = Vec::new();
+        let mut parallel_floors = Vec::new();
         let mut kvbm_floors = Vec::new();
         let mut line = String::new();
         for pair in 0..pairs {
@@ -688,6 +743,7 @@ fn main() -> Result<()> {
             let plain = simulate(&w, "prefixcache", &mut Prefixcache::new(&w, false)?)?;
             let reuse = simulate(&w, "prefixcache+extends", &mut Prefixcache::new(&w, true)?)?;
             floors.push(hashing_floor(&w)?);
+            parallel_floors.push(hashing_floor_parallel(&w)?);
             kvbm_floors.push(kvbm_hashing_floor(&w));
             line.clear();
             write!(
@@ -703,6 +759,7 @@ fn main() -> Result<()> {
             json!({
                 "runs": runs,
                 "hashing_floor_seconds": floors,
+                "hashing_floor_parallel_seconds": parallel_floors,
                 "kvbm_hashing_floor_seconds": kvbm_floors,
             }),
         );
