@@ -9,6 +9,11 @@
 //! instruction counts: `valgrind --tool=callgrind` of N2 and N1 steps, the difference divided by
 //! N2 - N1, is the instructions of one step, a figure machine load does not move.
 //! `decode_state` is `decode` with a state group (the core's `decode_step/256x164k_b16_state`).
+//! `step` / `step_state` run the same step through the one-call `decode_step` (D = 1), and
+//! `overlapped` / `overlapped_state` through `decode_step_overlapped` with two plans in flight
+//! (D = 2, a ring of two plans; the core's `decode_step/256x164k_*_overlapped_d2`): count them
+//! with `--collect-atstart=no --toggle-collect='*CacheManager*decode_step*'` to leave the set-up
+//! out.
 use std::time::Instant;
 
 use prefixcache_core::{
@@ -24,7 +29,7 @@ fn tokens(seed: u32, n: u32) -> Vec<u32> {
 }
 
 fn manager(state: bool, blocks: u32, state_blocks: u32) -> CacheManager {
-    geometry_manager(16, 16, state.then_some(16), blocks, state_blocks)
+    geometry_manager(16, 16, state.then_some(16), blocks, state_blocks, 1)
 }
 
 /// Full attention at `block`, hashing `unit`, plus a state group when `alignment` is given.
@@ -34,6 +39,7 @@ fn geometry_manager(
     alignment: Option<u32>,
     blocks: u32,
     state_blocks: u32,
+    depth: u32,
 ) -> CacheManager {
     let mut groups =
         vec![GroupConfig { kind: GroupKind::FullAttention { block_size: block }, pool: 0 }];
@@ -54,6 +60,7 @@ fn geometry_manager(
         pools,
         groups,
         enable_events: false,
+        max_steps_in_flight: depth,
         ..CacheConfig::default()
     };
     CacheManager::new(config).expect("valid config")
@@ -77,18 +84,7 @@ fn report(name: &str, mut times: Vec<f64>) {
 /// 256 sequences sharing a 164K-token context, all decoding (as `decode_setup` in the core's
 /// criterion bench and `bindings.py`).
 fn decode(state: bool, steps: u64) -> Vec<f64> {
-    let blocks = CONTEXT / 16 + ROWS * (2048 / 16 + 4);
-    let mut m = manager(state, blocks, ROWS * 8);
-    let mut prompt = tokens(3, CONTEXT);
-    admit(&mut m, 0, &prompt, None);
-    let ids: Vec<u64> = (1..=u64::from(ROWS)).collect();
-    for &id in &ids {
-        *prompt.last_mut().expect("non-empty") = id as u32;
-        m.add(id, &prompt, ExtraKeys::default(), Some(0)).expect("add");
-        m.schedule(id, u32::MAX, 0, false).expect("schedule").expect("blocks");
-    }
-    let plan = m.build_plan().expect("plan");
-    m.commit(&plan).expect("commit");
+    let (mut m, ids) = decode_setup(state, 1);
     let budgets = vec![1u32; ids.len()];
     let mut times = Vec::new();
     for step in 0..steps {
@@ -104,13 +100,64 @@ fn decode(state: bool, steps: u64) -> Vec<f64> {
     times.split_off(times.len() / 10) // drop the warm-up
 }
 
+/// The decode step of `decode` in one call: `decode_step` at D = 1, or at D = 2
+/// `decode_step_overlapped` over a ring of two plans (two in flight in steady state: commit of
+/// the oldest, resolve of its sampled tokens, one placeholder a sequence, schedule, plan).
+fn one_call_decode(state: bool, depth: u32, steps: u64) -> Vec<f64> {
+    let (mut m, ids) = decode_setup(state, depth);
+    let mut plans = [StepPlan::default(), StepPlan::default()];
+    let mut times = Vec::new();
+    for step in 0..steps {
+        let sampled: Vec<u32> = ids.iter().map(|&i| ((i + step) % 150_000) as u32).collect();
+        let start = Instant::now();
+        let scheduled = if depth == 1 {
+            m.decode_step(&ids, &sampled, &mut plans[0]).expect("step")
+        } else {
+            overlapped_step(&mut m, &ids, &sampled, &mut plans[(step % 2) as usize])
+        };
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        assert!(scheduled.iter().all(|s| s.as_ref().is_some_and(|s| s.num_tokens == 1)));
+    }
+    times.split_off(times.len() / 10)
+}
+
+/// One `decode_step_overlapped` of `one_call_decode` at D = 2.
+fn overlapped_step(
+    m: &mut CacheManager,
+    ids: &[u64],
+    sampled: &[u32],
+    plan: &mut StepPlan,
+) -> Vec<Option<prefixcache_core::Scheduled>> {
+    let full = m.plans_in_flight().len() == 2;
+    let oldest = m.plan_in_flight().filter(|_| full);
+    let (resolve, tokens): (&[u64], &[u32]) = if full { (ids, sampled) } else { (&[], &[]) };
+    m.decode_step_overlapped(oldest, resolve, tokens, ids, plan).expect("overlapped step")
+}
+
+/// 256 sequences of one 164K context decoding, at `depth` plans in flight at most.
+fn decode_setup(state: bool, depth: u32) -> (CacheManager, Vec<u64>) {
+    let blocks = CONTEXT / 16 + ROWS * (2048 / 16 + 4);
+    let mut m = geometry_manager(16, 16, state.then_some(16), blocks, ROWS * 8, depth);
+    let mut prompt = tokens(3, CONTEXT);
+    admit(&mut m, 0, &prompt, None);
+    let ids: Vec<u64> = (1..=u64::from(ROWS)).collect();
+    for &id in &ids {
+        *prompt.last_mut().expect("non-empty") = id as u32;
+        m.add(id, &prompt, ExtraKeys::default(), Some(0)).expect("add");
+        m.schedule(id, u32::MAX, 0, false).expect("schedule").expect("blocks");
+    }
+    let plan = m.build_plan().expect("plan");
+    m.commit(&plan).expect("commit");
+    (m, ids)
+}
+
 /// `bindings.py`'s hybrid decode: 8 sequences of 20K tokens at B = 1536 / U = 128 with a
 /// state group (A = 64), one decode token each per step, as `decode_step` (commit the previous
 /// step, append, schedule, build into a kept plan).
 fn hybrid_decode(steps: u64) -> Vec<f64> {
     const HYBRID_ROWS: u32 = 8;
     let mut m =
-        geometry_manager(1536, 128, Some(64), HYBRID_ROWS * 16 + 64, 16 * HYBRID_ROWS + 1024);
+        geometry_manager(1536, 128, Some(64), HYBRID_ROWS * 16 + 64, 16 * HYBRID_ROWS + 1024, 1);
     let ids: Vec<u64> = (0..u64::from(HYBRID_ROWS)).collect();
     for &id in &ids {
         m.add(id, &tokens(id as u32, 20_000), ExtraKeys::default(), None).expect("add");
@@ -187,10 +234,17 @@ fn main() {
         match case.as_str() {
             "decode" => drop(decode(false, steps)),
             "decode_state" => drop(decode(true, steps)),
+            "step" => drop(one_call_decode(false, 1, steps)),
+            "step_state" => drop(one_call_decode(true, 1, steps)),
+            "overlapped" => drop(one_call_decode(false, 2, steps)),
+            "overlapped_state" => drop(one_call_decode(true, 2, steps)),
             "hybrid" => drop(hybrid_decode(steps)),
             "request" => half_hit_requests(steps),
             "lookup" => cached_lookups(steps),
-            other => panic!("unknown case {other:?}: decode, hybrid, request or lookup"),
+            other => panic!(
+                "unknown case {other:?}: decode, decode_state, step, step_state, overlapped, \
+                 overlapped_state, hybrid, request or lookup"
+            ),
         }
         return;
     }

@@ -315,7 +315,8 @@ impl CacheManager {
     fn commit_quiet_step(&mut self, slot: usize) -> bool {
         let unit = self.unit;
         let seq = self.table.get_mut(slot);
-        let Some(step) = seq.oldest_step() else {
+        // The step is committed where it is; its record stays for a later step.
+        let Some(step) = seq.ring.oldest_mut() else {
             return false;
         };
         let boundary = (step.start / unit + 1) * unit <= step.end;
@@ -329,14 +330,16 @@ impl CacheManager {
         if !quiet {
             return false;
         }
-        let Some(mut step) = seq.take_oldest() else {
-            return false;
-        };
         for ((state, group), s) in seq.state.iter_mut().zip(&layout.state).zip(&step.state) {
             advance_running_state(&mut self.store.pools[group.pool], state, s.write);
         }
         seq.num_computed = step.end;
-        seq.recycle_step(&mut step);
+        let (mut paged, mut state) =
+            (std::mem::take(&mut step.paged), std::mem::take(&mut step.state));
+        paged.clear();
+        state.clear();
+        (seq.spare_paged, seq.spare_state) = (paged, state);
+        seq.ring.pop_oldest();
         true
     }
 

@@ -33,7 +33,7 @@ use crate::hashing::{validate_sequence, Digest, ExtraKeys, Hasher};
 use crate::hit::{compute_hit, Hit};
 use crate::index::HashIndex;
 use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
-use crate::sequence::{PagedSeq, Phase, Retiring, Sequence, StateSeq};
+use crate::sequence::{PagedSeq, Phase, Retiring, Sequence, StateSeq, StepRing};
 use crate::stats::{GroupStats, Stats};
 use crate::store::BlockStore;
 use crate::table::{shared_units, Deferred, SequenceTable};
@@ -82,6 +82,14 @@ fn placeholders_pending(seq_id: u64, placeholders: u32) -> CacheError {
     CacheError::step(format!(
         "sequence {seq_id} has {placeholders} placeholder token(s) not yet resolved: resolve them \
          before appending known tokens after them"
+    ))
+}
+
+/// The error of an append that would take a sequence beyond `MAX_SEQUENCE_TOKENS`.
+#[cold]
+fn too_long(seq_id: u64, count: usize) -> CacheError {
+    CacheError::invalid(format!(
+        "appending {count} token(s) to sequence {seq_id} would exceed {MAX_SEQUENCE_TOKENS} tokens"
     ))
 }
 
@@ -412,7 +420,7 @@ impl CacheManager {
             hint_chains,
             spare_paged: Vec::new(),
             spare_state: Vec::new(),
-            older: VecDeque::new(),
+            ring: StepRing::default(),
             placeholders: 0,
             placeholder_log: VecDeque::new(),
             keys_pending_from: None,
@@ -498,7 +506,7 @@ impl CacheManager {
         self.stats.lookup_hit_tokens += u64::from(hit.tokens);
         let generation = self.store.index.generation();
         if let Phase::Waiting { last_hit } = &mut self.seq_mut(slot).phase {
-            *last_hit = Some((generation, hit.clone(), chains));
+            *last_hit = Some(Box::new((generation, hit.clone(), chains)));
         }
         Ok(hit)
     }
@@ -539,22 +547,25 @@ impl CacheManager {
 
     /// Whether `count` more known tokens fit sequence `slot` (`MAX_SEQUENCE_TOKENS`) and
     /// may be appended (no placeholder is pending before them).
+    #[inline]
     pub(crate) fn check_append(&self, slot: usize, count: usize) -> Result<()> {
         let seq = self.seq(slot);
+        // One test on the decode step's path; the refusals are built out of line.
+        if seq.placeholders == 0 && seq.tokens.len().saturating_add(count) <= MAX_SEQUENCE_TOKENS {
+            return Ok(());
+        }
         if seq.placeholders > 0 {
             return Err(placeholders_pending(seq.id, seq.placeholders));
         }
-        self.check_length(slot, count)
+        Err(too_long(seq.id, count))
     }
 
     /// Whether `count` more tokens (known or placeholders) fit sequence `slot`.
+    #[inline]
     fn check_length(&self, slot: usize, count: usize) -> Result<()> {
         let seq = self.seq(slot);
         if (seq.num_tokens() as usize).saturating_add(count) > MAX_SEQUENCE_TOKENS {
-            return Err(CacheError::invalid(format!(
-                "appending {count} token(s) to sequence {} would exceed {MAX_SEQUENCE_TOKENS} tokens",
-                seq.id
-            )));
+            return Err(too_long(seq.id, count));
         }
         Ok(())
     }

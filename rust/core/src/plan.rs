@@ -13,7 +13,7 @@ use crate::error::{CacheError, Result};
 use crate::limits::human_bytes;
 use crate::manager::{CacheManager, InFlight};
 use crate::pool::NULL_BLOCK;
-use crate::sequence::{PagedSeq, Phase, Sequence, StateStep};
+use crate::sequence::{PagedSeq, Sequence, StateStep};
 
 /// Per paged group: what changed in the block tables, and where this step's KV goes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -154,7 +154,7 @@ fn emit_paged(
 /// What the plan being built reports of a sequence's sliding-window releases: its commit's
 /// mark (`PagedStep::reported_to`).
 fn mark_window_reports(seq: &mut Sequence) {
-    if let Phase::Scheduled(step) = &mut seq.phase {
+    if let Some(step) = seq.ring.newest_mut() {
         for (s, p) in step.paged.iter_mut().zip(&seq.paged) {
             s.reported_to = p.window_start;
         }
@@ -232,7 +232,7 @@ impl CacheManager {
     }
 
     /// `StepError` when `max_steps_in_flight` plans are in flight (with D = 1: any).
-    fn refuse_build_at_depth(&self) -> Result<()> {
+    pub(crate) fn refuse_build_at_depth(&self) -> Result<()> {
         let depth = self.config.max_steps_in_flight;
         if depth == 1 {
             return self.refuse_in_flight("build_plan");

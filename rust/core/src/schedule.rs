@@ -9,6 +9,10 @@
 //! blocks are chosen later, by `build_plan`, and never make a schedule fail. Nothing here
 //! publishes or builds a plan's rows (beyond `decode_step` calling `build_plan_into`).
 
+// `#[inline(always)]` where the decode step's instruction count (`baseline step N` under
+// callgrind) showed the compiler leaving a small hot function out of line.
+#![allow(clippy::inline_always)]
+
 use crate::admission::{admission, assign_running, blocks_available, tables_cover, take_blocks};
 use crate::error::{CacheError, Result};
 use crate::hit::Hit;
@@ -21,6 +25,22 @@ use crate::sequence::{PagedStep, Phase, Sequence, StateStep, StepRecord};
 /// State groups whose spare running buffers a continuation's schedule finds once (more take
 /// the general path).
 const SPARES: usize = 4;
+
+/// The step vectors of a sequence whose tables cover its next chunk: what `take_blocks`
+/// returns then, without its per-group block arithmetic (10.2K against 9.1K instructions a
+/// hybrid decode step by `baseline hybrid N`), in the vectors of its last step.
+#[inline(always)]
+fn reuse_step_parts(seq: &mut Sequence) -> (Vec<PagedStep>, Vec<StateStep>) {
+    let mut paged = std::mem::take(&mut seq.spare_paged);
+    let mut state = std::mem::take(&mut seq.spare_state);
+    paged.extend(seq.paged.iter().map(|p| PagedStep {
+        table_len_before: p.table.len(),
+        cow: None,
+        reported_to: 0,
+    }));
+    state.resize_with(seq.state.len(), StateStep::default);
+    (paged, state)
+}
 
 /// What `schedule` gave a sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,6 +135,10 @@ impl CacheManager {
             self.commit_step(plan.step_id)?;
         }
         self.refuse_in_flight_classic("decode_step")?;
+        if self.config.max_steps_in_flight > 1 {
+            // (with D plans in flight the plan could not be built: refused before the appends)
+            self.refuse_build_at_depth()?;
+        }
         if seq_ids.len() != tokens.len() {
             return Err(CacheError::invalid(format!(
                 "decode_step got {} sequence ids but {} tokens: give one token per sequence",
@@ -134,21 +158,7 @@ impl CacheManager {
         for (&slot, token) in slots.iter().zip(tokens) {
             self.append_slot(slot, std::slice::from_ref(token))?;
         }
-        let mut failure = None;
-        let scheduled = slots
-            .into_iter()
-            .map(|slot| {
-                self.schedule_slot(slot, 1, 0, false).unwrap_or_else(|e| {
-                    failure.get_or_insert(e);
-                    None
-                })
-            })
-            .collect();
-        if let Some(e) = failure {
-            return Err(e);
-        }
-        self.build_plan_into(plan)?;
-        Ok(scheduled)
+        self.schedule_each_and_plan(slots, plan, |_, _, _| Ok(()))
     }
 
     /// An overlapped decode step in one call (D > 1): commits the oldest plan in flight when
@@ -206,17 +216,32 @@ impl CacheManager {
                 self.resolve_one(slot, *token)?;
             }
         }
+        self.schedule_each_and_plan(slots, plan, |m, i, slot| {
+            let resolved = if fused { m.resolve_one(slot, resolved[i]) } else { Ok(()) };
+            m.add_placeholder_one(slot);
+            resolved
+        })
+    }
+
+    /// The decode steps' tail: runs `before` on each of `slots` (the `i`-th of the batch),
+    /// schedules one token of it, and builds the plan of everything scheduled into `plan`.
+    /// Results are in input order, collected from an exactly sized iterator; an error, a bug
+    /// in the core (see `take_block`), is returned once the batch is through, before the plan.
+    #[inline(always)]
+    fn schedule_each_and_plan(
+        &mut self,
+        slots: Vec<usize>,
+        plan: &mut StepPlan,
+        mut before: impl FnMut(&mut Self, usize, usize) -> Result<()>,
+    ) -> Result<Vec<Option<Scheduled>>> {
         let mut failure = None;
         let scheduled = slots
             .into_iter()
             .enumerate()
             .map(|(i, slot)| {
-                if fused {
-                    if let Err(e) = self.resolve_one(slot, resolved[i]) {
-                        failure.get_or_insert(e);
-                    }
+                if let Err(e) = before(self, i, slot) {
+                    failure.get_or_insert(e);
                 }
-                self.add_placeholder_one(slot);
                 self.schedule_slot(slot, 1, 0, false).unwrap_or_else(|e| {
                     failure.get_or_insert(e);
                     None
@@ -235,8 +260,14 @@ impl CacheManager {
     #[inline]
     fn refuse_pending_step(&self, slot: usize) -> Result<()> {
         let seq = self.seq(slot);
-        // The decode step's case, inlined: no step, not retiring.
-        if seq.step().is_none() && seq.retiring.is_none() {
+        // The decode steps' cases, inlined: not retiring, with no step (D = 1) or with steps
+        // in flight below the depth (D > 1).
+        let depth = self.config.max_steps_in_flight as usize;
+        let free = match seq.step() {
+            None => true,
+            Some(step) => step.plan != 0 && seq.num_steps() < depth,
+        };
+        if free && seq.retiring.is_none() {
             return Ok(());
         }
         self.refuse_pending_step_slow(seq)
@@ -329,9 +360,9 @@ impl CacheManager {
         let generation = self.store.index.generation();
         let last_hit = match &mut self.seq_mut(slot).phase {
             Phase::Waiting { last_hit } => last_hit.take(),
-            _ => None,
+            Phase::Started => None,
         };
-        let cached = match last_hit {
+        let cached = match last_hit.map(|b| *b) {
             Some((at, hit, chains)) if at == generation => Some((hit, chains)),
             _ => None,
         };
@@ -371,15 +402,8 @@ impl CacheManager {
         seq.prefill_target = total;
         seq.junction = hit.junction;
         let requested = Vec::new();
-        seq.phase = Phase::Scheduled(StepRecord {
-            plan: 0,
-            start,
-            end,
-            first: true,
-            paged,
-            state,
-            requested,
-        });
+        seq.phase = Phase::Started;
+        seq.ring.push(StepRecord { plan: 0, start, end, first: true, paged, state, requested });
         self.steps.scheduled.push(slot);
         self.steps.scheduled_tokens += end - start;
         self.started += 1;
@@ -405,8 +429,43 @@ impl CacheManager {
 
     /// `schedule_slot` of a started sequence, for its chunk up to `end`: there is no hit to
     /// pin, and when its tables already cover the chunk (most decode steps) there is nothing
-    /// to allocate or check.
+    /// to allocate or check. A sequence with a step in flight (D > 1) continues it
+    /// (`schedule_continuation`).
     fn schedule_started(
+        &mut self,
+        slot: usize,
+        end: u32,
+        lookahead: u32,
+    ) -> Result<Option<Scheduled>> {
+        let seq = self.seq(slot);
+        if seq.step().is_some() {
+            return self.schedule_continuation(slot, end, lookahead);
+        }
+        let (seq_id, start) = (seq.id, seq.num_computed);
+        if end <= start {
+            return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
+        }
+        let reach = end + lookahead;
+        let (paged, mut state) = if tables_cover(&self.layout, seq, reach) {
+            reuse_step_parts(self.seq_mut(slot))
+        } else {
+            if !blocks_available(&self.store, &self.layout, seq, reach, None, false) {
+                self.stats.refused_schedules += 1;
+                return Ok(None);
+            }
+            take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?
+        };
+        // (`assign_running` without a step in flight, inlined: the decode step's path)
+        for (st, s) in state.iter_mut().zip(&self.seq(slot).state) {
+            (st.write, st.read) = (s.write_block(), s.read_slot());
+        }
+        Ok(Some(self.enqueue_step(slot, StepRecord::later(start, end, paged, state))))
+    }
+
+    /// `schedule_started` of a sequence whose newest step is in flight (D > 1): the chunk
+    /// starts where that step ends, reads the running state it writes and writes a spare
+    /// running buffer (allocated when there is none).
+    fn schedule_continuation(
         &mut self,
         slot: usize,
         end: u32,
@@ -418,65 +477,44 @@ impl CacheManager {
             return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
         }
         let reach = end + lookahead;
-        // A continuation (the sequence's step before it is in flight) may need a further
-        // running buffer per state group.
-        let continuation = seq.step().is_some();
-        // (found once here for up to `SPARES` state groups, and handed to `assign_running`)
+        // The spare running buffers, found once here for up to `SPARES` state groups and
+        // handed to `assign_running`.
         let mut spares = [NULL_BLOCK; SPARES];
         let groups = self.layout.state.len();
-        let buffers = !continuation
-            || groups == 0
+        let buffers = groups == 0
             || (groups <= SPARES
                 && (0..groups).all(|i| {
                     spares[i] = seq.spare_buffer(i).unwrap_or(NULL_BLOCK);
                     spares[i] != NULL_BLOCK
                 }));
-        let found = (continuation && buffers).then_some(&spares[..groups]);
-        let (paged, mut state) = if buffers && tables_cover(&self.layout, self.seq(slot), reach) {
-            // What `take_blocks` returns when every table covers the chunk, without its
-            // per-group block arithmetic (10.2K against 9.1K instructions a hybrid decode
-            // step by `baseline hybrid N`).
-            let seq = self.seq_mut(slot);
-            let mut paged = std::mem::take(&mut seq.spare_paged);
-            let mut state = std::mem::take(&mut seq.spare_state);
-            paged.extend(seq.paged.iter().map(|p| PagedStep {
-                table_len_before: p.table.len(),
-                cow: None,
-                reported_to: 0,
-            }));
-            state.resize_with(seq.state.len(), StateStep::default);
-            (paged, state)
+        let (paged, mut state) = if buffers && tables_cover(&self.layout, seq, reach) {
+            reuse_step_parts(self.seq_mut(slot))
         } else {
-            let seq = self.seq(slot);
-            if !blocks_available(&self.store, &self.layout, seq, reach, None, continuation) {
+            if !blocks_available(&self.store, &self.layout, seq, reach, None, true) {
                 self.stats.refused_schedules += 1;
                 return Ok(None);
             }
             take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?
         };
-        if continuation && groups > 0 {
+        if groups > 0 {
+            let found = buffers.then_some(&spares[..groups]);
             let seq = self.table.get_mut(slot);
             assign_running(&mut self.store, &self.layout, seq, &mut state, true, found)?;
-        } else if groups > 0 {
-            // (`assign_running` without a step in flight, inlined: the decode step's path)
-            for (st, s) in state.iter_mut().zip(&self.seq(slot).state) {
-                (st.write, st.read) = (s.write_block(), s.read_slot());
-            }
         }
-        let requested = Vec::new();
-        self.seq_mut(slot).schedule_step(StepRecord {
-            plan: 0,
-            start,
-            end,
-            first: false,
-            paged,
-            state,
-            requested,
-        });
+        Ok(Some(self.enqueue_step(slot, StepRecord::later(start, end, paged, state))))
+    }
+
+    /// Makes `step` (not a first one) the newest step of `slot`, scheduled for the next plan.
+    #[inline(always)]
+    fn enqueue_step(&mut self, slot: usize, step: StepRecord) -> Scheduled {
+        let (start, end) = (step.start, step.end);
+        let seq = self.seq_mut(slot);
+        let seq_id = seq.id;
+        seq.schedule_step(step);
         self.steps.scheduled.push(slot);
         self.steps.scheduled_tokens += end - start;
         self.stats.scheduled_tokens += u64::from(end - start);
-        Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: None }))
+        Scheduled { seq_id, num_computed: start, num_tokens: end - start, hit: None }
     }
 
     /// Where a chunk of up to `max_tokens` from `start` ends: within what the step has left of

@@ -1,8 +1,8 @@
 //! Per-sequence state owned by the manager.
 //!
-//! A sequence's life is one [`Phase`]: *waiting* (holding nothing, with its last lookup),
-//! *scheduled* (holding blocks, with the step scheduled for the next plan or in flight; a first
-//! step holds the pins of its hit) or *running* (holding blocks between steps). While it holds
+//! A sequence's life is one [`Phase`]: *waiting* (holding nothing, with its last lookup) or
+//! *started* (holding blocks, with its steps scheduled for the next plan or in flight, oldest
+//! first, in a ring that keeps them in place; a first step holds the pins of its hit). While it holds
 //! blocks it has, per paged group of the layout, a block table (null entries where a sliding
 //! window released blocks) and, per state group, two private running-state buffers: two typed
 //! collections that mirror the layout's (`paged[i]` is the layout's `paged[i]`), as a step's work
@@ -10,6 +10,10 @@
 //!
 //! This file holds data and its small invariants only: it never allocates a block or reads the
 //! store (the protocol does both).
+
+// `#[inline(always)]` where the decode step's instruction count (`baseline step N` under
+// callgrind) showed the compiler leaving a small hot function out of line.
+#![allow(clippy::inline_always)]
 
 use std::collections::VecDeque;
 
@@ -101,7 +105,7 @@ pub(crate) struct StateStep {
 
 /// A scheduled (or in-flight) step of one sequence. `paged[i]` and `state[i]` are the step's
 /// part of the layout's `paged[i]` and `state[i]` groups.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct StepRecord {
     /// The plan it is in flight in (0: scheduled for the next plan, not built yet).
     pub plan: u64,
@@ -115,6 +119,145 @@ pub(crate) struct StepRecord {
     pub requested: Vec<u32>,
 }
 
+impl StepRecord {
+    /// A step after a sequence's first, scheduled for the next plan.
+    #[inline]
+    pub fn later(start: u32, end: u32, paged: Vec<PagedStep>, state: Vec<StateStep>) -> Self {
+        Self { plan: 0, start, end, first: false, paged, state, requested: Vec::new() }
+    }
+}
+
+/// A sequence's steps scheduled or in flight, oldest first, kept in place: a ring over
+/// records that stay allocated (at most `max_steps_in_flight` of them), so that a step is
+/// written once where it is scheduled and never moved while it waits, runs and ends.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct StepRing {
+    records: Vec<StepRecord>,
+    /// Where the oldest step is.
+    head: usize,
+    /// Where the newest step is (meaningless while `len` is 0).
+    tail: usize,
+    len: usize,
+}
+
+impl StepRing {
+    /// The record after record `i`, round the ring.
+    #[inline(always)]
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.records.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    #[inline(always)]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline(always)]
+    pub fn oldest(&self) -> Option<&StepRecord> {
+        if self.len == 0 {
+            return None;
+        }
+        self.records.get(self.head)
+    }
+
+    #[inline(always)]
+    pub fn oldest_mut(&mut self) -> Option<&mut StepRecord> {
+        if self.len == 0 {
+            return None;
+        }
+        self.records.get_mut(self.head)
+    }
+
+    #[inline(always)]
+    pub fn newest(&self) -> Option<&StepRecord> {
+        if self.len == 0 {
+            return None;
+        }
+        self.records.get(self.tail)
+    }
+
+    #[inline(always)]
+    pub fn newest_mut(&mut self) -> Option<&mut StepRecord> {
+        if self.len == 0 {
+            return None;
+        }
+        self.records.get_mut(self.tail)
+    }
+
+    /// Its steps, oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = &StepRecord> {
+        let n = self.records.len();
+        (0..self.len).map(move |k| &self.records[(self.head + k) % n])
+    }
+
+    /// Adds `step` as the newest.
+    #[inline(always)]
+    pub fn push(&mut self, step: StepRecord) {
+        if self.len == 0 && !self.records.is_empty() {
+            // (the decode step's case: the ring's one record, or any, reused)
+            self.tail = self.head;
+            self.records[self.head] = step;
+        } else if self.len < self.records.len() {
+            self.tail = self.next(self.tail);
+            self.records[self.tail] = step;
+        } else {
+            self.grow(step);
+        }
+        self.len += 1;
+    }
+
+    /// `push` into a full ring: one record more, after the others in order.
+    #[inline(never)]
+    fn grow(&mut self, step: StepRecord) {
+        self.records.rotate_left(self.head);
+        self.head = 0;
+        self.records.push(step);
+        self.tail = self.records.len() - 1;
+    }
+
+    /// Forgets the oldest step (its record stays for a later step to overwrite).
+    #[inline(always)]
+    pub fn pop_oldest(&mut self) {
+        if self.len > 0 {
+            self.head = self.next(self.head);
+            self.len -= 1;
+        }
+    }
+
+    /// Forgets the newest step.
+    #[inline(always)]
+    fn pop_newest(&mut self) {
+        if self.len > 0 {
+            self.tail = if self.tail == 0 { self.records.len() - 1 } else { self.tail - 1 };
+            self.len -= 1;
+        }
+    }
+
+    /// Takes the oldest step out.
+    pub fn take_oldest(&mut self) -> Option<StepRecord> {
+        let step = std::mem::take(self.oldest_mut()?);
+        self.pop_oldest();
+        Some(step)
+    }
+
+    /// Takes the newest step out.
+    pub fn take_newest(&mut self) -> Option<StepRecord> {
+        let step = std::mem::take(self.newest_mut()?);
+        self.pop_newest();
+        Some(step)
+    }
+
+    /// Forgets every step.
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.head = 0;
+    }
+}
+
 /// The last lookup of a waiting sequence: the index generation it was computed at, the hit
 /// and the full-attention chains it chose (see `hit::compute_hit`).
 pub(crate) type LastHit = (u64, Hit, Vec<Vec<BlockId>>);
@@ -124,13 +267,12 @@ pub(crate) type LastHit = (u64, Hit, Vec<Vec<BlockId>>);
 pub(crate) enum Phase {
     /// Holding no blocks (added, or preempted): its next schedule admits it at its hit. The
     /// last lookup is kept while nothing was published or evicted since, for that schedule.
-    Waiting { last_hit: Option<LastHit> },
-    /// Holding blocks, with a step scheduled for the next plan or in flight (its newest step;
-    /// older ones in flight are `Sequence::older`); a first step (`step.first`) holds the
-    /// pins of its hit.
-    Scheduled(StepRecord),
-    /// Holding blocks, between steps.
-    Running,
+    /// (Boxed: a hit is larger than the phase otherwise needs.)
+    Waiting { last_hit: Option<Box<LastHit>> },
+    /// Holding blocks, with its steps scheduled for the next plan or in flight in
+    /// `Sequence::steps` (none between steps); its first step (`first`) holds the pins of
+    /// its hit.
+    Started,
 }
 
 /// What happens to a sequence finished or preempted while steps of it were in flight, once
@@ -171,8 +313,8 @@ pub(crate) struct Sequence {
     /// schedule to fill (a decode step then allocates nothing for them).
     pub spare_paged: Vec<PagedStep>,
     pub spare_state: Vec<StateStep>,
-    /// In-flight steps older than the phase's step, oldest first (empty with D = 1).
-    pub older: VecDeque<StepRecord>,
+    /// Its steps scheduled or in flight, oldest first (empty while waiting).
+    pub ring: StepRing,
     /// Trailing tokens appended as placeholders (not yet sampled): they are counted in the
     /// sequence's length but not in `tokens`, and no unit holding one is hashed.
     pub placeholders: u32,
@@ -205,18 +347,18 @@ impl Sequence {
     /// Its steps scheduled or in flight.
     #[inline]
     pub fn num_steps(&self) -> usize {
-        self.older.len() + usize::from(self.step().is_some())
+        self.ring.len()
     }
 
     /// Its steps, oldest first.
     pub fn steps(&self) -> impl Iterator<Item = &StepRecord> {
-        self.older.iter().chain(self.step())
+        self.ring.iter()
     }
 
     /// Its oldest step (the next to end).
     #[inline]
     pub fn oldest_step(&self) -> Option<&StepRecord> {
-        self.older.front().or_else(|| self.step())
+        self.ring.oldest()
     }
 
     /// A private running buffer of state group `i` that neither holds the committed state
@@ -226,12 +368,8 @@ impl Sequence {
         // continuation of an overlapped decode step.
         let state = &self.state[i];
         let current = state.current.map_or(NULL_BLOCK, |c| state.running[c]);
-        let newest = self.step().map_or(NULL_BLOCK, |s| s.state[i].write);
         let spare = |b: BlockId| {
-            b != NULL_BLOCK
-                && b != current
-                && b != newest
-                && !self.older.iter().any(|s| s.state[i].write == b)
+            b != NULL_BLOCK && b != current && !self.ring.iter().any(|s| s.state[i].write == b)
         };
         if spare(state.running[0]) {
             return Some(state.running[0]);
@@ -254,49 +392,28 @@ impl Sequence {
         !matches!(self.phase, Phase::Waiting { .. })
     }
 
-    /// The step scheduled for the next plan or in flight.
+    /// Its newest step: scheduled for the next plan or in flight.
     #[inline]
     pub fn step(&self) -> Option<&StepRecord> {
-        match &self.phase {
-            Phase::Scheduled(step) => Some(step),
-            _ => None,
-        }
+        self.ring.newest()
     }
 
     #[inline]
     pub fn step_mut(&mut self) -> Option<&mut StepRecord> {
-        match &mut self.phase {
-            Phase::Scheduled(step) => Some(step),
-            _ => None,
-        }
+        self.ring.newest_mut()
     }
 
-    /// Takes the newest step out (the one before it, if any, becomes the phase's); without
-    /// one the sequence is running (it holds blocks) until told otherwise.
+    /// Takes the newest step out; without one the sequence is between steps (it holds
+    /// blocks) until told otherwise.
     #[inline]
     pub fn take_newest(&mut self) -> Option<StepRecord> {
-        match std::mem::replace(&mut self.phase, Phase::Running) {
-            Phase::Scheduled(step) => {
-                if let Some(previous) = self.older.pop_back() {
-                    self.phase = Phase::Scheduled(previous);
-                }
-                Some(step)
-            }
-            other => {
-                self.phase = other;
-                None
-            }
-        }
+        self.ring.take_newest()
     }
 
     /// Takes the oldest step out (the one that ends next).
     #[inline]
     pub fn take_oldest(&mut self) -> Option<StepRecord> {
-        if self.older.is_empty() {
-            self.take_newest()
-        } else {
-            self.older.pop_front()
-        }
+        self.ring.take_oldest()
     }
 
     /// Forgets the last lookup (the sequence changed, or was scheduled).
@@ -319,21 +436,16 @@ impl Sequence {
     }
 
     /// Schedules `step` for a started sequence: its newest step, after those it has.
-    #[inline]
+    #[inline(always)]
     pub fn schedule_step(&mut self, step: StepRecord) {
-        match std::mem::replace(&mut self.phase, Phase::Scheduled(step)) {
-            Phase::Running => {}
-            Phase::Scheduled(previous) => self.older.push_back(previous),
-            Phase::Waiting { .. } => {
-                unreachable!("sequence {} scheduled while not running", self.id)
-            }
-        }
+        debug_assert!(self.started(), "sequence {} scheduled while not running", self.id);
+        self.ring.push(step);
     }
 
     /// Back to waiting, holding nothing (its blocks were released or given back).
     pub fn stop(&mut self) {
         self.phase = Phase::Waiting { last_hit: None };
-        self.older.clear();
+        self.ring.clear();
         self.keys_pending_from = None;
         self.num_computed = 0;
         self.prefill_target = 0;

@@ -9,8 +9,11 @@
 //! keys, commits that store only what they computed, well-formed plans, plans that read only
 //! what the engine wrote there (`fuzz_core/content.rs`: the driver plays the engine, writing
 //! the KV, states and checkpoints each plan names), and no block left owned once everything
-//! is finished. The reference model (`model.rs`) predicts everything, on
-//! narrower traffic.
+//! is finished. A second property (`fuzz_core/overlap.rs`) drives the same configurations at
+//! `max_steps_in_flight` 1 to 3 with the overlapped steps' calls (placeholders, resolve, plans
+//! ended in and out of order, cascading aborts, `decode_step_overlapped`, finish and preempt in
+//! flight) and checks its own statement of their rules. The reference models (`model.rs`,
+//! `model_overlap.rs`) predict everything, on narrower traffic.
 //!
 //! By default a handful of cases run (a few seconds in a debug build). For a long run:
 //! `FUZZ_CASES=100000 cargo test --release -p prefixcache-core --test fuzz_core -- --nocapture`
@@ -35,6 +38,8 @@ mod content;
 mod driver;
 #[path = "fuzz_core/ops.rs"]
 mod ops;
+#[path = "fuzz_core/overlap.rs"]
+mod overlap;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -127,5 +132,59 @@ fn prop_fuzz_core_keeps_its_invariants() {
              {config:?}\n{ops:?}"
         ),
         Err(e) => panic!("fuzz_core (seed {seed}): {e}"),
+    }
+}
+
+/// The overlapped traffic (`fuzz_core/overlap.rs`) over the same configurations at D in
+/// 1..=3: `FUZZ_CASES`, `FUZZ_OPS` and `FUZZ_SEED` as above.
+#[test]
+fn prop_fuzz_core_overlapped_steps() {
+    let long = env::<u32>("FUZZ_CASES");
+    let cases = long.unwrap_or(24);
+    let max_ops = env::<usize>("FUZZ_OPS").unwrap_or(120);
+    let seed = env::<u64>("FUZZ_SEED").unwrap_or_else(|| match long {
+        None => 0,
+        Some(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    });
+    let mut runner = TestRunner::new(Config {
+        cases,
+        max_shrink_iters: 8192,
+        rng_seed: RngSeed::Fixed(seed),
+        source_file: Some(file!()),
+        ..Config::default()
+    });
+    let calls = AtomicU64::new(0);
+    let started = Instant::now();
+    let configs =
+        (config::config().prop_filter("a working configuration", |c| c.broken.is_none()), 1u32..=3)
+            .prop_map(|(c, depth)| prefixcache_core::CacheConfig {
+                max_steps_in_flight: depth,
+                ..c.config
+            });
+    let strategy = (configs, prop::collection::vec(overlap::op(), 1..=max_ops));
+    let result = runner.run(&strategy, |(config, ops)| {
+        let mut fuzz = overlap::Overlap::new(config).map_err(TestCaseError::fail)?;
+        for (i, op) in ops.iter().enumerate() {
+            fuzz.apply(op).map_err(|e| TestCaseError::fail(format!("op {i} {op:?}: {e}")))?;
+        }
+        fuzz.wind_down().map_err(|e| TestCaseError::fail(format!("winding down: {e}")))?;
+        calls.fetch_add(fuzz.calls, Ordering::Relaxed);
+        Ok(())
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let calls = calls.load(Ordering::Relaxed);
+    eprintln!(
+        "fuzz_core (overlapped): seed {seed}, {calls} operations in {elapsed:.1} s ({:.0} operations/s)",
+        rate(calls, elapsed)
+    );
+    match result {
+        Ok(()) => {}
+        Err(TestError::Fail(reason, (config, ops))) => panic!(
+            "fuzz_core (overlapped) failed (seed {seed}; rerun with FUZZ_SEED={seed}): {reason}\nminimal \
+             case: {config:?}\n{ops:?}"
+        ),
+        Err(e) => panic!("fuzz_core (overlapped, seed {seed}): {e}"),
     }
 }

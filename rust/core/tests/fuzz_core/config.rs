@@ -129,8 +129,9 @@ pub(crate) fn config() -> impl Strategy<Value = FuzzConfig> {
                 recently_evicted_capacity,
                 enable_events: true,
                 max_pending_events,
-                // The fuzz's predictions assume one plan in flight at a time; overlapped steps
-                // (D > 1) are driven by the model in `model_overlap.rs`.
+                // `driver.rs`'s predictions assume one plan in flight at a time; overlapped
+                // steps (D in 1..=3) are driven by `overlap.rs` and the model in
+                // `model_overlap.rs`.
                 max_steps_in_flight: 1,
                 event_block_size: None,
             };
