@@ -21,8 +21,9 @@ Hit tokens per request are compared; each difference is classified (``hit_rule``
 - ``mamba_states``: a hybrid hit needs a recurrent state at its end: SGLang's is at a point
   where an earlier request of the stream left one (page 1, no tracking buffer: a chunk's or a
   request's end; page 16: each chunk's tracking snapshot, whole 64-token grid steps past the
-  chunk's start), prefixcache's at the last whole 128-token hash unit it had computed (its
-  state checkpoints are kept on the 64-token alignment, which divides the unit);
+  chunk's start), prefixcache's at the earlier prompt's tail checkpoint, the last 128-token
+  unit boundary strictly before that prompt's end (``((N - 1) // U) * U``, the checkpoint its
+  retention keeps for a resend), so a token-exact extension resumes up to a unit earlier;
 - ``unexplained``: anything else (none is expected).
 
 Run inside SGLang's environment (``make bench-peers`` creates ``.venv-sglang``)::
@@ -78,8 +79,9 @@ def hit_rule(config: SglangConfig, backends: list[SglangBackend]) -> HitRule:
         our_cover = min(limit, ours.cover_at_admission[rid][0])
         peer_hit, our_hit = peer.hits[rid], ours.hits[rid]
         if config.mamba:
-            # prefixcache: the last whole hash unit with a state checkpoint (A = 64 divides U).
-            ours_ok = our_hit == floor_to(our_cover, ours_config.unit)
+            # prefixcache keeps the earlier prompt's tail checkpoint: the last unit boundary
+            # strictly before that prompt's end (its resend rule, ((N - 1) // U) * U).
+            ours_ok = our_hit == floor_to(our_cover - 1, ours_config.unit)
             peer_ok = peer_hit <= peer_cover and backends[0].hit_at_state[rid]
             return "mamba_states" if ours_ok and peer_ok else None
         if peer_hit != floor_to(peer_cover, config.page_size):
