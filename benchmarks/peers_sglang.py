@@ -115,7 +115,8 @@ def run(scale: float, pairs: int, only: list[str] | None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for config in SGLANG_CONFIGS:
         peer = config.peer
-        if only and not any(word in peer for word in only):
+        tail = peer.removeprefix(f"sglang-{sglang.__version__}-")
+        if only and not any(tail == word or tail.startswith(word + "-") for word in only):
             continue
         target = RUST_TARGET if config.core == "rust" else PYTHON_TARGET
         ours = HYBRID if config.mamba else ATTENTION
@@ -169,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--only", nargs="*", help="peers whose name contains one of these")
+    parser.add_argument(
+        "--only", nargs="*", help="these configurations (rust-p1: rust-p1 and rust-p1-mamba)"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     results = run(args.scale, args.pairs, args.only)
