@@ -16,7 +16,9 @@ the pairs; judged with ``extends`` on growing-prefix, without reuse on shared-pr
 Hit tokens per request are compared; each difference is classified (``hit_rule``):
 
 - ``token_tree``: SGLang at page 1 hits to the token (its tree is keyed by token ids),
-  prefixcache to whole 16-token blocks (it is keyed by block digests);
+  prefixcache to whole 16-token blocks (it is keyed by block digests); this includes a hit a
+  token or two past the shared system prompt, where an earlier request's random suffix happens
+  to start with the same tokens;
 - ``page_rounding``: both to whole pages / blocks, of different sizes;
 - ``mamba_states``: a hybrid hit needs a recurrent state at its end: SGLang's is at a point
   where an earlier request of the stream left one (page 1, no tracking buffer: a chunk's or a
@@ -44,10 +46,19 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 from peers_sglang_backend import SglangBackend, SglangConfig
-from vs_vllm import HitRule, RunResult, _cores, _git_commit, floor_to, run_config
+from vs_vllm import (
+    HitRule,
+    RunResult,
+    _all_requests,
+    _cores,
+    _git_commit,
+    floor_to,
+    run_config,
+)
 from vs_vllm_backends import ManagerConfig
-from vs_vllm_workloads import WORKLOAD_NAMES, Request, make_workload
+from vs_vllm_workloads import WORKLOAD_NAMES, Request, Workload, make_workload
 
 PYTHON_TARGET = 50.0
 RUST_TARGET = 5.0
@@ -65,10 +76,24 @@ def workloads_of(config: SglangConfig) -> tuple[str, ...]:
     return ("growing-prefix",) if config.mamba else WORKLOAD_NAMES
 
 
-def hit_rule(config: SglangConfig, backends: list[SglangBackend]) -> HitRule:
+def hit_rule(config: SglangConfig, backends: list[SglangBackend], workload: Workload) -> HitRule:
     """Classifies a request whose SGLang hit differs from prefixcache's (module docstring),
     from the publication rule both share (what the steps before its admission committed:
     SGLang checkpoints a chunk after its forward, prefixcache publishes at ``commit``)."""
+    earlier: dict[int, list[Request]] = {}
+    for request in _all_requests(workload):
+        earlier.setdefault(request.prefix_key, []).append(request)
+
+    def shared_by_chance(request: Request, hit: int) -> bool:
+        """Whether an earlier request of the same prefix really shares ``hit`` tokens with
+        this one: random suffixes that happen to start with the same token(s)."""
+        head = request.prompt[:hit]
+        return any(
+            other.request_id < request.request_id
+            and len(other.prompt) >= hit
+            and np.array_equal(other.prompt[:hit], head)
+            for other in earlier[request.prefix_key]
+        )
 
     def rule(
         request: Request, ours_config: ManagerConfig, peer: RunResult, ours: RunResult
@@ -84,7 +109,9 @@ def hit_rule(config: SglangConfig, backends: list[SglangBackend]) -> HitRule:
             ours_ok = our_hit == floor_to(our_cover - 1, ours_config.unit)
             peer_ok = peer_hit <= peer_cover and backends[0].hit_at_state[rid]
             return "mamba_states" if ours_ok and peer_ok else None
-        if peer_hit != floor_to(peer_cover, config.page_size):
+        if peer_hit != floor_to(peer_cover, config.page_size) and not (
+            config.page_size == 1 and peer_hit > peer_cover and shared_by_chance(request, peer_hit)
+        ):
             return None
         if our_hit != floor_to(our_cover, ours_config.unit):
             return None
@@ -143,7 +170,7 @@ def run(scale: float, pairs: int, only: list[str] | None) -> dict[str, Any]:
                 make_peer,
                 {**meta, "load_average": round(os.getloadavg()[0], 2)},
                 peer="peer",
-                rule=hit_rule(config, backends),
+                rule=hit_rule(config, backends, workload),
                 target=target,
             )
             for entry in entries.values():
