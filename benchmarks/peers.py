@@ -15,6 +15,7 @@ peer, 5x for a Rust one) and ``meets_target`` for the configuration judged
 (``target_judged_here``). ``--merge`` keeps the peers already in the document that this run
 does not measure (one peer per run, e.g. one per quiet-machine slot). Then the chart
 (``docs/peers.png``) and a Markdown table of the judged entries are written from the document.
+``--include PATH`` merges a document a driver wrote on its own run (its ``meta`` kept).
 
     python benchmarks/peers.py --peers sglang --scale 0.25 --pairs 3
 """
@@ -157,7 +158,7 @@ def write_chart(document: dict[str, Any], path: Path) -> None:
     axis.set_xticks(ticks, [f"{t}x" for t in ticks])
     axis.minorticks_off()
     axis.set_xlabel("peer / prefixcache manager time (median, min-max); dashes: target")
-    dates = sorted({run["date"] for run in document["meta"]["runs"]})
+    dates = sorted({run.get("date", "?") for run in document["meta"]["runs"]})
     axis.set_title(
         "prefixcache vs peer cache managers, judged configuration per workload\n"
         f"{', '.join(dates)}; green: target met (50x Python peers, 5x Rust peers)",
@@ -193,13 +194,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chart", type=Path, default=ROOT / "docs/peers.png")
     parser.add_argument("--merge", action="store_true", help="keep peers not measured now")
     parser.add_argument("--report-only", action="store_true", help="chart + table from --json")
+    parser.add_argument(
+        "--include",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="merge these drivers' documents as measured ({PEER: ...} or {meta, peers})",
+    )
     args = parser.parse_args(argv)
 
     existing = json.loads(args.json.read_text()) if args.json.exists() else None
+    for path in args.include:
+        included = json.loads(path.read_text())
+        measured_there = included.get("peers", included)
+        problems = check_document(measured_there)
+        if problems:
+            raise SystemExit(f"{path}:\n" + "\n".join(problems))
+        meta_there = {**included.get("meta", {}), "included_from": str(path)}
+        existing = merge(existing, measured_there, meta_there)
     if args.report_only:
         if existing is None:
             raise SystemExit(f"{args.json} does not exist")
         document = existing
+        if args.include:
+            args.json.write_text(json.dumps(document, indent=1) + "\n")
     else:
         start = time.perf_counter()
         meta = {
