@@ -1,12 +1,14 @@
-"""The peer comparison's plumbing (benchmarks/peers.py and vs_vllm.py's pair running), without
-any peer installed: the merge of drivers' documents, the entry contract, and one real pair
-run on a tiny workload with prefixcache standing in as the peer."""
+"""The peer comparison's plumbing (benchmarks/peers.py, vs_vllm.py's pair running, SGLang's
+hit rule), without any peer installed: the merge of drivers' documents, the entry contract, one
+real pair run on a tiny workload with prefixcache standing in as the peer, and the reasons a
+hit difference with SGLang is given."""
 
 from __future__ import annotations
 
 import copy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -102,3 +104,41 @@ def test_run_config_writes_entries_of_the_contract(workload_scale: float) -> Non
     assert plain["hits"]["differing_requests"] == 0
     assert plain["hits"]["peer_hit_tokens"] == plain["hits"]["prefixcache_hit_tokens"] > 0
     assert plain["hashing_floor_seconds"] > 0
+
+
+def test_sglang_hit_rule_names_each_reason_and_refuses_the_rest() -> None:
+    """SGLang's classification, stated independently: with both sides having seen C committed
+    tokens of a request's shared prefix (limit L = min(prefix, prompt - 1)), a page-1 token tree
+    hits min(L, C) exactly and prefixcache floor(min(L, C), 16); at page 16 both floor to 16 but
+    from their own covers; anything else is unexplained. Hybrid: SGLang at a recorded state,
+    prefixcache at the earlier prompt's tail checkpoint ((C - 1) // 128) * 128."""
+    import numpy as np
+    import peers_sglang
+    from peers_sglang_backend import SglangConfig
+    from vs_vllm_workloads import Request
+
+    prompt = np.arange(4096, dtype=np.uint32)
+    request = Request(7, prompt, prompt[:2], None, prefix_key=0, prefix_len=2048)
+
+    def runs(peer_hit: int, our_hit: int, peer_cover: int, our_cover: int) -> tuple:
+        peer = vs_vllm.RunResult(0.0, {}, {}, 1, {7: peer_hit}, {7: (peer_cover, peer_cover)})
+        ours = vs_vllm.RunResult(0.0, {}, {}, 1, {7: our_hit}, {7: (our_cover, our_cover)})
+        return peer, ours
+
+    attention = peers_sglang.ATTENTION
+    workload = GrowingPrefix(0.01)
+    page1 = peers_sglang.hit_rule(SglangConfig("rust", 1), [], workload)
+    assert page1(request, attention, *runs(1975, 1968, 1975, 1975)) == "token_tree"
+    assert page1(request, attention, *runs(1975, 1960, 1975, 1975)) is None
+    assert page1(request, attention, *runs(1976, 1968, 1975, 1975)) is None
+    page16 = peers_sglang.hit_rule(SglangConfig("rust", 16), [], workload)
+    assert page16(request, attention, *runs(1520, 1536, 1533, 1540)) == "page_rounding"
+    assert page16(request, attention, *runs(1533, 1536, 1533, 1540)) is None
+
+    backend = SimpleNamespace(hit_at_state={7: True})
+    hybrid = peers_sglang.HYBRID
+    mamba = peers_sglang.hit_rule(SglangConfig("rust", 1, mamba=True), [backend], workload)
+    assert mamba(request, hybrid, *runs(2000, 1920, 2000, 2000)) == "mamba_states"
+    assert mamba(request, hybrid, *runs(2000, 2048, 2000, 2000)) is None
+    backend.hit_at_state[7] = False
+    assert mamba(request, hybrid, *runs(2000, 1920, 2000, 2000)) is None
