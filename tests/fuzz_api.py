@@ -43,6 +43,11 @@ What every call must satisfy, checked by a model kept here in plain Python:
 * at the end the manager is still usable: the plan in flight ends, every sequence finishes,
   no block is still owned, ``reset`` succeeds and a fresh request is served.
 
+``OverlapMachine`` drives overlapped steps (``max_steps_in_flight`` 2 or 3: placeholders,
+``resolve``, plans ended in and out of order, cascading aborts, ``decode_step_overlapped`` over
+a ring of ``PlanBuffers``, finish and preempt in flight) with its own statement of their rules;
+a campaign runs both machines.
+
 A long campaign: ``python3 tests/fuzz_api.py --examples N --seed S [--rounds R] [--gentle]``
 (``--gentle``: no hostile values, deeper programs; ``--no-shrink``: report failures as found;
 ``--ignore SIGNATURE``: skip a failure already known). It prints the seed, the operations
@@ -411,7 +416,7 @@ class Flight:
 
 
 @st.composite
-def configs(draw: st.DrawFn) -> pc.CacheConfig:
+def configs(draw: st.DrawFn, depths: st.SearchStrategy[int] | None = None) -> pc.CacheConfig:
     unit = draw(st.integers(1, 8))
     n_pools = draw(st.integers(1, 3))
     pools = [
@@ -463,6 +468,7 @@ def configs(draw: st.DrawFn) -> pc.CacheConfig:
         recently_evicted_capacity=draw(st.sampled_from([0, 2, 4096])),
         enable_events=draw(st.sampled_from([True] * 6 + [False])),
         max_pending_events=draw(st.sampled_from([1, 8] + [1 << 20] * 6)),
+        max_steps_in_flight=1 if depths is None else draw(depths),
     )
 
 
@@ -2681,6 +2687,275 @@ class FuzzMachine(RuleBasedStateMachine):
         mgr.check_invariants()
 
 
+OVERLAP_IDS = [0, 1, 2, 3, 4, SEQ_ID_MAX]
+
+
+class OverlapMachine(RuleBasedStateMachine):
+    """Overlapped steps from Python (``max_steps_in_flight`` = D in 2..3), a machine of its own:
+    ``FuzzMachine``'s model predicts one plan in flight at a time.
+
+    Its rules, stated here: every call raises only a ``PrefixCacheError`` (never
+    ``InvariantError``), and a refused call changes nothing observable (statistics, pools,
+    plans in flight, each sequence's length, committed position and placeholders), but for
+    the commit a one-call decode step makes first; ``check_invariants`` holds after every
+    call; the plans in flight are those built and not ended, oldest first, at most D; only the
+    oldest ends: a later one is a ``StepError``, one not in flight a ``StalePlanError``;
+    aborting the oldest ends every plan in flight and returns their ids, oldest first;
+    building at depth D is a ``StepError``; resolving more tokens than a sequence's
+    placeholders is an ``InvalidRequestError``; a lookup's pending hit is at least its hit and
+    names a plan in flight exactly when it is longer; at the end, once everything in flight
+    is committed and every sequence finished, no block is owned.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr: pc.CacheManager | None = None
+        self.depth = 1
+        self.flights: list[tuple[int, Any]] = []  # (step id, plan object), oldest first
+        self.ended: list[tuple[int, Any]] = []
+        self.ring: list[pc.PlanBuffers] = []
+        self.token = 1
+
+    @initialize(config=configs(st.integers(2, 3)))
+    def init(self, config: pc.CacheConfig) -> None:
+        try:
+            self.mgr = pc.CacheManager(config)
+        except pc.PrefixCacheError:
+            reject()
+        self.depth = config.max_steps_in_flight
+        self.ring = [pc.PlanBuffers(rows=8) for _ in range(self.depth + 1)]
+
+    def tokens(self, n: int) -> list[int]:
+        self.token += n
+        return [(self.token - i) % 50_000 for i in range(n)]
+
+    def live(self) -> list[int]:
+        assert self.mgr is not None
+        out = []
+        for i in OVERLAP_IDS:
+            with contextlib.suppress(pc.UnknownSequenceError):
+                self.mgr.num_tokens(i)
+                out.append(i)
+        return out
+
+    def observe(self) -> tuple[Any, ...]:
+        mgr = self.mgr
+        assert mgr is not None
+        lengths = [
+            (mgr.num_tokens(i), mgr.num_computed(i), mgr.num_placeholders(i)) for i in self.live()
+        ]
+        pools = [(u.free, u.cached, u.owned) for u in mgr.pool_usage()]
+        return (repr(mgr.stats()), pools, mgr.plans_in_flight, mgr.num_sequences, lengths)
+
+    def call(self, label: str, fn: Callable[[], Any], atomic: bool = True) -> tuple[bool, Any]:
+        """Runs ``fn``: ``(True, result)``, or ``(False, error)`` for a typed refusal."""
+        global OPERATIONS
+        OPERATIONS += 1
+        before = self.observe()
+        try:
+            return True, fn()
+        except pc.InvariantError as error:
+            raise FuzzFailure(f"{label}: {error}") from error
+        except pc.PrefixCacheError as error:
+            if atomic and self.observe() != before:
+                raise FuzzFailure(
+                    f"{label} was refused ({error}) but changed the manager"
+                ) from error
+            return False, error
+
+    def expect(self, label: str, outcome: tuple[bool, Any], error: type[BaseException]) -> None:
+        ok, value = outcome
+        if ok or not isinstance(value, error):
+            raise FuzzFailure(f"{label}: expected {error.__name__}, got {value!r}")
+
+    def end_oldest(self) -> None:
+        self.ended = [*self.ended, self.flights.pop(0)][-4:]
+
+    @invariant()
+    def agrees(self) -> None:
+        if self.mgr is None:
+            return
+        self.mgr.check_invariants()
+        in_flight = self.mgr.plans_in_flight
+        ours = [s for s, _ in self.flights]
+        if in_flight != ours or len(in_flight) > self.depth:
+            raise FuzzFailure(f"plans in flight {in_flight}, built and not ended {ours}")
+
+    @rule(i=st.integers(0, 5), stream=st.integers(0, 2), n=st.integers(1, 40))
+    def add(self, i: int, stream: int, n: int) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        tokens = [stream * 100_000 + t for t in range(n)] + self.tokens(n % 3)
+        self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens))
+
+    @rule(i=st.integers(0, 5))
+    def lookup(self, i: int) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        ok, hit = self.call("lookup", lambda: mgr.lookup(OVERLAP_IDS[i]), atomic=False)
+        if not ok:
+            return
+        longer = hit.pending_tokens > hit.tokens
+        if hit.pending_tokens < hit.tokens or (hit.pending_plan is not None) != longer:
+            raise FuzzFailure(f"pending answer {hit.pending_tokens} / {hit.pending_plan} for {hit}")
+        if hit.pending_plan is not None and hit.pending_plan not in mgr.plans_in_flight:
+            raise FuzzFailure(f"pending plan {hit.pending_plan} is not in flight")
+
+    @rule(budget=st.sampled_from([1, 2, 3, 7, 64, U32_MAX]))
+    def schedule_all(self, budget: int) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        ids = self.live()
+        self.call("schedule_batch", lambda: mgr.schedule_batch(ids, budget))
+
+    @rule(i=st.integers(0, 5), budget=st.integers(1, 9))
+    def schedule(self, i: int, budget: int) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        self.call("schedule", lambda: mgr.schedule(OVERLAP_IDS[i], budget))
+
+    @rule(into=st.booleans())
+    def build(self, into: bool) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        full = len(self.flights) >= self.depth
+        buffers = self.ring[len(self.flights) % len(self.ring)]
+        holds = any(obj is buffers for _, obj in self.flights)
+        if into and not holds:
+            outcome = self.call("build_plan_into", lambda: mgr.build_plan_into(buffers))
+            obj: Any = buffers
+        else:
+            outcome = self.call("build_plan", mgr.build_plan)
+            obj = outcome[1]
+        if full:
+            self.expect("build_plan at depth", outcome, pc.StepError)
+            return
+        if not outcome[0]:
+            raise FuzzFailure(f"build_plan below depth refused: {outcome[1]!r}")
+        step = outcome[1] if into and not holds else obj.step_id
+        self.flights.append((step, obj))
+
+    @rule(
+        which=st.sampled_from(["oldest", "oldest", "oldest", "newest", "stale", "unbuilt"]),
+        commit=st.booleans(),
+        by_id=st.booleans(),
+    )
+    def end(self, which: str, commit: bool, by_id: bool) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        target: tuple[int, Any] | None = None
+        if which == "oldest" and self.flights:
+            target = self.flights[0]
+        elif which == "newest" and self.flights:
+            target = self.flights[-1]
+        elif which == "stale" and self.ended:
+            target = self.ended[0]
+        step, obj = target if target is not None else (2**62, None)
+        if obj is None or (obj in self.ring and (step, obj) not in self.flights):
+            by_id = True  # (buffers reused since then hold another step)
+        verb = mgr.commit_step if commit else mgr.abort_step
+        outcome = self.call(
+            "commit/abort",
+            (lambda: verb(step)) if by_id else (lambda: (mgr.commit if commit else mgr.abort)(obj)),
+        )
+        oldest = bool(self.flights) and step == self.flights[0][0]
+        if oldest:
+            if not outcome[0]:
+                raise FuzzFailure(f"ending the oldest plan {step} refused: {outcome[1]!r}")
+            if commit:
+                self.end_oldest()
+            else:
+                ids = [s for s, _ in self.flights]
+                if outcome[1] != ids:
+                    raise FuzzFailure(f"abort of the oldest returned {outcome[1]}, not {ids}")
+                while self.flights:
+                    self.end_oldest()
+        elif any(s == step for s, _ in self.flights):
+            self.expect("ending a later plan", outcome, pc.StepError)
+        else:
+            self.expect("ending a plan not in flight", outcome, pc.StalePlanError)
+
+    @rule(ids=st.lists(st.integers(0, 5), max_size=4))
+    def placeholders(self, ids: list[int]) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        seq_ids = [OVERLAP_IDS[i] for i in ids]
+        self.call("append_placeholders", lambda: mgr.append_placeholders(seq_ids))
+
+    @rule(i=st.integers(0, 5), n=st.sampled_from([0, 1, 1, 2, 5]))
+    def resolve(self, i: int, n: int) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        seq_id = OVERLAP_IDS[i]
+        pending = mgr.num_placeholders(seq_id) if seq_id in self.live() else None
+        outcome = self.call("resolve", lambda: mgr.resolve(seq_id, self.tokens(n)))
+        if pending is not None and n > pending:
+            self.expect("resolve beyond the placeholders", outcome, pc.InvalidRequestError)
+        elif pending is not None and not outcome[0]:
+            raise FuzzFailure(f"resolve of {n} over {pending} placeholders: {outcome[1]!r}")
+
+    @rule(i=st.integers(0, 5), n=st.integers(0, 3), count=st.integers(0, 3))
+    def append(self, i: int, n: int, count: int) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        tokens = self.tokens(n)
+        self.call("append", lambda: mgr.append(OVERLAP_IDS[i], tokens, placeholders=count))
+
+    @rule(commit=st.booleans(), resolve=st.booleans(), everyone=st.booleans())
+    def overlapped(self, commit: bool, resolve: bool, everyone: bool) -> None:
+        """``decode_step_overlapped`` into a ring buffer that holds no plan in flight."""
+        mgr = self.mgr
+        assert mgr is not None
+        held = [obj for _, obj in self.flights]
+        free = [b for b in self.ring if not any(b is h for h in held)]
+        if not free:
+            return
+        buffers = free[0]
+        ids = self.live() if everyone else self.live()[:2]
+        oldest = self.flights[0][0] if commit and self.flights else None
+        rids = [i for i in ids if mgr.num_placeholders(i) > 0] if resolve else []
+        tokens = self.tokens(len(rids))
+        global OPERATIONS
+        OPERATIONS += 1
+        before = self.observe()
+        try:
+            mgr.decode_step_overlapped(buffers, ids, rids, tokens, commit=oldest)
+            ok = True
+        except pc.InvariantError as error:
+            raise FuzzFailure(f"decode_step_overlapped: {error}") from error
+        except pc.PrefixCacheError:
+            ok = False
+        committed = oldest is not None and mgr.plan_in_flight != oldest
+        if committed:
+            self.end_oldest()
+        if ok:
+            self.flights.append((buffers.step_id, buffers))
+        elif not committed and self.observe() != before:
+            raise FuzzFailure("a refused decode_step_overlapped changed the manager")
+
+    @rule(i=st.integers(0, 5), preempt=st.booleans())
+    def release(self, i: int, preempt: bool) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        seq_id = OVERLAP_IDS[i]
+        self.call("finish/preempt", lambda: (mgr.preempt if preempt else mgr.finish)(seq_id))
+
+    def teardown(self) -> None:
+        mgr = self.mgr
+        if mgr is None:
+            return
+        while self.flights:
+            mgr.commit_step(self.flights[0][0])
+            self.end_oldest()
+            mgr.check_invariants()
+        for seq_id in self.live():
+            mgr.finish(seq_id)
+        mgr.check_invariants()
+        owned = [u.owned for u in mgr.pool_usage()]
+        if any(owned):
+            raise FuzzFailure(f"blocks still owned with nothing live: {owned}")
+
+
 def short_settings(examples: int, steps: int, **kwargs: Any) -> settings:
     return settings(
         max_examples=examples,
@@ -2704,10 +2979,10 @@ def run_campaign(examples: int, seed: int, steps: int, rounds: int, shrink: bool
         )
         phases = list(Phase) if shrink else [p for p in Phase if p is not Phase.shrink]
         config = short_settings(examples, steps, database=None, phases=phases)
-        test = get_state_machine_test(FuzzMachine, settings=config)
-        test = hypothesis_seed(s)(test)
         try:
-            test()
+            for machine in (FuzzMachine, OverlapMachine):
+                test = get_state_machine_test(machine, settings=config)
+                hypothesis_seed(s)(test)()
         except BaseException as error:
             if isinstance(error, KeyboardInterrupt):
                 raise
