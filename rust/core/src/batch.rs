@@ -14,6 +14,8 @@
 //! give for a prompt's copies; then the requests before it stay admitted, as a sequence of `add`
 //! calls would leave them (their digests complete), and the error says how many.
 
+use std::sync::OnceLock;
+
 use rustc_hash::FxHashSet;
 
 use crate::chains::{extend_chains, threads_for};
@@ -22,6 +24,14 @@ use crate::hashing::{Digest, ExtraKeys, HashAlgorithm};
 use crate::limits::MAX_HASH_THREADS;
 use crate::manager::{check_batch_len, Added, CacheManager};
 use crate::table::Deferred;
+
+/// The machine's cores, asked once: `available_parallelism` may read cgroup files on Linux
+/// (system calls on every call; the standard library's documentation suggests caching it), and
+/// most batches are one request.
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
+}
 
 /// One request of `add_batch`: the arguments of one `add`.
 #[derive(Clone, Debug, Default)]
@@ -93,11 +103,7 @@ impl CacheManager {
         added
             .try_reserve_exact(requests.len())
             .map_err(|_| CacheError::invalid("add_batch's results could not be allocated"))?;
-        let threads = if threads == 0 {
-            std::thread::available_parallelism().map_or(1, usize::from)
-        } else {
-            threads
-        };
+        let threads = if threads == 0 { cores() } else { threads };
         // Deferred, the prompts are read again after all of them are copied in: worth it for
         // SHA-256 (compute-bound, interleaved even on one thread) or when threads will share
         // the work, not for XXH3 on one thread (it would read them back from a farther cache).
