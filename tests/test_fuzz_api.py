@@ -32,3 +32,12 @@ def test_random_programs_with_hostile_arguments_keep_every_api_rule() -> None:
 
 def test_random_valid_traffic_never_hits_beyond_what_was_computed() -> None:
     run_short(examples=100, gentle=True)
+
+
+def test_random_overlapped_programs_keep_the_in_flight_rules() -> None:
+    # Overlapped steps (D = 2..3): placeholders, resolve, plans at depth, ends of the oldest,
+    # a later and a stale plan, cascading aborts, finish and preempt in flight.
+    run_state_machine_as_test(
+        fuzz_api.OverlapMachine,
+        settings=fuzz_api.short_settings(150, 50, derandomize=True, database=None),
+    )
