@@ -325,11 +325,6 @@ def test_random_traces_pools_and_failures_change_no_output(
     assert_matches(result, reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the core plans a junction checkpoint only against committed content: a prompt "
-    "scheduled while the prefix it shares is in flight gets none (reported for the core)",
-)
 def test_a_junction_against_a_prefix_in_flight_is_checkpointed_as_one_step_at_a_time() -> None:
     # The rule wanted: overlapping steps never costs a later request its hit. A, then B, share
     # a 64-token prefix and then differ; one step at a time, B is scheduled after A committed,

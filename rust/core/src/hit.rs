@@ -79,7 +79,9 @@ pub struct Hit {
     pub max_tokens: u32,
     pub groups: Vec<GroupHit>,
     /// The largest own hit above L when it exceeds L by at least 2U (another request diverged
-    /// there; a retained `junction` checkpoint is taken at it).
+    /// there; a retained `junction` checkpoint is taken at it). With D > 1 and plans in
+    /// flight, their keys count for it as published (another request is computing that
+    /// prefix now); they never count for L.
     pub junction: Option<u32>,
     /// The hit the sequence would get once the plans in flight commit (their keys whose
     /// prefix is known): at least `tokens`; `tokens` when nothing in flight extends it.
@@ -126,27 +128,43 @@ pub(crate) fn compute_hit(
     Lookup { store, groups, seq, hint_chains, unit: store.unit(), pending: None }.compute()
 }
 
-/// The hit rule with the keys in-flight steps will publish counted as published: the hit
-/// (at least `hit`) and the latest plan among those whose keys it needs (`None` when it is
-/// no longer than `hit`).
+/// What in-flight steps will add to a sequence's hit: the hit with their keys counted as
+/// published, and the junction those keys show.
+pub(crate) struct PendingHit {
+    /// At least the committed hit.
+    pub tokens: u32,
+    /// The latest plan among those whose keys `tokens` needs (`None` when it is no longer
+    /// than the committed hit).
+    pub plan: Option<u64>,
+    /// The junction against the committed hit, with in-flight keys counted: another request
+    /// is computing a prefix this one shares and diverging there, so a retained junction
+    /// checkpoint is worth taking as if that request had already committed.
+    pub junction: Option<u32>,
+}
+
+/// The hit rule with the keys in-flight steps will publish counted as published, for a
+/// sequence whose committed hit is `hit` (see [`PendingHit`]).
 pub(crate) fn pending_hit(
     store: &BlockStore,
     layout: &GroupLayout,
     seq: Content<'_>,
     pending: &PendingKeys,
-    hit: u32,
-) -> (u32, Option<u64>) {
+    hit: &Hit,
+) -> PendingHit {
+    let unchanged = PendingHit { tokens: hit.tokens, plan: None, junction: hit.junction };
     if pending.is_empty() {
-        return (hit, None);
+        return unchanged;
     }
     let groups = kinds(layout);
     let lookup =
         Lookup { store, groups, seq, hint_chains: &[], unit: store.unit(), pending: Some(pending) };
-    let tokens = lookup.compute().0.tokens;
-    if tokens <= hit {
-        return (hit, None);
-    }
+    let (with_pending, _, top) = lookup.compute_with_top();
     let unit = store.unit();
+    let junction = junction_above(top, hit.tokens, unit);
+    let tokens = with_pending.tokens;
+    if tokens <= hit.tokens {
+        return PendingHit { junction, ..unchanged };
+    }
     let mut plan = None;
     for i in 1..=tokens / unit {
         let digest = seq.hashes[(i - 1) as usize];
@@ -158,7 +176,13 @@ pub(crate) fn pending_hit(
             }
         }
     }
-    (tokens, plan)
+    PendingHit { tokens, plan, junction }
+}
+
+/// The junction rule: the largest own hit `top` (within the full-attention bound) when it
+/// exceeds the reconciled hit `tokens` by at least two units.
+fn junction_above(top: u32, tokens: u32, unit: u32) -> Option<u32> {
+    (top >= tokens + 2 * unit).then_some(top)
 }
 
 fn kinds(layout: &GroupLayout) -> Vec<Kind> {
@@ -328,6 +352,13 @@ impl Lookup<'_> {
     }
 
     fn compute(&self) -> (Hit, Vec<Vec<BlockId>>) {
+        let (hit, chains, _) = self.compute_with_top();
+        (hit, chains)
+    }
+
+    /// `compute`, and the largest own hit within the full-attention bound (the junction's
+    /// candidate).
+    fn compute_with_top(&self) -> (Hit, Vec<Vec<BlockId>>, u32) {
         let mut chains: Vec<Vec<BlockId>> = vec![Vec::new(); self.groups.len()];
         let unit = self.unit;
         let n = self.seq.tokens.len() as u32;
@@ -404,7 +435,7 @@ impl Lookup<'_> {
         // Own hits within the bound only: a full-attention group reaching past another one's
         // bound merely lost fewer blocks; no request diverged there.
         let top = groups.iter().map(|g| g.tokens.min(bound)).max().unwrap_or(0);
-        let junction = (top >= tokens + 2 * unit).then_some(top);
+        let junction = junction_above(top, tokens, unit);
         let hit = Hit {
             tokens,
             max_tokens,
@@ -413,6 +444,6 @@ impl Lookup<'_> {
             pending_tokens: tokens,
             pending_plan: None,
         };
-        (hit, chains)
+        (hit, chains, top)
     }
 }

@@ -239,8 +239,25 @@ impl CacheManager {
     }
 
     /// The hit rule applied to a live sequence now, with the full-attention chains it chose.
+    /// The hit of `seq` now; with plans in flight also what they will add (`pending_tokens`,
+    /// `pending_plan`) and, at D > 1, the junction their keys show, so a prompt scheduled while
+    /// a prefix it shares is still being computed takes the junction checkpoint it would take
+    /// one step at a time (only the checkpoint's position comes from pending content, never a
+    /// hit).
     pub(crate) fn hit_of(&self, seq: &Sequence) -> (Hit, Vec<Vec<BlockId>>) {
-        compute_hit(&self.store, &self.layout, seq.content(), &seq.hint_chains)
+        let (mut hit, chains) =
+            compute_hit(&self.store, &self.layout, seq.content(), &seq.hint_chains);
+        if !self.steps.in_flight.is_empty() {
+            let pending = self.pending_keys();
+            let p = pending_hit(&self.store, &self.layout, seq.content(), &pending, &hit);
+            (hit.pending_tokens, hit.pending_plan) = (p.tokens, p.plan);
+            // At D = 1 nothing is scheduled while a plan is in flight: the junction stays the
+            // committed one, exactly as before overlapped steps.
+            if self.config.max_steps_in_flight > 1 {
+                hit.junction = p.junction;
+            }
+        }
+        (hit, chains)
     }
 
     pub(crate) fn refuse_in_flight(&self, call: &str) -> Result<()> {
@@ -494,14 +511,7 @@ impl CacheManager {
     /// (`Hit::pending_tokens`) and the plan that commit waits for (`Hit::pending_plan`).
     pub fn lookup(&mut self, seq_id: u64) -> Result<Hit> {
         let slot = self.slot(seq_id)?;
-        let (mut hit, chains) = self.hit_of(self.seq(slot));
-        if !self.steps.in_flight.is_empty() {
-            let pending = self.pending_keys();
-            let seq = self.seq(slot);
-            let (tokens, plan) =
-                pending_hit(&self.store, &self.layout, seq.content(), &pending, hit.tokens);
-            (hit.pending_tokens, hit.pending_plan) = (tokens, plan);
-        }
+        let (hit, chains) = self.hit_of(self.seq(slot));
         self.stats.lookups += 1;
         self.stats.lookup_hit_tokens += u64::from(hit.tokens);
         let generation = self.store.index.generation();

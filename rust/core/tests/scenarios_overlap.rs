@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{full_attention, stored, tokens, Harness, Hybrid, ALL, B, U};
+use common::{extend, full_attention, stored, tokens, Harness, Hybrid, ALL, B, U};
 use prefixcache_core::{CacheConfig, CacheError, ExtraKeys, StepPlan};
 
 fn overlapped(config: CacheConfig, depth: u32) -> Harness {
@@ -396,4 +396,40 @@ fn withdraw_plan_ends_only_the_newest_plan() {
     assert_eq!(h.m.plans_in_flight(), vec![a.step_id]);
     h.commit(&a);
     assert_eq!(h.m.num_computed(1).unwrap(), 8);
+}
+
+/// The junction rule with a shared prefix still in flight: B shares 32 tokens with A and then
+/// diverges. One step at a time, B is scheduled after A committed, its lookup shows the junction
+/// at 32 and B's chunk checkpoints it, so a third request sharing the prefix resumes there.
+/// Overlapped, B is scheduled while A's step (the prefix's only writer) is in flight: B's hit
+/// stays 0 (schedule never uses pending content), but the junction at 32 is the same, and so
+/// is C's hit once both committed.
+#[test]
+fn a_junction_against_a_prefix_in_flight_is_checkpointed_as_one_step_at_a_time() {
+    let prefix = tokens(9, 32);
+    let mut third = Vec::new();
+    for overlap in [false, true] {
+        let mut h = overlapped(Hybrid::default().config(), 2);
+        h.add(1, &extend(&prefix, 1, 8));
+        h.schedule(1, ALL);
+        let first = build(&mut h);
+        if !overlap {
+            h.commit(&first);
+        }
+        h.add(2, &extend(&prefix, 2, 8));
+        let hit = h.lookup(2);
+        assert_eq!((hit.tokens, hit.junction), (0, Some(32)), "overlap = {overlap}");
+        assert_eq!(hit.pending_tokens, 0, "A's own states are at 36 and 40, not B's");
+        assert_eq!(h.schedule(2, ALL).num_computed, 0);
+        let second = build(&mut h);
+        // B's row starts at 0, so its checkpoint offsets are positions.
+        let offsets = &second.state[0].checkpoint_offsets;
+        assert!(offsets.contains(&32), "B checkpoints the junction: {offsets:?}");
+        if overlap {
+            h.commit(&first);
+        }
+        h.commit(&second);
+        third.push(h.probe(&extend(&prefix, 3, 8)).tokens);
+    }
+    assert_eq!(third, vec![32, 32]);
 }
