@@ -16,7 +16,7 @@
 //!   every sequence's length, committed position and placeholders), except that the one-call
 //!   decode steps commit first when asked to, which stands;
 //! - a lookup's pending answer is at least its hit, names a plan only when it is longer, and
-//!   that plan is in flight;
+//!   that plan is in flight; its junction is a unit boundary in range, two units above the hit;
 //! - every plan names each sequence at most once, with at least one token each;
 //! - once everything in flight is committed and every sequence finished, no block is owned.
 
@@ -201,6 +201,7 @@ pub(crate) struct Overlap {
     /// The one-call decode steps' ring of plans.
     ring: Vec<StepPlan>,
     next_token: u32,
+    unit: u32,
     pub(crate) calls: u64,
 }
 
@@ -215,6 +216,7 @@ fn ensure(cond: bool, what: impl FnOnce() -> String) -> Result<(), String> {
 impl Overlap {
     pub(crate) fn new(config: CacheConfig) -> Result<Self, String> {
         let depth = config.max_steps_in_flight as usize;
+        let config_unit = config.hash.unit;
         let m = CacheManager::new(config.clone()).map_err(|e| format!("config refused: {e}"))?;
         let mut other = CacheManager::new(config).map_err(|e| e.to_string())?;
         // One plan of the other manager, so that its ids overlap this one's.
@@ -227,6 +229,7 @@ impl Overlap {
             ended: Vec::new(),
             ring: vec![StepPlan::default(); depth.max(1)],
             next_token: 1,
+            unit: config_unit,
             calls: 0,
         })
     }
@@ -355,6 +358,15 @@ impl Overlap {
                         ensure(self.m.plans_in_flight().contains(&p), || {
                             format!("pending plan {p} is not in flight")
                         })?;
+                    }
+                    // A junction (in-flight keys counted at D > 1) is a unit boundary within
+                    // the lookup's range, two units or more above the hit.
+                    if let Some(j) = hit.junction {
+                        let unit = self.unit;
+                        ensure(
+                            j % unit == 0 && j >= hit.tokens + 2 * unit && j <= hit.max_tokens,
+                            || format!("junction {j} against {hit:?} at unit {unit}"),
+                        )?;
                     }
                 }
             }
