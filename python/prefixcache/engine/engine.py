@@ -408,13 +408,7 @@ class _Loop:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             remaining = len(seq.tokens) - manager.num_computed(seq.seq_id)
-            result = manager.schedule(seq.seq_id, min(remaining, budget))
-            while result is None:
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is seq:
-                    break
-                result = manager.schedule(seq.seq_id, min(remaining, budget))
+            result = self.schedule_preempting(seq, min(remaining, budget))
             if result is None:
                 break
             if result.num_tokens > 0:
@@ -439,6 +433,18 @@ class _Loop:
             budget -= result.num_tokens
             scheduled.append(seq)
         return scheduled
+
+    def schedule_preempting(self, seq: _Sequence, tokens: int) -> pc.Scheduled | None:
+        """Schedule `tokens` of running `seq`, preempting the newest running sequences while
+        the pools cannot serve it; `None` once `seq` itself was preempted."""
+        result = self.manager.schedule(seq.seq_id, tokens)
+        while result is None:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return None
+            result = self.manager.schedule(seq.seq_id, tokens)
+        return result
 
     def preempt(self, seq: _Sequence) -> None:
         """Release a running sequence's blocks; it is recomputed from a fresh lookup later."""
@@ -769,15 +775,12 @@ class _OverlapLoop(_Loop):
             if remaining <= 0:  # its last output is being sampled
                 index += 1
                 continue
-            result = manager.schedule(seq.seq_id, min(remaining, budget))
-            if result is None and self.flights:
-                return scheduled  # short of blocks: admit nobody, preempt once nothing flies
-            while result is None:
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is seq:
-                    break
+            if self.flights:
                 result = manager.schedule(seq.seq_id, min(remaining, budget))
+                if result is None:
+                    return scheduled  # short of blocks: admit nobody, preempt once nothing flies
+            else:
+                result = self.schedule_preempting(seq, min(remaining, budget))
             if result is None:
                 break
             if result.num_tokens > 0:
