@@ -226,6 +226,52 @@ def test_salt_and_lora_are_on_the_wire() -> None:
     assert stored.block_hashes != ids(tokens, 4)
 
 
+def vllm_block_extra_keys(
+    block_start: int, block_size: int, images: list[tuple[int, int, str]], salt: str | None
+) -> tuple[Any, ...] | None:
+    """vLLM's event extra keys of one block, stated from its rule: every multimodal input that
+    overlaps the block, as (identifier, its offset less the block's start), then the salt on
+    the sequence's first block; None when there is none."""
+    end = block_start + block_size
+    keys: list[Any] = [(h, s - block_start) for s, e, h in images if s < end and e > block_start]
+    if salt is not None and block_start == 0:
+        keys.append(salt)
+    return tuple(keys) or None
+
+
+def test_multimodal_inputs_are_in_each_overlapping_blocks_extra_keys() -> None:
+    """A router hashing `[parent, tokens, extra]` (llm-d) tells two images apart only when each
+    block names the inputs it holds: the same tokens with another image are another prefix."""
+    images = [(3, 13, "img-a"), (13, 14, "img-b"), (30, 42, "img-c")]
+    tokens = list(range(44))
+    for salt in (None, "tenant-a"):
+        mgr = full(unit=4, block=8, event_block_size=8)
+        extra = pc.ExtraKeys(
+            cache_salt=None if salt is None else salt.encode(),
+            multimodal=[pc.MultimodalInput(s, e, h.encode()) for s, e, h in images],
+        )
+        # Two steps, so that the second run starts inside a wire block and extends a run.
+        mgr.add(1, tokens, extra)
+        assert mgr.schedule(1, 20) is not None
+        mgr.commit(mgr.build_plan())
+        assert mgr.schedule(1, 100) is not None
+        mgr.commit(mgr.build_plan())
+        events = [e for e in wire(mgr).events if isinstance(e, BlockStored)]
+        got = [
+            None if k is None else tuple(tuple(x) if isinstance(x, list) else x for x in k)
+            for e in events
+            for k in (e.extra_keys or [None] * len(e.block_hashes))
+        ]  # msgpack has one array type: vLLM's inner tuples decode as lists
+        want = [vllm_block_extra_keys(b * 8, 8, images, salt) for b in range(40 // 8)]
+        assert got == want, salt
+        assert [h for e in events for h in e.block_hashes] == ids(tokens, 4, extra)[1:10:2]
+    # Without multimodal inputs or salt no block carries the key at all.
+    mgr = full()
+    run(mgr, 1, list(range(16)))
+    (stored,) = wire(mgr).events
+    assert stored.extra_keys is None
+
+
 def test_state_groups_are_mamba_with_their_position() -> None:
     mgr = pc.CacheManager(
         pc.CacheConfig(

@@ -19,7 +19,7 @@
 
 use std::collections::VecDeque;
 
-use crate::hashing::{Digest, ExtraKeys};
+use crate::hashing::{Digest, ExtraKeys, MultimodalInput};
 use crate::pool::{BlockId, BlockKey};
 
 /// One change of what the cache can serve.
@@ -53,6 +53,9 @@ pub enum CacheEvent {
         /// The sequence's cache salt, when the run starts at token 0 (the salt is part of the
         /// first unit's key only).
         cache_salt: Option<Vec<u8>>,
+        /// The sequence's multimodal inputs that overlap `[tokens_start, token_end)`, in order
+        /// (on the wire, each block's `extra_keys` name those overlapping it).
+        multimodal: Vec<MultimodalInput>,
     },
     /// A block lost every key (evicted for reuse).
     BlockRemoved {
@@ -221,6 +224,7 @@ impl EventLog {
                         token_end,
                         checkpoint: false,
                         tokens: run_tokens,
+                        multimodal,
                         ..
                     },
                 ..
@@ -234,6 +238,15 @@ impl EventLog {
                     blocks.push(block);
                     run_tokens.extend_from_slice(&tokens[token_start as usize..position as usize]);
                     *token_end = position;
+                    // Inputs starting before `token_start` that reach into the extension
+                    // overlap the run already, and are in it.
+                    multimodal.extend(
+                        extra
+                            .multimodal
+                            .iter()
+                            .filter(|m| m.start >= token_start && m.start < position)
+                            .cloned(),
+                    );
                     return;
                 }
             }
@@ -246,6 +259,12 @@ impl EventLog {
         let mut run_tokens = self.spare_tokens.pop().unwrap_or_default();
         run_tokens.extend_from_slice(&tokens[run_from as usize..position as usize]);
         let cache_salt = if token_start == 0 { extra.cache_salt.clone() } else { None };
+        let multimodal = extra
+            .multimodal
+            .iter()
+            .filter(|m| m.start < position && m.end > run_from)
+            .cloned()
+            .collect();
         self.push(CacheEvent::BlockStored {
             group,
             block,
@@ -260,6 +279,7 @@ impl EventLog {
             wire_parent: digest_at(run_from),
             lora_id: extra.lora_id,
             cache_salt,
+            multimodal,
         });
         self.open = !checkpoint;
     }
@@ -412,6 +432,7 @@ fn encode_stored(event: &CacheEvent, format: &WireFormat, out: &mut Vec<u8>) {
         wire_parent,
         lora_id,
         cache_salt,
+        multimodal,
         ..
     } = event
     else {
@@ -423,8 +444,14 @@ fn encode_stored(event: &CacheEvent, format: &WireFormat, out: &mut Vec<u8>) {
     let last_end = token_end / w * w;
     let n = ((last_end - first_end) / w + 1) as usize;
     let salted = cache_salt.is_some() && first_end == w;
+    // vLLM's per-block extra keys: each multimodal input overlapping the block as (its hash,
+    // its start less the block's), then the salt on the sequence's first block.
+    let overlapping =
+        |end: u32| multimodal.iter().filter(move |m| m.start < end && m.end > end - w);
+    let with_extra =
+        salted || (0..n).any(|i| overlapping(first_end + i as u32 * w).next().is_some());
     let mut fields = 10;
-    fields += usize::from(salted);
+    fields += usize::from(with_extra);
     fields += usize::from(matches!(kind, WireKind::SlidingWindow(_)));
     fields += usize::from(kind == WireKind::Mamba);
     out.push(0xde);
@@ -461,18 +488,27 @@ fn encode_stored(event: &CacheEvent, format: &WireFormat, out: &mut Vec<u8>) {
     string(out, "GPU");
     string(out, "lora_name");
     out.push(0xc0);
-    if salted {
-        // One entry per block: the salt on the first block only, as vLLM does.
+    if with_extra {
+        // One entry per block (nil for a block without any), as vLLM does.
         string(out, "extra_keys");
         array_header(out, n);
-        let salt = cache_salt.as_deref().unwrap_or_default();
-        out.push(0x91);
-        match std::str::from_utf8(salt) {
-            Ok(text) => string(out, text),
-            Err(_) => bin(out, salt),
-        }
-        for _ in 1..n {
-            out.push(0xc0);
+        for i in 0..n {
+            let end = first_end + i as u32 * w;
+            let salt = cache_salt.as_deref().filter(|_| salted && i == 0);
+            let count = overlapping(end).count() + usize::from(salt.is_some());
+            if count == 0 {
+                out.push(0xc0);
+                continue;
+            }
+            array_header(out, count);
+            for m in overlapping(end) {
+                out.push(0x92);
+                text_or_bin(out, &m.hash);
+                int(out, i64::from(m.start) - i64::from(end - w));
+            }
+            if let Some(salt) = salt {
+                text_or_bin(out, salt);
+            }
         }
     }
     string(out, "group_idx");
@@ -524,6 +560,15 @@ fn array_header(out: &mut Vec<u8>, n: usize) {
     } else {
         out.push(0xdd);
         out.extend_from_slice(&(n as u32).to_be_bytes());
+    }
+}
+
+/// A byte string as msgpack str when it is UTF-8 (vLLM's identifiers and salts are `str`), else
+/// as bin.
+fn text_or_bin(out: &mut Vec<u8>, b: &[u8]) {
+    match std::str::from_utf8(b) {
+        Ok(text) => string(out, text),
+        Err(_) => bin(out, b),
     }
 }
 

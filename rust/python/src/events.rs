@@ -170,6 +170,7 @@ pub fn to_python(
             wire_parent: _,
             lora_id,
             cache_salt,
+            multimodal: _,
         } => Bound::new(
             py,
             PyBlockStored {
