@@ -6,10 +6,25 @@ still collect when it is not built.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+import pytest
 
 if TYPE_CHECKING:
     import prefixcache as pc
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for a module's tests (`pytestmark = pytest.mark.usefixtures(...)`),
+    the thread count of before restored after them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def paged_config(num_blocks: int = 256, unit: int = 16, block_size: int = 32) -> pc.CacheConfig:

@@ -12,7 +12,6 @@ overlapped counterparts of those are in tests/test_engine_overlap.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -56,12 +55,7 @@ AGENTIC = AgenticSpec(conversations=2, turns=3, first_prompt=100, user_turn=20, 
 GEOMETRY = Geometry(block_size=32, unit=8, token_budget=96, max_running=3)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +72,7 @@ def run(
     config: EngineConfig | None = None,
     forward: ForwardFn | None = None,
     overlap: bool = True,
+    observe: object = None,
 ) -> RunResult:
     workload = PresetWorkload("test", "test", spec, geometry)
     config = config or engine_config_for(
@@ -88,6 +83,7 @@ def run(
         Policy.named(policy, block_size=geometry.block_size, fine_unit=geometry.unit),
         config,
         forward=forward,
+        observe=observe,  # type: ignore[arg-type]
     )
     return engine.run(workload.build(model.config.vocab_size))
 

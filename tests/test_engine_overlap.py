@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,6 @@ from prefixcache.engine import (
     FLOAT32_RTOL,
     Engine,
     EngineConfig,
-    ForwardFn,
     Policy,
     PoolTooSmallError,
     RunResult,
@@ -46,7 +44,6 @@ from prefixcache.engine import (
 from prefixcache.engine.cli import build_parser
 from prefixcache.engine.workloads import (
     AgenticSpec,
-    Geometry,
     GrowingPrefixSpec,
     PresetWorkload,
     Request,
@@ -56,9 +53,8 @@ from prefixcache.engine.workloads import (
 )
 from prefixcache.kernels import Step
 from prefixcache.models import HybridModel, ModelCaches
-from test_engine import poisoning_forward
+from test_engine import GEOMETRY, poisoning_forward, run
 
-GEOMETRY = Geometry(block_size=32, unit=8, token_budget=96, max_running=3)
 _PROMPTS = np.random.default_rng(0).integers(0, 1000, size=(3, 50))
 _SHARING = _PROMPTS.copy()
 _SHARING[2, :40] = _SHARING[0, :40]  # the third request shares a prefix with the first
@@ -82,40 +78,12 @@ PREEMPTING = TraceSpec(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def model() -> HybridModel:
     return build_model("cpu", "torch")
-
-
-def run(
-    model: HybridModel,
-    spec: WorkloadSpec,
-    policy: str,
-    *,
-    overlap: bool = True,
-    config: EngineConfig | None = None,
-    forward: ForwardFn | None = None,
-    observe: object = None,
-) -> RunResult:
-    workload = PresetWorkload("test", "test", spec, GEOMETRY)
-    if config is None:
-        config = engine_config_for(workload, GEOMETRY, model.backend, check=True, overlap=overlap)
-    engine = Engine(
-        model,
-        Policy.named(policy, block_size=GEOMETRY.block_size, fine_unit=GEOMETRY.unit),
-        config,
-        forward=forward,
-        observe=observe,  # type: ignore[arg-type]
-    )
-    return engine.run(workload.build(model.config.vocab_size))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ the CPU.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +35,7 @@ SPEC = GrowingPrefixSpec(streams=2, first_prompt=150, growth=70, rounds=3, outpu
 GEOMETRY = Geometry(block_size=32, unit=8, token_budget=96, max_running=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_the_reduced_proxy_serves_a_workload_exactly_under_every_policy() -> None:
