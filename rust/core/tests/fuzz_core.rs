@@ -82,24 +82,39 @@ fn rate(calls: u64, seconds: f64) -> f64 {
     calls as f64 / seconds.max(1e-9)
 }
 
+/// What both properties read from the environment: `FUZZ_CASES` (a long run when set),
+/// `FUZZ_OPS`, `FUZZ_SEED` (fixed at 0 for a short run, the clock for a long one), and the
+/// runner they make.
+struct Run {
+    long: Option<u32>,
+    max_ops: usize,
+    seed: u64,
+    runner: TestRunner,
+}
+
+impl Run {
+    fn from_env() -> Self {
+        let long = env::<u32>("FUZZ_CASES");
+        let seed = env::<u64>("FUZZ_SEED").unwrap_or_else(|| match long {
+            None => 0,
+            Some(_) => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+        });
+        let runner = TestRunner::new(Config {
+            cases: long.unwrap_or(24),
+            max_shrink_iters: 8192,
+            rng_seed: RngSeed::Fixed(seed),
+            source_file: Some(file!()),
+            ..Config::default()
+        });
+        Self { long, max_ops: env::<usize>("FUZZ_OPS").unwrap_or(120), seed, runner }
+    }
+}
+
 #[test]
 fn prop_fuzz_core_keeps_its_invariants() {
-    let long = env::<u32>("FUZZ_CASES");
-    let cases = long.unwrap_or(24);
-    let max_ops = env::<usize>("FUZZ_OPS").unwrap_or(120);
-    let seed = env::<u64>("FUZZ_SEED").unwrap_or_else(|| match long {
-        None => 0,
-        Some(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64),
-    });
-    let mut runner = TestRunner::new(Config {
-        cases,
-        max_shrink_iters: 8192,
-        rng_seed: RngSeed::Fixed(seed),
-        source_file: Some(file!()),
-        ..Config::default()
-    });
+    let Run { long, max_ops, seed, mut runner } = Run::from_env();
     let calls = AtomicU64::new(0);
     let executed = AtomicU64::new(0);
     let outcomes: Mutex<BTreeMap<&'static str, u64>> = Mutex::new(BTreeMap::new());
@@ -139,22 +154,7 @@ fn prop_fuzz_core_keeps_its_invariants() {
 /// 1..=3: `FUZZ_CASES`, `FUZZ_OPS` and `FUZZ_SEED` as above.
 #[test]
 fn prop_fuzz_core_overlapped_steps() {
-    let long = env::<u32>("FUZZ_CASES");
-    let cases = long.unwrap_or(24);
-    let max_ops = env::<usize>("FUZZ_OPS").unwrap_or(120);
-    let seed = env::<u64>("FUZZ_SEED").unwrap_or_else(|| match long {
-        None => 0,
-        Some(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64),
-    });
-    let mut runner = TestRunner::new(Config {
-        cases,
-        max_shrink_iters: 8192,
-        rng_seed: RngSeed::Fixed(seed),
-        source_file: Some(file!()),
-        ..Config::default()
-    });
+    let Run { max_ops, seed, mut runner, .. } = Run::from_env();
     let calls = AtomicU64::new(0);
     let started = Instant::now();
     let configs =
