@@ -514,9 +514,13 @@ impl CacheManager {
         let (hit, chains) = self.hit_of(self.seq(slot));
         self.stats.lookups += 1;
         self.stats.lookup_hit_tokens += u64::from(hit.tokens);
+        // Kept for the next schedule only while no plan is in flight: their keys (and the
+        // tokens `resolve` makes known) change the pending answer and, at D > 1, the junction
+        // without changing the index.
         let generation = self.store.index.generation();
+        let quiet = self.steps.in_flight.is_empty();
         if let Phase::Waiting { last_hit } = &mut self.seq_mut(slot).phase {
-            *last_hit = Some(Box::new((generation, hit.clone(), chains)));
+            *last_hit = quiet.then(|| Box::new((generation, hit.clone(), chains)));
         }
         Ok(hit)
     }

@@ -363,7 +363,11 @@ impl CacheManager {
             Phase::Started => None,
         };
         let cached = match last_hit.map(|b| *b) {
-            Some((at, hit, chains)) if at == generation => Some((hit, chains)),
+            // (looked up with no plan in flight and none in flight now: the hit then depends on
+            // the index alone)
+            Some((at, hit, chains)) if at == generation && self.steps.in_flight.is_empty() => {
+                Some((hit, chains))
+            }
             _ => None,
         };
         let seq = self.seq(slot);

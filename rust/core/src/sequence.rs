@@ -266,7 +266,8 @@ pub(crate) type LastHit = (u64, Hit, Vec<Vec<BlockId>>);
 #[derive(Clone, Debug)]
 pub(crate) enum Phase {
     /// Holding no blocks (added, or preempted): its next schedule admits it at its hit. The
-    /// last lookup is kept while nothing was published or evicted since, for that schedule.
+    /// last lookup made with no plan in flight is kept while nothing was published or evicted
+    /// since, for that schedule (with none in flight either).
     /// (Boxed: a hit is larger than the phase otherwise needs.)
     Waiting { last_hit: Option<Box<LastHit>> },
     /// Holding blocks, with its steps scheduled for the next plan or in flight in

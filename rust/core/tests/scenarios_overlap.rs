@@ -433,3 +433,43 @@ fn a_junction_against_a_prefix_in_flight_is_checkpointed_as_one_step_at_a_time()
     }
     assert_eq!(third, vec![32, 32]);
 }
+
+/// A lookup's answer depends on the plans in flight (their keys count for `pending_tokens` and,
+/// at D > 1, for the junction) even when nothing was published or evicted: a first schedule
+/// after a plan was built or aborted since the sequence's last lookup must use the hit as it
+/// stands now, not the one that lookup saw. Here B looks up while A's prefill of the shared
+/// prefix is in flight (junction at 32), A's plan is aborted, and B's schedule still reported
+/// that junction and checkpointed it although nobody computes that prefix; then, the
+/// other way round, B looks up before A's plan is built and must still take the junction.
+#[test]
+fn a_first_schedule_uses_the_plans_in_flight_now_not_at_its_last_lookup() {
+    let prefix = tokens(9, 32);
+    let mut h = overlapped(Hybrid::default().config(), 2);
+    h.add(1, &extend(&prefix, 1, 8));
+    h.schedule(1, ALL);
+    let first = build(&mut h);
+    h.add(2, &extend(&prefix, 2, 8));
+    let hit = h.lookup(2);
+    assert_eq!(hit.junction, Some(32));
+    h.call(|m| m.abort(&first)).unwrap();
+    let hit = h.schedule(2, ALL).hit.expect("a first schedule reports its hit");
+    assert_eq!((hit.tokens, hit.junction), (0, None));
+    let plan = build(&mut h);
+    let offsets = &plan.state[0].checkpoint_offsets;
+    assert!(!offsets.contains(&32), "no junction at 32 once A's plan is gone: {offsets:?}");
+    h.commit(&plan);
+
+    let mut h = overlapped(Hybrid::default().config(), 2);
+    h.add(1, &extend(&prefix, 1, 8));
+    h.add(2, &extend(&prefix, 2, 8));
+    assert_eq!(h.lookup(2).junction, None);
+    h.schedule(1, ALL);
+    let first = build(&mut h);
+    let hit = h.schedule(2, ALL).hit.expect("a first schedule reports its hit");
+    assert_eq!((hit.tokens, hit.junction), (0, Some(32)));
+    let second = build(&mut h);
+    let offsets = &second.state[0].checkpoint_offsets;
+    assert!(offsets.contains(&32), "B checkpoints the junction: {offsets:?}");
+    h.commit(&first);
+    h.commit(&second);
+}
