@@ -156,8 +156,14 @@ pub(crate) fn pending_hit(
         return unchanged;
     }
     let groups = kinds(layout);
-    let lookup =
-        Lookup { store, groups, seq, hint_chains: &[], unit: store.unit(), pending: Some(pending) };
+    let lookup = Lookup {
+        store,
+        groups: groups.clone(),
+        seq,
+        hint_chains: &[],
+        unit: store.unit(),
+        pending: Some(pending),
+    };
     let (with_pending, _, top) = lookup.compute_with_top();
     let unit = store.unit();
     let junction = junction_above(top, hit.tokens, unit);
@@ -165,10 +171,17 @@ pub(crate) fn pending_hit(
     if tokens <= hit.tokens {
         return PendingHit { junction, ..unchanged };
     }
+    // Paged groups read every unit below the hit (their pending keys come in order, so the
+    // latest plan among them is the one the needed ones wait for); a state group reads its
+    // checkpoint at the hit only, whatever plan writes one below it.
     let mut plan = None;
     for i in 1..=tokens / unit {
         let digest = seq.hashes[(i - 1) as usize];
-        for g in 0..layout.len() as u32 {
+        for (g, kind) in groups.iter().enumerate() {
+            if matches!(kind, Kind::State) && i < tokens / unit {
+                continue;
+            }
+            let g = g as u32;
             if let Some(&p) = pending.get(&(g, digest)) {
                 if !store.has_key(&Key { group: g, digest }) {
                     plan = plan.max(Some(p));

@@ -473,3 +473,27 @@ fn a_first_schedule_uses_the_plans_in_flight_now_not_at_its_last_lookup() {
     h.commit(&first);
     h.commit(&second);
 }
+
+/// The pending hit waits for the latest plan among those publishing a key it needs, and a state
+/// group needs only its checkpoint at the hit. Plan 1 computes A's prompt with its tail
+/// checkpoint at 8; plan 2 computes B, a 5-token prefix of A, with its tail at 4. C shares A's
+/// first 8 tokens: its pending hit of 8 waits for plan 1 alone (it named plan 2, whose
+/// checkpoint at 4 C does not resume from).
+#[test]
+fn a_pending_hit_waits_only_for_the_checkpoint_it_resumes_from() {
+    let mut h = overlapped(Hybrid::default().config(), 2);
+    h.add(1, &tokens(1, 9));
+    h.schedule(1, ALL);
+    let a = build(&mut h);
+    h.add(2, &tokens(1, 5));
+    h.schedule(2, ALL);
+    let b = build(&mut h);
+    assert_eq!(b.state[0].checkpoint_offsets[0], 4, "B checkpoints its tail");
+    h.add(3, &tokens(1, 12));
+    let hit = h.lookup(3);
+    assert_eq!((hit.tokens, hit.pending_tokens, hit.pending_plan), (0, 8, Some(a.step_id)));
+    h.commit(&a);
+    let hit = h.lookup(3);
+    assert_eq!((hit.tokens, hit.pending_tokens, hit.pending_plan), (8, 8, None));
+    h.commit(&b);
+}
