@@ -1,7 +1,8 @@
 //! Model-based property test of overlapped steps: D = `max_steps_in_flight` in 1..=3, random
-//! traffic of add, lookup, schedule (continuations included), `build_plan`, commit and abort of
-//! the oldest plan and of later or stale ones, placeholders appended and resolved, known
-//! appends, finish and preempt with steps in flight, against a deliberately naive model.
+//! traffic of add (fresh prompts and forks of live ones), lookup, schedule (continuations
+//! included), `build_plan`, commit and abort of the oldest plan and of later or stale ones,
+//! placeholders appended and resolved, known appends, finish and preempt with steps in flight,
+//! against a deliberately naive model; with a state group, its checkpoints too.
 //!
 //! The model keeps, per sequence, its known tokens, its placeholders (with the plan built last
 //! when each batch of them was appended), its committed position and its steps (plan, start,
@@ -22,28 +23,79 @@
 //!   and returns the ids of every plan it ended;
 //! - finish or preempt with steps in flight releases the blocks once the last of them ends.
 //!
-//! With a state group (no retention, so no checkpoint), each step must read the running state
-//! the step before it writes, and write a buffer none of its other steps uses.
+//! With a state group, each step must read the running state the step before it writes, and
+//! write a buffer none of its other steps uses. Its checkpoints, stated on their own:
+//! - which positions a step asks for: a prefill chunk `(qs, qe]` (a first step, or one that
+//!   starts before the tokens known at the first schedule, placeholders counted, end) keeps the
+//!   tail (the last unit boundary below that length), the junction of the first schedule's hit
+//!   and every multiple of the interval, in that order (intervals latest first); a decode step
+//!   keeps only its end when that is a unit boundary (the decode tail), and every boundary
+//!   strictly inside it is skipped `mid_step`. A position whose prefix is known and already has
+//!   a checkpoint is skipped `already_cached`; past C interior ones (below qe), `capacity`;
+//! - each kept position takes a block; at the cap (checkpoint blocks of the group: published,
+//!   planned, waiting for their tokens, private decode tails) it evicts the least recently used
+//!   unpinned published checkpoint (a decode tail only a published decode tail), or is skipped
+//!   `budget` when there is none;
+//! - at commit the checkpoint the first step resumed from is released (most recently used),
+//!   then the step's checkpoints in ascending position: a decode tail replaces the sequence's
+//!   private one, a checkpoint whose prefix is known is published (most recently used), one
+//!   over a placeholder waits and is published by the `resolve` that makes its prefix known;
+//!   abort frees what the steps planned and releases the resume checkpoints (most recently used);
+//! - finish publishes the private decode tail when its prefix is known, at the least recently
+//!   used end; preempt and finish drop the checkpoints still waiting for tokens;
+//! - the state group's hit is a checkpoint at exactly L (or L = 0) within the full-attention
+//!   bound; a first schedule resuming at L > 0 pins a copy of it: one already in use if there
+//!   is one, else the most recently released (ties to the lowest id); the reconciled hit is the
+//!   state group's, and the junction is the full-attention bound when it exceeds the hit by two
+//!   units or more (at D > 1 the bound counts in-flight keys). The pending hit counts the
+//!   checkpoints in-flight steps will publish (their prefix known; not decode tails), and waits
+//!   for the latest plan among those publishing a key it needs: the block boundaries up to L, L,
+//!   and the state at L.
 //!
-//! After every call: `check_invariants`, every live sequence's hit and pending hit, positions,
-//! lengths and placeholders, the plans in flight, and the `BlockStored` keys of the call; at
-//! the end everything is committed and finished and no block may stay owned.
+//! After every call: `check_invariants`, every live sequence's whole hit and pending hit,
+//! positions, lengths and placeholders, the plans in flight, the `BlockStored` and
+//! `BlockRemoved` events of the call, and with a state group the checkpoint blocks, the cached
+//! (unpinned) ones, and the checkpoint statistics; at the end everything is committed and
+//! finished and no block may stay owned.
+//!
+//! Cases: 96 (`PROPTEST_CASES` or `MODEL_CASES` for more); `MODEL_PATHS=1` prints how often the
+//! fixed sample of `overlapped_traffic_reaches_every_path` took each path.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use prefixcache_core::{
     hash_prefix, CacheConfig, CacheError, CacheEvent, CacheManager, Digest, ExtraKeys, GroupConfig,
-    GroupKind, HashConfig, PoolConfig, Retention, StateGroupConfig,
+    GroupHit, GroupKind, HashConfig, Hit, MissReason, PoolConfig, Retention, StateGroupConfig,
 };
 use proptest::prelude::*;
 
 const U: u32 = 4;
+/// The state group's index (and its pool's).
+const STATE: u32 = 1;
+/// Skip reasons, by `SkipReason::index` (unaligned is 0: alignment 1 never skips).
+const CAPACITY: usize = 1;
+const ALREADY_CACHED: usize = 2;
+const BUDGET: usize = 3;
+const MID_STEP: usize = 4;
 
 #[derive(Clone, Debug)]
 struct Setup {
     depth: u32,
     block: u32,
-    state: bool,
+    state: Option<StateSetup>,
+    /// Whether every waiting sequence is looked up after every call (else only by `Lookup`).
+    watch: bool,
+}
+
+/// The state group's retention, cap and C (alignment 1: every interior offset is exportable).
+#[derive(Clone, Debug)]
+struct StateSetup {
+    tail: bool,
+    junction: bool,
+    decode_tail: bool,
+    interval: Option<u32>,
+    cap: Option<u32>,
+    per_step: Option<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -51,6 +103,14 @@ enum Op {
     Add {
         stream: u8,
         len: u8,
+    },
+    /// A new prompt: the first tokens of a live sequence's known ones, then fresh ones, then
+    /// `unknown` placeholders (tokens still being sampled when it is admitted).
+    Fork {
+        pick: u8,
+        cut: u8,
+        fresh: u8,
+        unknown: u8,
     },
     Lookup {
         pick: u8,
@@ -88,11 +148,17 @@ enum Op {
     /// An overlapped decode round: commit the oldest plan when D are in flight, resolve one
     /// placeholder of each sequence that has one, then one placeholder and one token each.
     Round,
+    /// Several rounds (decode long enough to cross unit boundaries).
+    Decode {
+        rounds: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0u8..4, 1u8..24).prop_map(|(stream, len)| Op::Add { stream, len }),
+        2 => (any::<u8>(), any::<u8>(), 0u8..6, prop::sample::select(vec![0u8, 0, 1, 2, 3, 4]))
+            .prop_map(|(pick, cut, fresh, unknown)| Op::Fork { pick, cut, fresh, unknown }),
         2 => any::<u8>().prop_map(|pick| Op::Lookup { pick }),
         5 => (any::<u8>(), 1u8..12).prop_map(|(pick, budget)| Op::Schedule { pick, budget }),
         4 => Just(Op::Build),
@@ -101,15 +167,29 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (any::<u8>(), 1u8..3).prop_map(|(pick, count)| Op::Placeholders { pick, count }),
         2 => (any::<u8>(), 1u8..3).prop_map(|(pick, count)| Op::Resolve { pick, count }),
         1 => (any::<u8>(), 1u8..3).prop_map(|(pick, count)| Op::Append { pick, count }),
-        1 => any::<u8>().prop_map(|pick| Op::Finish { pick }),
+        2 => any::<u8>().prop_map(|pick| Op::Finish { pick }),
         1 => any::<u8>().prop_map(|pick| Op::Preempt { pick }),
         3 => Just(Op::Round),
+        1 => (2u8..9).prop_map(|rounds| Op::Decode { rounds }),
     ]
 }
 
+fn state_setup() -> impl Strategy<Value = Option<StateSetup>> {
+    let retained = (
+        any::<[bool; 3]>(),
+        prop::sample::select(vec![None, Some(U), Some(2 * U)]),
+        prop::sample::select(vec![None, None, Some(2), Some(3), Some(5)]),
+        prop::sample::select(vec![None, None, Some(1)]),
+    )
+        .prop_map(|([tail, junction, decode_tail], interval, cap, per_step)| {
+            Some(StateSetup { tail, junction, decode_tail, interval, cap, per_step })
+        });
+    prop_oneof![1 => Just(None), 3 => retained]
+}
+
 fn setup() -> impl Strategy<Value = Setup> {
-    (1u32..=3, prop::sample::select(vec![4u32, 8]), any::<bool>())
-        .prop_map(|(depth, block, state)| Setup { depth, block, state })
+    (1u32..=3, prop::sample::select(vec![4u32, 8]), state_setup(), any::<bool>())
+        .prop_map(|(depth, block, state, watch)| Setup { depth, block, state, watch })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,6 +206,8 @@ struct Step {
     first: bool,
     /// (initial, running) slots of the state group, from its plan.
     slots: Option<(i32, i32)>,
+    /// Checkpoints the plan gave it: (position, block, decode tail), ascending.
+    ckpts: Vec<(u32, u32, bool)>,
 }
 
 #[derive(Clone, Debug)]
@@ -136,13 +218,21 @@ struct Seq {
     log: Vec<(u64, u32)>,
     committed: u32,
     started: bool,
-    hit_at_start: u32,
     steps: Vec<Step>,
     /// Committed boundaries whose prefix was not known at commit.
     deferred: BTreeSet<u32>,
     retiring: Option<Retire>,
     /// The running slot of its last committed step (the committed state), if any.
     committed_slot: Option<i32>,
+    /// Its length (placeholders counted) and junction at its first schedule.
+    prefill_target: u32,
+    junction: Option<u32>,
+    /// The published checkpoint its first step resumes from, pinned until that step ends.
+    resume: Option<u32>,
+    /// Its private decode-tail snapshot (block, position).
+    decode_tail: Option<(u32, u32)>,
+    /// Committed checkpoints over placeholders, in commit order.
+    waiting: Waiting,
 }
 
 impl Seq {
@@ -153,6 +243,34 @@ impl Seq {
         self.steps.last().map_or(self.committed, |s| s.end)
     }
 }
+
+/// A published checkpoint block.
+#[derive(Clone, Debug)]
+struct Ck {
+    prefix: Vec<u32>,
+    /// First steps resuming from it.
+    pins: u32,
+    /// When it was last released at the most recently used end (0: at the least recently used
+    /// end, a decode tail published by `finish`).
+    since: u64,
+    decode_tail: bool,
+}
+
+/// The checkpoint statistics the manager must report.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct CkStats {
+    published: u64,
+    decode_tails: u64,
+    skipped: [u64; 5],
+    hits: u64,
+    evictions: u64,
+}
+
+/// Checkpoints over placeholders: (block, position).
+type Waiting = Vec<(u32, u32)>;
+
+/// A stored key: (group, digest, the block for a checkpoint).
+type Stored = (u32, Digest, Option<u32>);
 
 struct Model {
     s: Setup,
@@ -170,29 +288,40 @@ struct Model {
     unbuilt: Vec<(bool, u64)>,
     published: BTreeSet<Vec<u32>>,
     ended: Vec<u64>,
-    /// Digests of the keys the calls so far should have stored (drained per call).
-    expect_stored: Vec<Digest>,
+    /// Published checkpoint blocks, and the unpinned ones, least recently used first.
+    ck: BTreeMap<u32, Ck>,
+    lru: VecDeque<u32>,
+    clock: u64,
+    want: CkStats,
+    /// Keys the calls so far should have stored, and checkpoint blocks they should have
+    /// evicted with (digest, gone) (drained per call).
+    expect_stored: Vec<Stored>,
+    expect_removed: Vec<(u32, Digest, bool)>,
     seen: BTreeMap<&'static str, u64>,
 }
 
 fn config(s: &Setup) -> CacheConfig {
     let mut groups =
         vec![GroupConfig { kind: GroupKind::FullAttention { block_size: s.block }, pool: 0 }];
-    let mut pools = vec![PoolConfig { num_blocks: 4096 }];
-    if s.state {
-        let retention =
-            Retention { tail: false, interval: None, junction: false, decode_tail: false };
+    let mut pools = vec![PoolConfig { num_blocks: 1024 }];
+    if let Some(st) = &s.state {
+        let retention = Retention {
+            tail: st.tail,
+            interval: st.interval,
+            junction: st.junction,
+            decode_tail: st.decode_tail,
+        };
         groups.push(GroupConfig {
             kind: GroupKind::State(StateGroupConfig {
                 alignment: 1,
-                max_checkpoints_per_step: None,
+                max_checkpoints_per_step: st.per_step,
                 retention,
-                checkpoint_cap: None,
+                checkpoint_cap: st.cap,
                 reserve_per_sequence: 2,
             }),
             pool: 1,
         });
-        pools.push(PoolConfig { num_blocks: 4096 });
+        pools.push(PoolConfig { num_blocks: 1024 });
     }
     CacheConfig {
         hash: HashConfig { unit: U, ..HashConfig::default() },
@@ -219,6 +348,9 @@ fn kind<T>(r: &Result<T, CacheError>) -> &'static str {
     }
 }
 
+/// Prefixes (of the given token lists) counted as published, with the plan publishing each.
+type Overlay = BTreeMap<Vec<u32>, u64>;
+
 impl Model {
     fn new(s: Setup) -> Self {
         let config = config(&s);
@@ -237,7 +369,12 @@ impl Model {
             unbuilt: Vec::new(),
             published: BTreeSet::new(),
             ended: Vec::new(),
+            ck: BTreeMap::new(),
+            lru: VecDeque::new(),
+            clock: 0,
+            want: CkStats::default(),
             expect_stored: Vec::new(),
+            expect_removed: Vec::new(),
             seen: BTreeMap::new(),
         }
     }
@@ -263,85 +400,288 @@ impl Model {
         }
     }
 
+    fn seq_ref(&self, key: (bool, u64)) -> &Seq {
+        if key.0 {
+            &self.retired[&key.1]
+        } else {
+            &self.seqs[&key.1]
+        }
+    }
+
     fn digest(&self, prefix: &[u32]) -> Digest {
         *hash_prefix(&self.hash, prefix, &ExtraKeys::default()).unwrap().last().unwrap()
     }
 
-    /// The longest published prefix of `tokens` (known ones) below their end, in units;
-    /// `extra` counts as published too.
-    fn hit_in(&self, tokens: &[u32], extra: &BTreeSet<Vec<u32>>) -> u32 {
-        if self.s.state {
-            return 0; // the state group keeps no checkpoint: it resumes from the zero state only
-        }
-        let n = tokens.len() as u32;
-        let max = if n == 0 { 0 } else { (n - 1) / U * U };
-        let mut best = 0;
-        let mut q = U;
-        while q <= max {
-            let p = tokens[..q as usize].to_vec();
-            if self.published.contains(&p) || extra.contains(&p) {
-                best = q;
-            }
-            q += U;
-        }
-        best
+    // --- checkpoints ---------------------------------------------------------------------
+
+    fn has_ck(&self, prefix: &[u32]) -> bool {
+        self.ck.values().any(|c| c.prefix == prefix)
     }
 
-    /// Prefixes in-flight steps will publish, with the first plan publishing each.
-    fn pending(&self) -> BTreeMap<Vec<u32>, u64> {
-        let mut out: BTreeMap<Vec<u32>, u64> = BTreeMap::new();
+    /// A published checkpoint no first step pins enters the LRU list: at its most recently
+    /// used end, or (a decode tail published by `finish`) at its least recently used end.
+    fn release_ck(&mut self, block: u32, most_recent: bool) {
+        let c = self.ck.get_mut(&block).expect("published checkpoint");
+        if c.pins > 0 {
+            return;
+        }
+        if most_recent {
+            self.clock += 1;
+            c.since = self.clock;
+            self.lru.push_back(block);
+        } else {
+            c.since = 0;
+            self.lru.push_front(block);
+        }
+    }
+
+    fn pin(&mut self, block: u32) {
+        let c = self.ck.get_mut(&block).expect("published checkpoint");
+        if c.pins == 0 {
+            self.lru.retain(|&b| b != block);
+        }
+        c.pins += 1;
+    }
+
+    fn unpin(&mut self, block: u32) {
+        let c = self.ck.get_mut(&block).expect("published checkpoint");
+        c.pins -= 1;
+        self.release_ck(block, true);
+    }
+
+    fn publish_ck(&mut self, tokens: &[u32], position: u32, block: u32, decode_tail: bool) {
+        let prefix = tokens[..position as usize].to_vec();
+        if self.has_ck(&prefix) {
+            self.saw("a second copy of a checkpoint published");
+        }
+        self.expect_stored.push((STATE, self.digest(&prefix), Some(block)));
+        self.ck.insert(block, Ck { prefix, pins: 0, since: 0, decode_tail });
+        self.release_ck(block, !decode_tail);
+        self.want.published += 1;
+        if decode_tail {
+            self.want.decode_tails += 1;
+        }
+    }
+
+    fn evict_ck(&mut self, block: u32) {
+        let c = self.ck.remove(&block).expect("published checkpoint");
+        self.lru.retain(|&b| b != block);
+        let gone = !self.has_ck(&c.prefix);
+        self.expect_removed.push((block, self.digest(&c.prefix), gone));
+        self.want.evictions += 1;
+    }
+
+    /// Checkpoint blocks the group holds: published, planned by built steps, waiting for
+    /// their tokens, private decode tails.
+    fn ck_blocks(&self) -> usize {
+        let per_seq = |s: &Seq| {
+            s.steps.iter().map(|st| st.ckpts.len()).sum::<usize>()
+                + s.waiting.len()
+                + usize::from(s.decode_tail.is_some())
+        };
+        self.ck.len() + self.seqs.values().chain(self.retired.values()).map(per_seq).sum::<usize>()
+    }
+
+    // --- the hit rule ----------------------------------------------------------------------
+
+    /// The full-attention bound of known `tokens` below `max`: the largest L whose block
+    /// boundaries, and L itself when it ends inside a block, are published (or in `extra`).
+    fn fa_bound(&self, tokens: &[u32], max: u32, extra: &Overlay) -> u32 {
+        let has = |q: u32| {
+            let p = &tokens[..q as usize];
+            self.published.contains(p) || extra.contains_key(p)
+        };
+        let b = self.s.block;
+        (0..=max / U)
+            .rev()
+            .map(|i| i * U)
+            .find(|&l| (1..=l / b).all(|j| has(j * b)) && (l % b == 0 || has(l)))
+            .unwrap_or(0)
+    }
+
+    /// The state group's own hit within `bound`: a checkpoint at exactly L, or 0.
+    fn state_own(&self, tokens: &[u32], bound: u32, extra: &Overlay) -> u32 {
+        (0..=bound / U)
+            .rev()
+            .map(|i| i * U)
+            .find(|&l| {
+                let p = &tokens[..l as usize];
+                l == 0 || self.has_ck(p) || extra.contains_key(p)
+            })
+            .unwrap_or(0)
+    }
+
+    /// What in-flight steps will publish (their prefix known): unit boundaries of full
+    /// attention, and checkpoints (not decode tails), each with the first plan publishing it.
+    fn pending(&self) -> (Overlay, Overlay) {
+        let (mut fa, mut ck): (Overlay, Overlay) = (BTreeMap::new(), BTreeMap::new());
+        let add = |map: &mut Overlay, p: Vec<u32>, plan: u64| {
+            let e = map.entry(p).or_insert(plan);
+            *e = (*e).min(plan);
+        };
         for seq in self.seqs.values().chain(self.retired.values()) {
+            let known = seq.tokens.len() as u32;
             for step in seq.steps.iter().filter(|s| s.plan != 0) {
                 let mut q = (step.start / U + 1) * U;
-                while q <= step.end && q as usize <= seq.tokens.len() {
-                    let e = out.entry(seq.tokens[..q as usize].to_vec()).or_insert(step.plan);
-                    *e = (*e).min(step.plan);
+                while q <= step.end && q <= known {
+                    add(&mut fa, seq.tokens[..q as usize].to_vec(), step.plan);
                     q += U;
+                }
+                for &(p, _, dt) in &step.ckpts {
+                    if !dt && p <= known {
+                        add(&mut ck, seq.tokens[..p as usize].to_vec(), step.plan);
+                    }
                 }
             }
         }
-        out
+        (fa, ck)
+    }
+
+    /// The whole `Hit` a lookup of `seq` must return now; `pending` is `self.pending()`
+    /// (computed once for several lookups), `None` when no plan is in flight.
+    fn expected_hit(&self, seq: &Seq, pending: Option<&(Overlay, Overlay)>) -> Hit {
+        let tokens = &seq.tokens;
+        let n = tokens.len() as u32;
+        let max = if n == 0 { 0 } else { (n - 1) / U * U };
+        let none = BTreeMap::new();
+        let bound = self.fa_bound(tokens, max, &none);
+        let state = self.s.state.is_some();
+        let own = if state { self.state_own(tokens, bound, &none) } else { bound };
+        let mut groups = vec![GroupHit {
+            group: 0,
+            tokens: bound,
+            stop: (bound < max).then_some(MissReason::NotCached),
+        }];
+        if state {
+            groups.push(GroupHit {
+                group: STATE,
+                tokens: own,
+                stop: (own < max).then_some(MissReason::NoStateAtPosition),
+            });
+        }
+        let junction_at = |top: u32| (top >= own + 2 * U).then_some(top);
+        let mut hit = Hit {
+            tokens: own,
+            max_tokens: max,
+            groups,
+            junction: junction_at(bound),
+            pending_tokens: own,
+            pending_plan: None,
+        };
+        let Some((fa, ck)) = pending else { return hit };
+        let bound_p = self.fa_bound(tokens, max, fa);
+        let own_p = if state { self.state_own(tokens, bound_p, ck) } else { bound_p };
+        if self.s.depth > 1 {
+            hit.junction = junction_at(bound_p);
+        }
+        if own_p > own {
+            let b = self.s.block;
+            // (state group?, position) of every key the pending hit needs.
+            let mut needed: Vec<(bool, u32)> = (1..=own_p / b).map(|j| (false, j * b)).collect();
+            needed.push((false, own_p));
+            if state {
+                needed.push((true, own_p));
+            }
+            let plan = needed
+                .into_iter()
+                .filter_map(|(in_state, q)| {
+                    let p = &tokens[..q as usize];
+                    if in_state {
+                        (!self.has_ck(p)).then(|| ck.get(p).copied()).flatten()
+                    } else {
+                        (!self.published.contains(p)).then(|| fa.get(p).copied()).flatten()
+                    }
+                })
+                .max();
+            hit.pending_tokens = own_p;
+            hit.pending_plan = plan;
+        }
+        hit
+    }
+
+    /// The copy of the checkpoint at `prefix` a first schedule pins: one already in use if
+    /// there is one, else the most recently released, ties to the lowest id.
+    fn resume_choice(&self, prefix: &[u32]) -> Option<u32> {
+        self.ck
+            .iter()
+            .filter(|(_, c)| c.prefix == prefix)
+            .max_by_key(|(&b, c)| (c.pins > 0, c.since, std::cmp::Reverse(b)))
+            .map(|(&b, _)| b)
     }
 
     /// Publishes boundary `q` of a sequence's tokens (known), recording the expected key.
     fn publish(&mut self, tokens: &[u32], q: u32) {
         let prefix = tokens[..q as usize].to_vec();
-        self.expect_stored.push(self.digest(&prefix));
+        self.expect_stored.push((0, self.digest(&prefix), None));
         self.published.insert(prefix);
+    }
+
+    /// Whether a checkpoint block is held anywhere the model knows of.
+    fn ck_held(&self, block: u32) -> bool {
+        self.ck.contains_key(&block)
+            || self.seqs.values().chain(self.retired.values()).any(|s| {
+                s.decode_tail.is_some_and(|t| t.0 == block)
+                    || s.waiting.iter().any(|w| w.0 == block)
+                    || s.steps.iter().any(|st| st.ckpts.iter().any(|c| c.1 == block))
+            })
+    }
+
+    // --- operations ----------------------------------------------------------------------
+
+    fn add_seq(&mut self, tokens: Vec<u32>) -> Result<(), String> {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.m.add(id, &tokens, ExtraKeys::default(), None).map_err(|e| e.to_string())?;
+        self.seqs.insert(
+            id,
+            Seq {
+                id,
+                tokens,
+                placeholders: 0,
+                log: Vec::new(),
+                committed: 0,
+                started: false,
+                steps: Vec::new(),
+                deferred: BTreeSet::new(),
+                retiring: None,
+                committed_slot: None,
+                prefill_target: 0,
+                junction: None,
+                resume: None,
+                decode_tail: None,
+                waiting: Vec::new(),
+            },
+        );
+        Ok(())
     }
 
     fn apply(&mut self, op: &Op) -> Result<(), String> {
         match *op {
             Op::Add { stream, len } => {
-                self.next_id += 1;
-                let id = self.next_id;
                 let base = u32::from(stream) * 1000;
                 let mut tokens: Vec<u32> = (base..base + u32::from(len)).collect();
                 if stream == 3 {
                     tokens.push(self.fresh());
                 }
-                self.m.add(id, &tokens, ExtraKeys::default(), None).map_err(|e| e.to_string())?;
-                self.seqs.insert(
-                    id,
-                    Seq {
-                        id,
-                        tokens,
-                        placeholders: 0,
-                        log: Vec::new(),
-                        committed: 0,
-                        started: false,
-                        hit_at_start: 0,
-                        steps: Vec::new(),
-                        deferred: BTreeSet::new(),
-                        retiring: None,
-                        committed_slot: None,
-                    },
-                );
+                self.add_seq(tokens)
+            }
+            Op::Fork { pick, cut, fresh, unknown } => {
+                let Some(id) = self.pick(pick) else { return Ok(()) };
+                let known = self.seqs[&id].tokens.clone();
+                let mut tokens = known[..=usize::from(cut) % known.len()].to_vec();
+                for _ in 0..fresh {
+                    tokens.push(self.fresh());
+                }
+                self.add_seq(tokens)?;
+                if unknown > 0 {
+                    self.placeholders(self.next_id, u32::from(unknown))?;
+                }
                 Ok(())
             }
             Op::Lookup { pick } => {
                 if let Some(id) = self.pick(pick) {
-                    self.check_lookup(id)?;
+                    let pending = (!self.plans.is_empty()).then(|| self.pending());
+                    self.check_lookup(id, pending.as_ref())?;
                 }
                 Ok(())
             }
@@ -373,6 +713,13 @@ impl Model {
                 None => Ok(()),
             },
             Op::Round => self.round(),
+            Op::Decode { rounds } => {
+                for _ in 0..rounds {
+                    self.round()?;
+                    self.check_all()?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -431,13 +778,14 @@ impl Model {
             return Ok(());
         };
         let r = r.ok_or("a never-evicting pool refused a schedule")?;
-        let hit = self.hit_in(&seq.tokens, &BTreeSet::new());
-        let start = if seq.started { seq.planned() } else { hit };
+        let first = !seq.started;
+        let pending = (!self.plans.is_empty()).then(|| self.pending());
+        let hit = first.then(|| self.expected_hit(&seq, pending.as_ref()));
+        ensure!(r.hit == hit, "schedule {id}: hit\n  got      {:?}\n  expected {hit:?}", r.hit);
+        let start = hit.as_ref().map_or_else(|| seq.planned(), |h| h.tokens);
         let end = (start + budget).min(seq.len());
         ensure!(
-            r.num_computed == start
-                && r.num_tokens == end - start
-                && r.hit.is_some() != seq.started,
+            r.num_computed == start && r.num_tokens == end - start,
             "schedule {id}: {r:?}, expected [{start}, {end})"
         );
         if end == start {
@@ -446,16 +794,80 @@ impl Model {
         if seq.steps.iter().any(|s| s.plan != 0) {
             self.saw("continuation scheduled");
         }
-        let first = !seq.started;
-        let seq = self.seqs.get_mut(&id).unwrap();
-        if first {
-            seq.started = true;
-            seq.committed = hit;
-            seq.hit_at_start = hit;
+        let mut resume = None;
+        if let Some(h) = &hit {
+            if self.s.state.is_some() && start > 0 {
+                let prefix = &seq.tokens[..start as usize];
+                let block = self.resume_choice(prefix).ok_or("a state hit without a checkpoint")?;
+                if self.ck.values().filter(|c| c.prefix == prefix).count() > 1 {
+                    self.saw("resumed from one of several copies");
+                }
+                self.pin(block);
+                resume = Some(block);
+                self.want.hits += 1;
+                self.saw("schedule resumed from a checkpoint");
+            }
+            let committed = self.fa_bound(&seq.tokens, h.max_tokens, &BTreeMap::new());
+            let committed = (committed >= h.tokens + 2 * U).then_some(committed);
+            if h.junction.is_some() && h.junction != committed {
+                self.saw("junction counted keys in flight");
+            }
         }
-        seq.steps.push(Step { plan: 0, start, end, first, slots: None });
+        let seq = self.seqs.get_mut(&id).unwrap();
+        if let Some(h) = hit {
+            seq.started = true;
+            seq.committed = start;
+            seq.prefill_target = seq.len();
+            seq.junction = h.junction;
+            seq.resume = resume;
+        }
+        seq.steps.push(Step { plan: 0, start, end, first, slots: None, ckpts: Vec::new() });
         self.unbuilt.push((false, id));
         Ok(())
+    }
+
+    /// The checkpoints a step asks for, in priority order (position, decode tail), and the
+    /// positions it skips by reason, before any block is taken.
+    fn predict(&self, seq: &Seq, step: &Step) -> (Vec<(u32, bool)>, [u64; 5]) {
+        let st = self.s.state.as_ref().expect("a state group");
+        let (start, end) = (step.start, step.end);
+        let mut skips = [0u64; 5];
+        let mut wanted: Vec<(u32, bool)> = Vec::new();
+        let inside = (start / U + 1..=end / U).map(|i| i * U);
+        if !step.first && start >= seq.prefill_target {
+            if st.decode_tail {
+                skips[MID_STEP] += inside.filter(|&p| p < end).count() as u64;
+                if end % U == 0 {
+                    wanted.push((end, true));
+                }
+            }
+        } else {
+            let tail = st.tail.then(|| (seq.prefill_target - 1) / U * U);
+            let junction = seq.junction.filter(|_| st.junction);
+            let intervals: Vec<u32> = match st.interval {
+                Some(k) => inside.filter(|p| p % k == 0).rev().collect(),
+                None => Vec::new(),
+            };
+            for p in tail.into_iter().chain(junction).chain(intervals) {
+                if p > start && p <= end && !wanted.iter().any(|w| w.0 == p) {
+                    wanted.push((p, false));
+                }
+            }
+        }
+        let known = seq.tokens.len() as u32;
+        let limit = st.per_step.map_or(usize::MAX, |c| c as usize);
+        let (mut planned, mut interior) = (Vec::new(), 0);
+        for (p, decode_tail) in wanted {
+            if p <= known && self.has_ck(&seq.tokens[..p as usize]) {
+                skips[ALREADY_CACHED] += 1;
+            } else if p != end && interior >= limit {
+                skips[CAPACITY] += 1;
+            } else {
+                interior += usize::from(p != end);
+                planned.push((p, decode_tail));
+            }
+        }
+        (planned, skips)
     }
 
     fn build(&mut self) -> Result<(), String> {
@@ -470,27 +882,11 @@ impl Model {
         self.next_plan += 1;
         ensure!(plan.step_id == id, "plan id {} expected {id}", plan.step_id);
         let rows = std::mem::take(&mut self.unbuilt);
-        let ids: Vec<u64> = rows.iter().map(|&k| self.seq_mut(k).id).collect();
+        let ids: Vec<u64> = rows.iter().map(|&k| self.seq_ref(k).id).collect();
         ensure!(plan.seq_ids == ids, "plan rows {:?} expected {ids:?}", plan.seq_ids);
         for (row, &key) in rows.iter().enumerate() {
-            let state = self.s.state;
-            let slots =
-                state.then(|| (plan.state[0].initial_slot[row], plan.state[0].running_slot[row]));
-            let seq = self.seq_mut(key);
-            let prev_write = seq
-                .steps
-                .iter()
-                .rev()
-                .find(|s| s.plan != 0)
-                .and_then(|s| s.slots.map(|x| x.1))
-                .or(seq.committed_slot);
-            let others: Vec<i32> = seq
-                .steps
-                .iter()
-                .filter(|s| s.plan != 0)
-                .filter_map(|s| s.slots.map(|x| x.1))
-                .collect();
-            let step = seq.steps.last_mut().ok_or("a plan row without a step")?;
+            let seq = self.seq_ref(key).clone();
+            let step = seq.steps.last().ok_or("a plan row without a step")?.clone();
             ensure!(
                 plan.num_computed[row] as u32 == step.start
                     && plan.num_scheduled[row] as u32 == step.end - step.start,
@@ -500,25 +896,155 @@ impl Model {
                 step.start,
                 step.end
             );
+            let (slots, ckpts) = if self.s.state.is_some() {
+                let (slots, ckpts) = self.check_state_row(&plan, row, &seq, &step)?;
+                (Some(slots), ckpts)
+            } else {
+                (None, Vec::new())
+            };
+            let step = self.seq_mut(key).steps.last_mut().ok_or("no step")?;
             step.plan = id;
             step.slots = slots;
-            if let Some((initial, running)) = slots {
-                let expected = prev_write.unwrap_or(-1);
-                ensure!(initial == expected, "row {row} reads {initial}, expected {expected}");
-                ensure!(
-                    running != initial && !others.contains(&running),
-                    "row {row} writes {running}, used by another step or read"
-                );
-                if !others.is_empty() {
-                    self.saw("deep step chained its running state");
-                }
-            }
+            step.ckpts = ckpts;
         }
         self.plans.push_back((id, rows));
         if self.plans.len() > 1 {
             self.saw("several plans in flight");
         }
         Ok(())
+    }
+
+    /// A row's state slots and checkpoints against the model; takes the blocks (evicting at
+    /// the cap) and counts the skips. Returns (initial, running) and the checkpoints.
+    #[allow(clippy::type_complexity, clippy::too_many_lines)]
+    fn check_state_row(
+        &mut self,
+        plan: &prefixcache_core::StepPlan,
+        row: usize,
+        seq: &Seq,
+        step: &Step,
+    ) -> Result<((i32, i32), Vec<(u32, u32, bool)>), String> {
+        let sp = &plan.state[0];
+        let (initial, running) = (sp.initial_slot[row], sp.running_slot[row]);
+        let built = || seq.steps.iter().filter(|s| s.plan != 0);
+        let others: Vec<i32> = built().filter_map(|s| s.slots.map(|x| x.1)).collect();
+        let expected = if step.first {
+            seq.resume.map_or(-1, |b| b as i32)
+        } else {
+            let prev =
+                built().next_back().and_then(|s| s.slots.map(|x| x.1)).or(seq.committed_slot);
+            prev.ok_or("a continuation with no state to read")?
+        };
+        ensure!(
+            initial == expected,
+            "row {row} reads {initial}, expected {expected} (first: {})",
+            step.first
+        );
+        ensure!(
+            running > 0 && running != initial && !others.contains(&running),
+            "row {row} writes {running}, used by another step or read"
+        );
+        if !others.is_empty() {
+            self.saw("deep step chained its running state");
+        }
+        // What the plan wrote for the row: interior (offset, slot) pairs, then a snapshot of
+        // its running buffer after the step.
+        let cmax = sp.max_checkpoints;
+        let mut written: BTreeMap<u32, u32> = BTreeMap::new();
+        let offsets = &sp.checkpoint_offsets[row * cmax..(row + 1) * cmax];
+        let blocks = &sp.checkpoint_slots[row * cmax..(row + 1) * cmax];
+        let mut last = step.start;
+        for (&o, &slot) in offsets.iter().zip(blocks) {
+            if o == 0 && slot == -1 {
+                continue;
+            }
+            let p = step.start + o as u32;
+            ensure!(
+                o > 0 && p < step.end && p > last && slot > 0,
+                "row {row}: interior checkpoints {offsets:?} {blocks:?} for [{}, {})",
+                step.start,
+                step.end
+            );
+            last = p;
+            written.insert(p, slot as u32);
+        }
+        for pair in sp.snapshots.chunks(2).filter(|pair| pair[0] == running) {
+            ensure!(written.insert(step.end, pair[1] as u32).is_none(), "two at {}", step.end);
+        }
+        let (planned, skips) = self.predict(seq, step);
+        for (total, n) in self.want.skipped.iter_mut().zip(skips) {
+            *total += n;
+        }
+        if skips[ALREADY_CACHED] > 0 {
+            self.saw("skip already_cached");
+        }
+        if skips[CAPACITY] > 0 {
+            self.saw("skip capacity");
+        }
+        if skips[MID_STEP] > 0 {
+            self.saw("skip mid_step");
+        }
+        let cap = self.s.state.as_ref().and_then(|st| st.cap);
+        let mut ckpts: Vec<(u32, u32, bool)> = Vec::new();
+        for (p, decode_tail) in planned {
+            let at_cap = cap.is_some_and(|c| self.ck_blocks() + ckpts.len() >= c as usize);
+            let victim = if at_cap {
+                self.lru.iter().copied().find(|b| !decode_tail || self.ck[b].decode_tail)
+            } else {
+                None
+            };
+            let block = written.remove(&p);
+            let take = !at_cap || victim.is_some();
+            ensure!(
+                take == block.is_some(),
+                "row {row}: checkpoint at {p} (decode tail {decode_tail}) {}, {} blocks of cap \
+                 {cap:?}, LRU {:?}",
+                if take { "skipped, expected taken" } else { "taken, expected skipped (budget)" },
+                self.ck_blocks() + ckpts.len(),
+                self.lru
+            );
+            let Some(block) = block else {
+                self.want.skipped[BUDGET] += 1;
+                self.saw("cap skipped a checkpoint with nothing to evict");
+                continue;
+            };
+            if let Some(v) = victim {
+                self.saw(if self.ck[&v].decode_tail {
+                    "cap evicted a decode tail"
+                } else if self.lru.len() > 1 {
+                    "cap evicted the least recently used of several"
+                } else {
+                    "cap evicted a checkpoint"
+                });
+                self.evict_ck(v);
+            }
+            ensure!(
+                !self.ck_held(block)
+                    && !ckpts.iter().any(|c| c.1 == block)
+                    && block as i32 != running
+                    && block as i32 != initial,
+                "row {row}: checkpoint block {block} at {p} is not a fresh block"
+            );
+            self.saw(match (decode_tail, p == step.end) {
+                (true, _) => "decode-tail snapshot",
+                (false, true) => "snapshot checkpoint",
+                (false, false) => "interior checkpoint",
+            });
+            if seq.junction == Some(p) {
+                self.saw("junction checkpoint");
+            }
+            if p > seq.tokens.len() as u32 {
+                self.saw("checkpoint planned over a placeholder");
+            }
+            ckpts.push((p, block, decode_tail));
+        }
+        ensure!(
+            written.is_empty(),
+            "row {row} wrote checkpoints at {:?}, which the model does not ask for",
+            written.keys().collect::<Vec<_>>()
+        );
+        ckpts.sort_unstable();
+        Ok(((initial, running), ckpts))
     }
 
     fn end(&mut self, which: u8, abort: bool) -> Result<(), String> {
@@ -567,8 +1093,7 @@ impl Model {
         self.ended.push(id);
         for key in rows {
             let block = self.s.block;
-            let seq = self.seq_mut(key).clone();
-            let mut seq = seq;
+            let mut seq = self.seq_mut(key).clone();
             let step = seq.steps.remove(0);
             debug_assert_eq!(step.plan, id);
             let known = seq.tokens.len() as u32;
@@ -595,7 +1120,29 @@ impl Model {
             }
             seq.committed = step.end;
             seq.committed_slot = step.slots.map(|x| x.1).or(seq.committed_slot);
+            // The state group: the resume checkpoint first, then the step's own, ascending.
+            let resume = if step.first { seq.resume.take() } else { None };
+            let mut publish = Vec::new();
+            for &(p, b, decode_tail) in &step.ckpts {
+                if decode_tail {
+                    if seq.decode_tail.replace((b, p)).is_some() {
+                        self.saw("a decode tail replaced the previous one");
+                    }
+                } else if p > known {
+                    seq.waiting.push((b, p));
+                    self.saw("checkpoint over a placeholder waits for its tokens");
+                } else {
+                    publish.push((p, b));
+                }
+            }
+            let tokens = seq.tokens.clone();
             *self.seq_mut(key) = seq;
+            if let Some(b) = resume {
+                self.unpin(b);
+            }
+            for (p, b) in publish {
+                self.publish_ck(&tokens, p, b, false);
+            }
             self.after_end(key);
         }
     }
@@ -632,14 +1179,43 @@ impl Model {
         }
     }
 
+    /// Undoes a sequence's newest step: what it planned is freed, and a first step releases
+    /// the checkpoint it resumed from (most recently used).
     fn undo_newest(&mut self, key: (bool, u64)) {
         let seq = self.seq_mut(key);
+        let mut resume = None;
         if let Some(step) = seq.steps.pop() {
             if step.first {
                 seq.started = false;
                 seq.committed = 0;
                 seq.committed_slot = None;
+                resume = seq.resume.take();
             }
+        }
+        if let Some(b) = resume {
+            self.unpin(b);
+            self.saw("an undone first step released its resume checkpoint");
+        }
+    }
+
+    /// A released sequence's checkpoints: `finish` publishes its decode tail where its prefix
+    /// is known (least recently used); what waits for tokens is dropped.
+    fn release_checkpoints(&mut self, key: (bool, u64), finish: bool) {
+        let seq = self.seq_mut(key);
+        debug_assert!(seq.resume.is_none());
+        let tail = seq.decode_tail.take();
+        let waiting = std::mem::take(&mut seq.waiting);
+        let tokens = seq.tokens.clone();
+        if !waiting.is_empty() {
+            self.saw("checkpoints waiting for tokens dropped");
+        }
+        match tail {
+            Some((b, p)) if finish && p as usize <= tokens.len() => {
+                self.publish_ck(&tokens, p, b, true);
+                self.saw("finish published the decode tail");
+            }
+            Some(_) if finish => self.saw("finish dropped a decode tail over a placeholder"),
+            _ => {}
         }
     }
 
@@ -657,10 +1233,12 @@ impl Model {
         match seq.retiring.take() {
             None => {}
             Some(Retire::Finish) => {
+                self.release_checkpoints(key, true);
                 self.retired.remove(&key.1);
                 self.saw("finished sequence released at its last step");
             }
             Some(Retire::Preempt) => {
+                self.release_checkpoints(key, false);
                 let seq = self.seq_mut(key);
                 seq.started = false;
                 seq.committed = 0;
@@ -715,12 +1293,19 @@ impl Model {
         for q in &ready {
             seq.deferred.remove(q);
         }
+        let (now, still): (Waiting, Waiting) =
+            std::mem::take(&mut seq.waiting).into_iter().partition(|w| w.1 <= known);
+        seq.waiting = still;
         let tokens = seq.tokens.clone();
         if !ready.is_empty() {
             self.saw("resolve published a committed key");
         }
         for q in ready {
             self.publish(&tokens, q);
+        }
+        for (b, p) in now {
+            self.publish_ck(&tokens, p, b, false);
+            self.saw("resolve published a waiting checkpoint");
         }
         Ok(())
     }
@@ -753,6 +1338,9 @@ impl Model {
         let in_flight = !self.seqs[&id].steps.is_empty();
         match how {
             Retire::Finish => {
+                if !in_flight {
+                    self.release_checkpoints((false, id), true);
+                }
                 let mut seq = self.seqs.remove(&id).unwrap();
                 if in_flight {
                     seq.retiring = Some(Retire::Finish);
@@ -771,11 +1359,12 @@ impl Model {
                 }
             }
             Retire::Preempt => {
-                let seq = self.seqs.get_mut(&id).unwrap();
                 if in_flight {
-                    seq.retiring = Some(Retire::Preempt);
+                    self.seqs.get_mut(&id).unwrap().retiring = Some(Retire::Preempt);
                     self.saw("preempt with steps in flight");
                 } else {
+                    self.release_checkpoints((false, id), false);
+                    let seq = self.seqs.get_mut(&id).unwrap();
                     seq.started = false;
                     seq.committed = 0;
                     seq.committed_slot = None;
@@ -786,32 +1375,26 @@ impl Model {
         Ok(())
     }
 
-    fn check_lookup(&mut self, id: u64) -> Result<(), String> {
+    fn check_lookup(
+        &mut self,
+        id: u64,
+        pending: Option<&(Overlay, Overlay)>,
+    ) -> Result<(), String> {
         let hit = self.m.lookup(id).map_err(|e| e.to_string())?;
         let seq = &self.seqs[&id];
-        let expected = self.hit_in(&seq.tokens, &BTreeSet::new());
-        let pending = self.pending();
-        let keys: BTreeSet<Vec<u32>> = pending.keys().cloned().collect();
-        let with = self.hit_in(&seq.tokens, &keys);
-        let plan = if with > expected {
-            (1..=with / U)
-                .map(|i| seq.tokens[..(i * U) as usize].to_vec())
-                .filter(|p| !self.published.contains(p))
-                .filter_map(|p| pending.get(&p).copied())
-                .max()
-        } else {
-            None
-        };
-        let pending_tokens = with.max(expected);
-        ensure!(
-            hit.tokens == expected && hit.pending_tokens == pending_tokens && hit.pending_plan == plan,
-            "lookup {id}: hit {} pending {} plan {:?}, expected {expected} {pending_tokens} {plan:?}",
-            hit.tokens,
-            hit.pending_tokens,
-            hit.pending_plan
-        );
-        if plan.is_some() {
+        let expected = self.expected_hit(seq, pending);
+        ensure!(hit == expected, "lookup {id}:\n  got      {hit:?}\n  expected {expected:?}");
+        let waits_for_state = self.s.state.is_some()
+            && hit.pending_plan.is_some()
+            && !self.has_ck(&seq.tokens[..hit.pending_tokens as usize]);
+        if hit.pending_plan.is_some() {
             self.saw("pending hit");
+        }
+        if waits_for_state {
+            self.saw("pending hit waits for a checkpoint in flight");
+        }
+        if hit.tokens > 0 && self.s.state.is_some() {
+            self.saw("checkpoint hit");
         }
         Ok(())
     }
@@ -819,8 +1402,13 @@ impl Model {
     fn check_all(&mut self) -> Result<(), String> {
         self.m.check_invariants().map_err(|e| e.to_string())?;
         let ids: Vec<u64> = self.seqs.keys().copied().collect();
+        let pending = (!self.plans.is_empty()).then(|| self.pending());
         for id in ids {
-            self.check_lookup(id)?;
+            // A waiting sequence's lookup is left to the traffic now and then, so that a
+            // schedule after plans changed is compared against a hit it computes itself.
+            if self.seqs[&id].started || self.s.watch {
+                self.check_lookup(id, pending.as_ref())?;
+            }
             let seq = &self.seqs[&id];
             let got = (
                 self.m.num_computed(id).unwrap(),
@@ -839,26 +1427,67 @@ impl Model {
             "plans in flight {:?}, expected {flying:?}",
             self.m.plans_in_flight()
         );
-        let mut stored: Vec<Digest> = self
-            .m
-            .drain_events()
-            .into_iter()
-            .filter_map(|r| match r.event {
-                CacheEvent::BlockStored { keys, .. } => Some(keys),
-                _ => None,
-            })
-            .flatten()
-            .collect();
+        self.check_events()?;
+        let stats = self.m.stats();
+        if let Some(st) = &self.s.state {
+            let usage = self.m.pool_usage()[STATE as usize];
+            let blocks = self.ck_blocks();
+            ensure!(
+                usage.checkpoints as usize == blocks && usage.cached as usize == self.lru.len(),
+                "state pool {usage:?}: the model holds {blocks} checkpoint blocks, {} unpinned \
+                 published ones",
+                self.lru.len()
+            );
+            ensure!(st.cap.is_none_or(|c| blocks <= c as usize), "{blocks} beyond the cap");
+            let g = &stats.groups[STATE as usize];
+            let got = CkStats {
+                published: g.checkpoints_published,
+                decode_tails: g.decode_tails_published,
+                skipped: g.checkpoints_skipped,
+                hits: g.checkpoint_hits,
+                evictions: g.evictions,
+            };
+            ensure!(got == self.want, "checkpoint statistics {got:?}, expected {:?}", self.want);
+        }
+        ensure!(stats.evictions == self.want.evictions, "{} evictions", stats.evictions);
+        Ok(())
+    }
+
+    /// The call's `BlockStored` keys and `BlockRemoved` checkpoints are exactly the expected.
+    fn check_events(&mut self) -> Result<(), String> {
+        let mut stored: Vec<Stored> = Vec::new();
+        let mut removed: Vec<(u32, Digest, bool)> = Vec::new();
+        for r in self.m.drain_events() {
+            match r.event {
+                CacheEvent::BlockStored { group, keys, blocks, checkpoint, .. } => {
+                    ensure!(checkpoint == (group == STATE), "checkpoint flag of group {group}");
+                    for (k, b) in keys.into_iter().zip(blocks) {
+                        stored.push((group, k, (group == STATE).then_some(b)));
+                    }
+                }
+                CacheEvent::BlockRemoved { group, block, keys, gone } => {
+                    ensure!(
+                        group == STATE && keys.len() == 1 && gone.iter().all(|g| keys.contains(g)),
+                        "only checkpoints are evicted here: group {group} block {block} {keys:?}"
+                    );
+                    removed.push((block, keys[0], !gone.is_empty()));
+                }
+                CacheEvent::AllBlocksCleared => return Err("nothing resets".into()),
+            }
+        }
         let mut expected = std::mem::take(&mut self.expect_stored);
         stored.sort();
         expected.sort();
         ensure!(
             stored == expected,
-            "stored keys {} differ from the {} expected",
+            "stored keys differ: got {} {stored:?}\n expected {} {expected:?}",
             stored.len(),
             expected.len()
         );
-        ensure!(self.m.stats().evictions == 0, "a never-evicting pool evicted");
+        let mut expected = std::mem::take(&mut self.expect_removed);
+        removed.sort();
+        expected.sort();
+        ensure!(removed == expected, "evicted {removed:?}, expected {expected:?}");
         Ok(())
     }
 
@@ -875,6 +1504,15 @@ impl Model {
         for (i, usage) in self.m.pool_usage().into_iter().enumerate() {
             ensure!(usage.owned == 0, "pool {i}: {} blocks still owned", usage.owned);
         }
+        if self.s.state.is_some() {
+            let usage = self.m.pool_usage()[STATE as usize];
+            ensure!(
+                usage.cached as usize == self.ck.len()
+                    && usage.checkpoints as usize == self.ck.len(),
+                "state pool after finishing everything: {usage:?}, {} published",
+                self.ck.len()
+            );
+        }
         Ok(())
     }
 }
@@ -889,8 +1527,13 @@ fn run(setup: &Setup, ops: &[Op]) -> Result<BTreeMap<&'static str, u64>, String>
     Ok(model.seen)
 }
 
+/// Cases: 96 by default, or `PROPTEST_CASES` (`make fuzz` passes `MODEL_CASES` there), or
+/// `MODEL_CASES` itself.
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(96)
+    ["PROPTEST_CASES", "MODEL_CASES"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().and_then(|v| v.parse().ok()))
+        .unwrap_or(96)
 }
 
 proptest! {
@@ -935,7 +1578,35 @@ fn overlapped_traffic_reaches_every_path() {
         "pending hit",
         "deep step chained its running state",
         "schedule refused",
+        // checkpoints
+        "interior checkpoint",
+        "snapshot checkpoint",
+        "decode-tail snapshot",
+        "junction checkpoint",
+        "junction counted keys in flight",
+        "checkpoint planned over a placeholder",
+        "checkpoint over a placeholder waits for its tokens",
+        "resolve published a waiting checkpoint",
+        "checkpoints waiting for tokens dropped",
+        "a decode tail replaced the previous one",
+        "finish published the decode tail",
+        "finish dropped a decode tail over a placeholder",
+        "schedule resumed from a checkpoint",
+        "resumed from one of several copies",
+        "a second copy of a checkpoint published",
+        "an undone first step released its resume checkpoint",
+        "checkpoint hit",
+        "pending hit waits for a checkpoint in flight",
+        "skip already_cached",
+        "skip capacity",
+        "skip mid_step",
+        "cap evicted the least recently used of several",
+        "cap evicted a decode tail",
+        "cap skipped a checkpoint with nothing to evict",
     ];
+    if std::env::var_os("MODEL_PATHS").is_some() {
+        eprintln!("{seen:#?}");
+    }
     let missing: Vec<&str> = want.into_iter().filter(|p| !seen.contains_key(p)).collect();
     assert!(missing.is_empty(), "never reached: {missing:?}\nreached: {seen:?}");
 }
