@@ -87,6 +87,10 @@ from hypothesis.stateful import (
 
 OPERATIONS = 0
 """Calls into prefixcache made by the fuzzer so far (all programs, shrinking included)."""
+CHECKPOINT_RESUMES = 0
+"""Plan rows of ``OverlapMachine`` that resumed from a published checkpoint (its short run in
+``make test`` must reach some), and those of them built while other plans were in flight."""
+CHECKPOINT_RESUMES_IN_FLIGHT = 0
 HUGE_POOL_CHECKED = False
 
 SEQ_ID_MAX = 2**63 - 1
@@ -2690,6 +2694,36 @@ class FuzzMachine(RuleBasedStateMachine):
 OVERLAP_IDS = [0, 1, 2, 3, 4, SEQ_ID_MAX]
 
 
+@st.composite
+def hybrid_configs(draw: st.DrawFn, depths: st.SearchStrategy[int]) -> pc.CacheConfig:
+    """One full-attention group and one state group keeping checkpoints, each with its own
+    pool, exact events: a shape where checkpoints are hit while plans are in flight."""
+    unit = draw(st.sampled_from([2, 4]))
+    retention = pc.Retention(
+        tail=True,
+        interval=draw(st.sampled_from([None, unit, 2 * unit])),
+        junction=draw(st.booleans()),
+        decode_tail=draw(st.booleans()),
+    )
+    state = pc.StateGroup(
+        alignment=1,
+        max_checkpoints_per_step=draw(st.sampled_from([None, 1])),
+        pool=1,
+        retention=retention,
+        checkpoint_cap=draw(st.sampled_from([None, 3, 8])),
+        reserve_per_sequence=2,
+    )
+    blocks = draw(st.sampled_from([48, 400]))
+    return pc.CacheConfig(
+        pools=[pc.PoolConfig(num_blocks=blocks), pc.PoolConfig(num_blocks=blocks)],
+        groups=[pc.FullAttention(block_size=unit * draw(st.integers(1, 3)), pool=0), state],
+        hash=pc.HashConfig(unit=unit),
+        enable_events=True,
+        max_pending_events=1 << 20,
+        max_steps_in_flight=draw(depths),
+    )
+
+
 class OverlapMachine(RuleBasedStateMachine):
     """Overlapped steps from Python (``max_steps_in_flight`` = D in 2..3), a machine of its own:
     ``FuzzMachine``'s model predicts one plan in flight at a time.
@@ -2705,6 +2739,13 @@ class OverlapMachine(RuleBasedStateMachine):
     placeholders is an ``InvalidRequestError``; a lookup's pending hit is at least its hit and
     names a plan in flight exactly when it is longer; at the end, once everything in flight
     is committed and every sequence finished, no block is owned.
+
+    Checkpoint hits with plans in flight (exact events only): the published checkpoint blocks
+    are those a ``BlockStored`` event of a state group named and no ``BlockRemoved`` took
+    since. A plan row that reads one resumes at exactly its position: the block carries the
+    digest of the sequence's first ``num_computed`` tokens. A first schedule that started at
+    a hit L > 0 reads such a block in every state group (a hit rests on committed content,
+    never on what plans in flight will publish).
     """
 
     def __init__(self) -> None:
@@ -2715,15 +2756,77 @@ class OverlapMachine(RuleBasedStateMachine):
         self.ended: list[tuple[int, Any]] = []
         self.ring: list[pc.PlanBuffers] = []
         self.token = 1
+        self.cfg: pc.CacheConfig | None = None
+        self.exact = False
+        self.prompts: dict[int, list[int]] = {}
+        self.admitted: dict[int, int] = {}  # sequence -> the hit its first schedule used
+        self.checkpoints: dict[tuple[int, int], bytes] = {}  # (group, block) -> digest
 
-    @initialize(config=configs(st.integers(2, 3)))
+    @initialize(config=st.one_of(configs(st.integers(2, 3)), hybrid_configs(st.integers(2, 3))))
     def init(self, config: pc.CacheConfig) -> None:
         try:
             self.mgr = pc.CacheManager(config)
         except pc.PrefixCacheError:
             reject()
+        self.cfg = config
+        self.exact = config.enable_events and config.max_pending_events >= 4096
         self.depth = config.max_steps_in_flight
         self.ring = [pc.PlanBuffers(rows=8) for _ in range(self.depth + 1)]
+
+    def drain(self) -> None:
+        """Follows the published checkpoint blocks through the events."""
+        if self.mgr is None or self.cfg is None or not self.cfg.enable_events:
+            return
+        for ev in self.mgr.drain_events():
+            if isinstance(ev, pc.BlockStored) and ev.checkpoint:
+                for block, key in zip(ev.blocks, ev.keys, strict=True):
+                    self.checkpoints[(ev.group, block)] = key
+            elif isinstance(ev, pc.BlockRemoved):
+                self.checkpoints.pop((ev.group, ev.block), None)
+
+    def admit(self, results: list[Any]) -> None:
+        """Records the hit of each first schedule that scheduled tokens."""
+        for r in results:
+            if r is not None and r.hit is not None and r.num_tokens > 0:
+                self.admitted[r.seq_id] = r.num_computed
+
+    def check_resumes(self, plan: Any) -> None:
+        """The checkpoint rule of the class docstring, for the rows of a plan just built."""
+        global CHECKPOINT_RESUMES, CHECKPOINT_RESUMES_IN_FLIGHT
+        cfg = self.cfg
+        if cfg is None or not self.exact:
+            return
+        self.drain()
+        h = cfg.hash
+        rows = plan.num_rows
+        ids = [int(x) for x in plan.seq_ids[:rows]]
+        computed = [int(x) for x in plan.num_computed[:rows]]
+        for sp in plan.state:
+            initial = [int(x) for x in sp.initial_slot[:rows]]
+            for seq_id, start, slot in zip(ids, computed, initial, strict=True):
+                key = self.checkpoints.get((sp.group, slot))
+                first_at = self.admitted.get(seq_id)
+                if first_at is not None and first_at == start > 0 and key is None:
+                    raise FuzzFailure(
+                        f"sequence {seq_id} was admitted at a hit of {start} but its row reads "
+                        f"slot {slot} of state group {sp.group}, which holds no checkpoint"
+                    )
+                prompt = self.prompts.get(seq_id)
+                if key is None or prompt is None or start > len(prompt):
+                    continue
+                digests = pc.hash_prefix(
+                    prompt[:start], unit=h.unit, algorithm=h.algorithm, seed=h.seed
+                )
+                if start == 0 or start % h.unit or digests[-1] != key:
+                    raise FuzzFailure(
+                        f"sequence {seq_id} resumes at {start} from block {slot} of state group "
+                        f"{sp.group}, a checkpoint of another prefix"
+                    )
+                CHECKPOINT_RESUMES += 1
+                if self.flights:
+                    CHECKPOINT_RESUMES_IN_FLIGHT += 1
+        for seq_id in ids:
+            self.admitted.pop(seq_id, None)
 
     def tokens(self, n: int) -> list[int]:
         self.token += n
@@ -2776,6 +2879,7 @@ class OverlapMachine(RuleBasedStateMachine):
         if self.mgr is None:
             return
         self.mgr.check_invariants()
+        self.drain()
         in_flight = self.mgr.plans_in_flight
         ours = [s for s, _ in self.flights]
         if in_flight != ours or len(in_flight) > self.depth:
@@ -2786,7 +2890,22 @@ class OverlapMachine(RuleBasedStateMachine):
         mgr = self.mgr
         assert mgr is not None
         tokens = [stream * 100_000 + t for t in range(n)] + self.tokens(n % 3)
-        self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens))
+        if self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens))[0]:
+            self.prompts[OVERLAP_IDS[i]] = tokens
+            self.admitted.pop(OVERLAP_IDS[i], None)
+
+    @rule(i=st.integers(0, 5), j=st.integers(0, 5), n=st.integers(1, 9))
+    def resend(self, i: int, j: int, n: int) -> None:
+        """A conversation's next turn: the prompt sequence ``j`` was added with, and more."""
+        mgr = self.mgr
+        assert mgr is not None
+        prompt = self.prompts.get(OVERLAP_IDS[j])
+        if prompt is None:
+            return
+        tokens = prompt + self.tokens(n)
+        if self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens))[0]:
+            self.prompts[OVERLAP_IDS[i]] = tokens
+            self.admitted.pop(OVERLAP_IDS[i], None)
 
     @rule(i=st.integers(0, 5))
     def lookup(self, i: int) -> None:
@@ -2806,13 +2925,17 @@ class OverlapMachine(RuleBasedStateMachine):
         mgr = self.mgr
         assert mgr is not None
         ids = self.live()
-        self.call("schedule_batch", lambda: mgr.schedule_batch(ids, budget))
+        ok, results = self.call("schedule_batch", lambda: mgr.schedule_batch(ids, budget))
+        if ok:
+            self.admit(results)
 
     @rule(i=st.integers(0, 5), budget=st.integers(1, 9))
     def schedule(self, i: int, budget: int) -> None:
         mgr = self.mgr
         assert mgr is not None
-        self.call("schedule", lambda: mgr.schedule(OVERLAP_IDS[i], budget))
+        ok, result = self.call("schedule", lambda: mgr.schedule(OVERLAP_IDS[i], budget))
+        if ok:
+            self.admit([result])
 
     @rule(into=st.booleans())
     def build(self, into: bool) -> None:
@@ -2833,6 +2956,7 @@ class OverlapMachine(RuleBasedStateMachine):
         if not outcome[0]:
             raise FuzzFailure(f"build_plan below depth refused: {outcome[1]!r}")
         step = outcome[1] if into and not holds else obj.step_id
+        self.check_resumes(obj)
         self.flights.append((step, obj))
 
     @rule(
@@ -2929,16 +3053,91 @@ class OverlapMachine(RuleBasedStateMachine):
         if committed:
             self.end_oldest()
         if ok:
+            self.check_resumes(buffers)
             self.flights.append((buffers.step_id, buffers))
         elif not committed and self.observe() != before:
             raise FuzzFailure("a refused decode_step_overlapped changed the manager")
+
+    @rule(budget=st.sampled_from([4, 16, 64]))
+    def engine_round(self, budget: int) -> None:
+        """An engine's overlapped iteration: the oldest plan commits when D are in flight,
+        every live sequence is scheduled, and the next plan is built."""
+        mgr = self.mgr
+        assert mgr is not None
+        if len(self.flights) >= self.depth:
+            self.commit_oldest()
+        ids = self.live()
+        ok, results = self.call("schedule_batch", lambda: mgr.schedule_batch(ids, budget))
+        if ok:
+            self.admit(results)
+        self.build_checked()
+
+    def commit_oldest(self) -> None:
+        mgr = self.mgr
+        assert mgr is not None
+        step = self.flights[0][0]
+        if not self.call("commit_step", lambda: mgr.commit_step(step))[0]:
+            raise FuzzFailure(f"committing the oldest plan {step} was refused")
+        self.end_oldest()
+
+    def build_checked(self) -> None:
+        """``build_plan`` below depth D (which must succeed), its rows checked."""
+        mgr = self.mgr
+        assert mgr is not None
+        if len(self.flights) >= self.depth:
+            self.commit_oldest()
+        ok, plan = self.call("build_plan", mgr.build_plan)
+        if not ok:
+            raise FuzzFailure(f"build_plan below depth refused: {plan!r}")
+        self.check_resumes(plan)
+        self.flights.append((plan.step_id, plan))
+
+    @rule(i=st.integers(0, 5), n=st.integers(2, 30), more=st.integers(1, 9))
+    def next_turn(self, i: int, n: int, more: int) -> None:
+        """A conversation: a fresh prompt computed to its end in overlapped chunks and
+        finished, then its next turn (the prompt and more) admitted under the same id while a
+        plan of everyone else is in flight: with a state group it resumes from a checkpoint of
+        the first turn (the rows are checked as every plan's)."""
+        mgr = self.mgr
+        assert mgr is not None
+        seq_id = OVERLAP_IDS[i]
+        prompt = self.tokens(n)
+        if seq_id in self.live() or not self.call("add", lambda: mgr.add(seq_id, prompt))[0]:
+            return
+        self.prompts[seq_id] = prompt
+        self.admitted.pop(seq_id, None)
+        for _ in range(2 * n):
+            if mgr.num_computed(seq_id) >= n:
+                break
+            ok, r = self.call("schedule", lambda: mgr.schedule(seq_id, 8))
+            if ok:
+                self.admit([r])
+            if ok and r is None:
+                return  # out of blocks: a turn another time
+            self.build_checked()
+        if mgr.num_computed(seq_id) < n or not self.call("finish", lambda: mgr.finish(seq_id))[0]:
+            return
+        others = self.live()
+        ok, results = self.call("schedule_batch", lambda: mgr.schedule_batch(others, 4))
+        if ok:
+            self.admit(results)
+        self.build_checked()
+        turn = prompt + self.tokens(more)
+        if not self.call("add", lambda: mgr.add(seq_id, turn))[0]:
+            return
+        self.prompts[seq_id] = turn
+        ok, r = self.call("schedule", lambda: mgr.schedule(seq_id, 64))
+        if ok:
+            self.admit([r])
+        self.build_checked()
 
     @rule(i=st.integers(0, 5), preempt=st.booleans())
     def release(self, i: int, preempt: bool) -> None:
         mgr = self.mgr
         assert mgr is not None
         seq_id = OVERLAP_IDS[i]
-        self.call("finish/preempt", lambda: (mgr.preempt if preempt else mgr.finish)(seq_id))
+        if self.call("finish/preempt", lambda: (mgr.preempt if preempt else mgr.finish)(seq_id))[0]:
+            self.admitted.pop(seq_id, None)
 
     def teardown(self) -> None:
         mgr = self.mgr
@@ -2996,6 +3195,10 @@ def run_campaign(examples: int, seed: int, steps: int, rounds: int, shrink: bool
                     print(note)
     elapsed = time.perf_counter() - started
     print(f"\n{OPERATIONS} operations in {elapsed:.1f} s ({OPERATIONS / elapsed:.0f} per second)")
+    print(
+        f"overlapped: {CHECKPOINT_RESUMES} rows resumed from a checkpoint, "
+        f"{CHECKPOINT_RESUMES_IN_FLIGHT} of them with plans in flight"
+    )
     print(f"{len(failures)} failing round(s)" + ("" if not failures else ":"))
     for f in failures:
         print("  " + f)
