@@ -146,8 +146,17 @@ enum Op {
         pick: u8,
     },
     /// An overlapped decode round: commit the oldest plan when D are in flight, resolve one
-    /// placeholder of each sequence that has one, then one placeholder and one token each.
+    /// placeholder of each started sequence that has one, then one placeholder and one token
+    /// each (a prefill chunk for those still computing their prompt).
     Round,
+    /// The same round through `decode_step_overlapped` (one call; at D > 1 only, for the
+    /// sequences that are decoding).
+    FastRound,
+    /// A conversation's next turn: finish a sequence, then add its known tokens and more.
+    Turn {
+        pick: u8,
+        fresh: u8,
+    },
     /// Several rounds (decode long enough to cross unit boundaries).
     Decode {
         rounds: u8,
@@ -170,6 +179,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<u8>().prop_map(|pick| Op::Finish { pick }),
         1 => any::<u8>().prop_map(|pick| Op::Preempt { pick }),
         3 => Just(Op::Round),
+        2 => Just(Op::FastRound),
+        1 => (any::<u8>(), 1u8..6).prop_map(|(pick, fresh)| Op::Turn { pick, fresh }),
         1 => (2u8..9).prop_map(|rounds| Op::Decode { rounds }),
     ]
 }
@@ -713,6 +724,21 @@ impl Model {
                 None => Ok(()),
             },
             Op::Round => self.round(),
+            Op::FastRound => self.fast_round(),
+            Op::Turn { pick, fresh } => {
+                let Some(id) = self.pick(pick) else { return Ok(()) };
+                if self.classic_busy() {
+                    return Ok(());
+                }
+                let mut tokens = self.seqs[&id].tokens.clone();
+                self.release(id, Retire::Finish)?;
+                self.check_all()?;
+                for _ in 0..fresh {
+                    tokens.push(self.fresh());
+                }
+                self.saw("next turn");
+                self.add_seq(tokens)
+            }
             Op::Decode { rounds } => {
                 for _ in 0..rounds {
                     self.round()?;
@@ -735,7 +761,8 @@ impl Model {
         }
         let ids: Vec<u64> = self.seqs.keys().copied().collect();
         for &id in &ids {
-            if self.seqs[&id].placeholders > 0 && self.seqs[&id].steps.iter().all(|s| s.plan != 0) {
+            let seq = &self.seqs[&id];
+            if seq.started && seq.placeholders > 0 && seq.steps.iter().all(|s| s.plan != 0) {
                 self.resolve(id, 1)?;
             }
         }
@@ -755,6 +782,77 @@ impl Model {
         self.build()?;
         self.saw("overlapped round");
         Ok(())
+    }
+
+    /// `round` in one `decode_step_overlapped` call, where it must succeed: the oldest plan
+    /// commits when D are in flight, one placeholder of each started sequence with one and no step
+    /// waiting for the next plan is resolved, and each decoding sequence (started, every token
+    /// planned, below D steps, not retiring, none waiting for the next plan) gets a placeholder
+    /// and one token scheduled; the plan holds whatever else was scheduled before them.
+    fn fast_round(&mut self) -> Result<(), String> {
+        let depth = self.s.depth as usize;
+        if depth == 1 {
+            return self.round();
+        }
+        let commit = (self.plans.len() >= depth).then(|| self.plans[0].0);
+        if commit.is_some() {
+            self.commit_oldest();
+        }
+        let ready = |s: &Seq| s.steps.iter().all(|st| st.plan != 0);
+        let resolve: Vec<u64> = self
+            .seqs
+            .values()
+            .filter(|s| s.started && s.placeholders > 0 && ready(s))
+            .map(|s| s.id)
+            .collect();
+        let tokens: Vec<u32> = resolve.iter().map(|_| self.fresh()).collect();
+        let decoding: Vec<u64> = self
+            .seqs
+            .values()
+            .filter(|s| {
+                s.started
+                    && s.retiring.is_none()
+                    && s.steps.len() < depth
+                    && ready(s)
+                    && s.planned() >= s.len()
+            })
+            .map(|s| s.id)
+            .collect();
+        let mut plan = prefixcache_core::StepPlan::default();
+        let r = self.m.decode_step_overlapped(commit, &resolve, &tokens, &decoding, &mut plan);
+        let r = r.map_err(|e| format!("decode_step_overlapped: {e}"))?;
+        for (&id, &t) in resolve.iter().zip(&tokens) {
+            self.note_resolve(id, &[t]);
+        }
+        ensure!(r.len() == decoding.len(), "{} results for {} sequences", r.len(), decoding.len());
+        for (&id, got) in decoding.iter().zip(r) {
+            self.note_placeholders(id, 1);
+            let start = self.seqs[&id].planned();
+            let got = got.ok_or("a never-evicting pool refused a decode step")?;
+            ensure!(
+                got.seq_id == id
+                    && got.num_computed == start
+                    && got.num_tokens == 1
+                    && got.hit.is_none(),
+                "decode_step_overlapped scheduled {got:?}, expected [{start}, {})",
+                start + 1
+            );
+            if self.seqs[&id].steps.iter().any(|s| s.plan != 0) {
+                self.saw("continuation scheduled");
+            }
+            let seq = self.seqs.get_mut(&id).unwrap();
+            seq.steps.push(Step {
+                plan: 0,
+                start,
+                end: start + 1,
+                first: false,
+                slots: None,
+                ckpts: Vec::new(),
+            });
+            self.unbuilt.push((false, id));
+        }
+        self.saw("decode_step_overlapped");
+        self.check_built(&plan)
     }
 
     fn schedule(&mut self, id: u64, budget: u32) -> Result<(), String> {
@@ -806,6 +904,9 @@ impl Model {
                 resume = Some(block);
                 self.want.hits += 1;
                 self.saw("schedule resumed from a checkpoint");
+                if self.ck[&block].decode_tail {
+                    self.saw("schedule resumed from a decode tail");
+                }
             }
             let committed = self.fa_bound(&seq.tokens, h.max_tokens, &BTreeMap::new());
             let committed = (committed >= h.tokens + 2 * U).then_some(committed);
@@ -878,6 +979,12 @@ impl Model {
             self.saw("build_plan refused at D");
             return Ok(());
         };
+        self.check_built(&plan)
+    }
+
+    /// A plan just built against the sequences scheduled for it (rows, chunks, state slots,
+    /// checkpoints, whose blocks it takes).
+    fn check_built(&mut self, plan: &prefixcache_core::StepPlan) -> Result<(), String> {
         let id = self.next_plan;
         self.next_plan += 1;
         ensure!(plan.step_id == id, "plan id {} expected {id}", plan.step_id);
@@ -897,7 +1004,7 @@ impl Model {
                 step.end
             );
             let (slots, ckpts) = if self.s.state.is_some() {
-                let (slots, ckpts) = self.check_state_row(&plan, row, &seq, &step)?;
+                let (slots, ckpts) = self.check_state_row(plan, row, &seq, &step)?;
                 (Some(slots), ckpts)
             } else {
                 (None, Vec::new())
@@ -1254,15 +1361,20 @@ impl Model {
         let expect = if self.classic_busy() { "Step" } else { "ok" };
         ensure!(kind(&r) == expect, "append_placeholders {id}: {r:?}");
         if r.is_ok() {
-            let stamp = self.next_plan - 1;
-            let seq = self.seqs.get_mut(&id).unwrap();
-            seq.placeholders += count;
-            match seq.log.last_mut() {
-                Some((s, n)) if *s == stamp => *n += count,
-                _ => seq.log.push((stamp, count)),
-            }
+            self.note_placeholders(id, count);
         }
         Ok(())
+    }
+
+    /// Placeholders appended: stamped with the plan built last.
+    fn note_placeholders(&mut self, id: u64, count: u32) {
+        let stamp = self.next_plan - 1;
+        let seq = self.seqs.get_mut(&id).unwrap();
+        seq.placeholders += count;
+        match seq.log.last_mut() {
+            Some((s, n)) if *s == stamp => *n += count,
+            _ => seq.log.push((stamp, count)),
+        }
     }
 
     fn resolve(&mut self, id: u64, count: u32) -> Result<(), String> {
@@ -1275,6 +1387,14 @@ impl Model {
             self.saw("resolve beyond the placeholders refused");
             return Ok(());
         }
+        self.note_resolve(id, &tokens);
+        Ok(())
+    }
+
+    /// The oldest placeholders filled with `tokens`: what their commit left waiting for them
+    /// is published (paged keys, then checkpoints in ascending position).
+    fn note_resolve(&mut self, id: u64, tokens: &[u32]) {
+        let count = tokens.len() as u32;
         let seq = self.seqs.get_mut(&id).unwrap();
         seq.placeholders -= count;
         let mut left = count;
@@ -1287,7 +1407,7 @@ impl Model {
                 seq.log.remove(0);
             }
         }
-        seq.tokens.extend(&tokens);
+        seq.tokens.extend(tokens);
         let known = seq.tokens.len() as u32;
         let ready: Vec<u32> = seq.deferred.iter().copied().filter(|&q| q <= known).collect();
         for q in &ready {
@@ -1307,7 +1427,6 @@ impl Model {
             self.publish_ck(&tokens, p, b, false);
             self.saw("resolve published a waiting checkpoint");
         }
-        Ok(())
     }
 
     fn append(&mut self, id: u64, count: u32) -> Result<(), String> {
@@ -1563,6 +1682,7 @@ fn overlapped_traffic_reaches_every_path() {
     }
     let want = [
         "overlapped round",
+        "decode_step_overlapped",
         "continuation scheduled",
         "several plans in flight",
         "build_plan refused at D",
@@ -1592,6 +1712,7 @@ fn overlapped_traffic_reaches_every_path() {
         "finish published the decode tail",
         "finish dropped a decode tail over a placeholder",
         "schedule resumed from a checkpoint",
+        "schedule resumed from a decode tail",
         "resumed from one of several copies",
         "a second copy of a checkpoint published",
         "an undone first step released its resume checkpoint",
