@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         "prefixcache.kernels.prefill_attention)",
     )
     simulate.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode-only steps from CUDA graphs, one per row count and context bucket "
+        "(default: on where they can run: CUDA, a FlashKDA backend, the Triton convolution and "
+        "decode attention; prefixcache.models.graphs). --no-cuda-graphs runs every step eagerly",
+    )
+    simulate.add_argument(
         "--warm-up",
         # "auto" + prefixcache.engine.simulate.WARM_UPS (imported lazily)
         choices=("auto", "none", "shapes", "full"),
@@ -502,6 +510,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             conv=args.conv,
             decode_attention=args.decode_attention,
             split_prefill=not args.no_prefill_split,
+            cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
         )
         workload = workload_preset(
             name, args.preset, trace_path=trace_path, vocab_size=model.config.vocab_size
@@ -534,7 +543,8 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"x{config.attention_head_dim}, MLP {config.mlp_hidden_size}, vocabulary "
         f"{config.vocab_size}, {str(model.dtype).removeprefix('torch.')}, random weights; "
         f"conv {backend.conv_impl}, decode attention {model.decode_attention}, prefill split "
-        f"{'on' if model.split_prefill else 'off'}, KDA timing {model.kda_timer.mode}"
+        f"{'on' if model.split_prefill else 'off'}, KDA timing {model.kda_timer.mode}, CUDA "
+        f"graphs {'on' if model.graphs is not None else 'off'}"
     )
     adjusted = geometry != workload.geometry
     print(

@@ -81,6 +81,7 @@ import torch
 import prefixcache as pc
 
 from ..kernels import BlockTables, Step
+from ..kernels._convert import to_device
 from ..models import HybridModel, ModelCaches
 from .policy import PAGED_GROUP, STATE_GROUP, Policy
 from .results import RequestResult, RunResult
@@ -521,7 +522,7 @@ class _Loop:
             if end == len(seq.tokens):
                 logits_indices.append(last - 1)
         return (
-            torch.tensor(token_ids, dtype=torch.int64, device=self.model.device),
+            to_device(torch.tensor(token_ids, dtype=torch.int64), self.model.device),
             np.asarray(logits_indices, dtype=np.int64),
         )
 

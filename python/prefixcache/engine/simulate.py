@@ -71,6 +71,7 @@ def build_model(
     conv: ConvImpl | Literal["auto"] = "auto",
     decode_attention: str = "auto",
     split_prefill: bool = True,
+    cuda_graphs: bool | str = "auto",
 ) -> HybridModel:
     """The reference model on ``device`` with the kernel backend ``backend``.
 
@@ -86,7 +87,9 @@ def build_model(
     ``prefixcache.kernels.conv_triton``); ``decode_attention`` how attention layers compute
     decode rows (``"auto"``: ``"triton"`` on CUDA, ``"torch"`` on the CPU;
     ``prefixcache.kernels.decode_attention``); ``split_prefill`` whether a prefill chunk's
-    cached prefix is split across the GPU (``prefixcache.kernels.prefill_attention``). Raises
+    cached prefix is split across the GPU (``prefixcache.kernels.prefill_attention``);
+    ``cuda_graphs`` whether decode-only steps replay CUDA graphs (``"auto"``: where they can run;
+    ``prefixcache.models.graphs``). Raises
     ``BackendUnavailableError`` when the backend cannot run here, ``UnsupportedLayerError`` when
     the convolution or the decode attention cannot.
     """
@@ -120,6 +123,7 @@ def build_model(
         device=torch_device,
         decode_attention=decode_attention,
         split_prefill=split_prefill,
+        cuda_graphs=cuda_graphs,
     )
     model.kda_timer = KernelTimer(torch_device, timing)
     return model
@@ -185,6 +189,7 @@ class SimulationReport:
     conv: str = "torch"
     decode_attention: str = "torch"
     split_prefill: bool = True
+    cuda_graphs: bool = False
     warm_up: str = "none"
     runs: dict[str, RunResult] = field(default_factory=dict)
     step_times: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -264,6 +269,7 @@ class SimulationReport:
             "conv": self.conv,
             "decode_attention": self.decode_attention,
             "split_prefill": self.split_prefill,
+            "cuda_graphs": self.cuda_graphs,
             "warm_up": self.warm_up,
             "pools": None
             if self.engine_config is None
@@ -406,6 +412,7 @@ def simulate(
         conv=model.backend.conv_impl,
         decode_attention=model.decode_attention,
         split_prefill=model.split_prefill,
+        cuda_graphs=model.graphs is not None,
     )
     mode: WarmUp
     if warm_up is None:

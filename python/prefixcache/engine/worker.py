@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..kernels._convert import to_device
+
 if TYPE_CHECKING:
     from ..kernels import Step
     from ..models import HybridModel, ModelCaches
@@ -161,11 +163,13 @@ class ForwardWorker:
         device = self.device
         cuda = device.type == "cuda"
         began = time.perf_counter()
-        token_ids = job.token_ids.to(device)
+        # Host data reaches the device through pinned memory without waiting for it (a plain
+        # copy of pageable memory synchronises the stream: the worker could not run ahead).
+        token_ids = to_device(job.token_ids, device)
         for step_id, positions, indices in job.fills:
             sampled = self._samples[step_id]  # KeyError: a hole naming a job not run last
-            token_ids[torch.from_numpy(positions).to(device)] = sampled[
-                torch.from_numpy(indices).to(device)
+            token_ids[to_device(torch.from_numpy(positions), device)] = sampled[
+                to_device(torch.from_numpy(indices), device)
             ]
         timer = self.model.kda_timer
         timer.enabled = job.timed

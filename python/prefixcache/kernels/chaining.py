@@ -14,16 +14,28 @@ slices; other rounds gather their tokens (and scatter the outputs back).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from .backend import read_states_at, upload, write_states_at
 from .plan import StatePlan
 
-__all__ = ["KernelCall", "Round", "Segment", "SegmentBatch", "plan_rounds", "run_rounds"]
+_T = TypeVar("_T")
+
+__all__ = [
+    "KernelCall",
+    "Round",
+    "Segment",
+    "SegmentBatch",
+    "bind_round_inputs",
+    "plan_rounds",
+    "run_rounds",
+]
 
 
 @dataclass(frozen=True)
@@ -171,6 +183,45 @@ class _RoundInputs:
             exported_rows=rows_d if exported else None,
             exported_slots=slots_d if exported else None,
         )
+
+
+def bind_round_inputs(
+    plan: StatePlan,
+    device: torch.device,
+    *,
+    cu_seqlens: torch.Tensor,
+    initial_slots: torch.Tensor,
+    final_slots: torch.Tensor,
+) -> None:
+    """Make :func:`run_rounds` read the index arrays of a plan of whole rows without
+    checkpoints (a decode step's: one round, in place) from these int64 device tensors instead
+    of uploading them, for every ``per_call``: a CUDA graph's static inputs, refilled before
+    each replay. Raises ``ValueError`` on a plan with checkpoints."""
+    if plan.num_checkpoints:
+        raise ValueError("only a plan without checkpoints has its round inputs bound")
+    for per_call in (0, 1):
+        rounds = plan_rounds(plan, per_call)
+        if len(rounds) != 1:
+            raise ValueError("a plan of whole rows without checkpoints runs in one round")
+        inputs = _RoundInputs(
+            whole=True,
+            contiguous=True,
+            token_index=None,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_host=torch.tensor(plan.query_start_loc, dtype=torch.int64),
+            initial_slots=initial_slots,
+            final_slots=final_slots,
+            missing=False,
+            checkpoint_offsets=None,
+            exported_rows=None,
+            exported_slots=None,
+        )
+        bound: tuple[list[Round], list[_RoundInputs]] = (rounds, [inputs])
+        plan.derived(("round-inputs", device, id(rounds)), functools.partial(_same, bound))
+
+
+def _same(value: _T) -> _T:
+    return value
 
 
 def run_rounds(

@@ -37,7 +37,7 @@ from .conv import check_conv_inputs
 from .params import KDALayerParams
 from .plan import StatePlan
 
-__all__ = ["causal_conv_triton", "triton_unavailable_reason"]
+__all__ = ["bind_index", "causal_conv_triton", "triton_unavailable_reason"]
 
 BLOCK_T = 32
 BLOCK_C = 64
@@ -200,6 +200,25 @@ class _Index:
         sizes = [plan.num_rows + 1, plan.num_rows, len(cuts), len(cuts), len(cuts)]
         loc, initial, rows, offsets, slots = torch.split(to_device(host, device), sizes)
         return cls(loc, initial, rows, offsets, slots, longest=max(plan.lengths(), default=0))
+
+
+def bind_index(
+    plan: StatePlan,
+    device: torch.device,
+    *,
+    query_start_loc: torch.Tensor,
+    initial: torch.Tensor,
+    cut_rows: torch.Tensor,
+    cut_offsets: torch.Tensor,
+    cut_slots: torch.Tensor,
+) -> None:
+    """Make :func:`causal_conv_triton` read ``plan``'s launch arrays from these int64 device
+    tensors instead of uploading them: a CUDA graph's static inputs, refilled before each
+    replay with the values of the step replayed (``plan``'s own values then only shape the
+    launch: its rows and its longest query)."""
+    longest = max(plan.lengths(), default=0)
+    index = _Index(query_start_loc, initial, cut_rows, cut_offsets, cut_slots, longest=longest)
+    plan.derived(("conv-triton", device), lambda: index)
 
 
 def causal_conv_triton(

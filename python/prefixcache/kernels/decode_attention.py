@@ -42,7 +42,13 @@ import torch
 from ._convert import to_device
 from .conv_triton import triton_unavailable_reason
 
-__all__ = ["DECODE_BLOCK_N", "DecodeRows", "paged_decode_attention", "triton_unavailable_reason"]
+__all__ = [
+    "DECODE_BLOCK_N",
+    "DecodeRows",
+    "context_bucket",
+    "paged_decode_attention",
+    "triton_unavailable_reason",
+]
 
 #: Context tokens per tile of the split kernel (a multiple of 16, as ``tl.dot`` needs).
 DECODE_BLOCK_N = 64
@@ -96,6 +102,50 @@ class DecodeRows:
         block table covers (``ValueError``), every block it needs in ``[0, num_blocks)``
         (``IndexError``). Uploaded once: every attention layer of the step reads the same tensors.
         """
+        checked = cls.check(
+            block_tables, seq_lens, query_start_loc, num_blocks=num_blocks, block_size=block_size
+        )
+        if checked is None:
+            return None
+        return cls.from_checked(checked, query_start_loc, block_size=block_size, device=device)
+
+    @classmethod
+    def from_checked(
+        cls,
+        checked: tuple[np.ndarray, np.ndarray, np.ndarray],
+        query_start_loc: np.ndarray,
+        *,
+        block_size: int,
+        device: torch.device | str,
+    ) -> DecodeRows:
+        """The rows :meth:`check` returned (``checked``), uploaded."""
+        rows, lens, chosen = checked
+        loc = np.asarray(query_start_loc, dtype=np.int64).reshape(-1)
+        # One upload (pinned, without a host stall) for the three; they are views of it.
+        count = rows.size
+        packed = np.concatenate([loc[rows], lens, chosen.reshape(-1)]).astype(np.int32)
+        flat = to_device(torch.from_numpy(packed), torch.device(device))
+        return cls(
+            rows=rows,
+            token_index=flat[:count],
+            block_tables=flat[2 * count :].view(count, chosen.shape[1]),
+            seq_lens=flat[count : 2 * count],
+            max_seq_len=int(lens.max()),
+            block_size=block_size,
+        )
+
+    @staticmethod
+    def check(
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+        query_start_loc: np.ndarray,
+        *,
+        num_blocks: int,
+        block_size: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """:meth:`select`'s host part: ``(rows, seq_lens, block_tables)`` of the decode rows as
+        int64 host arrays (unused table entries zeroed), or ``None`` when there are none;
+        raises as :meth:`select` does."""
         loc = np.asarray(query_start_loc, dtype=np.int64).reshape(-1)
         lengths = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
         tables = np.asarray(block_tables)
@@ -128,18 +178,15 @@ class DecodeRows:
         # Unused entries (padding may hold anything) are zeroed: nothing reads them, but an
         # int32 table must hold them.
         chosen = np.where(used, chosen, 0)
-        # One upload (pinned, without a host stall) for the three; they are views of it.
-        count = rows.size
-        packed = np.concatenate([loc[rows], lens, chosen.reshape(-1)]).astype(np.int32)
-        flat = to_device(torch.from_numpy(packed), torch.device(device))
-        return cls(
-            rows=rows,
-            token_index=flat[:count],
-            block_tables=flat[2 * count :].view(count, tables.shape[1]),
-            seq_lens=flat[count : 2 * count],
-            max_seq_len=int(lens.max()),
-            block_size=block_size,
-        )
+        return rows, lens, chosen
+
+
+def context_bucket(max_seq_len: int) -> int:
+    """The context length the split kernel is sized for: the next power of two of the step's
+    longest decode context, at least :data:`MIN_SPLIT_TOKENS`. Steps whose longest context
+    falls in one bucket launch the same grid, so a CUDA graph captured for the bucket replays
+    exactly what the eager call would run."""
+    return max(MIN_SPLIT_TOKENS, _next_power_of_two(max_seq_len))
 
 
 def split_tokens(max_seq_len: int, programs_per_split: int, block_n: int = DECODE_BLOCK_N) -> int:
@@ -286,8 +333,9 @@ def paged_decode_attention(
     if block_n < 16 or block_n % 16:
         raise ValueError(f"block_n must be a positive multiple of 16, got {block_n}")
     group = heads // kv_heads
-    split = split_tokens(rows.max_seq_len, rows.num_rows * kv_heads, block_n)
-    num_splits = -(-rows.max_seq_len // split)
+    span = context_bucket(rows.max_seq_len)
+    split = split_tokens(span, rows.num_rows * kv_heads, block_n)
+    num_splits = -(-span // split)
     bd = max(16, _next_power_of_two(head_dim))
     device = query.device
     acc = torch.empty(rows.num_rows * heads * num_splits * bd, dtype=torch.float32, device=device)

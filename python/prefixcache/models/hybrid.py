@@ -23,13 +23,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernels import KDABackend, PagedKVCache, StateCache, Step
+from ..kernels import KDABackend, PagedKVCache, StateCache, StatePlan, Step
 from ..kernels._convert import to_device
 from ..kernels.copies import copy_checked_blocks, copy_checked_states, copy_shapes
 from ..kernels.decode_attention import DecodeRows, triton_unavailable_reason
 from ..kernels.errors import UnsupportedLayerError
 from ..kernels.validate import check_copies, check_snapshots
 from .config import ModelConfig
+from .graphs import DEFAULT_MAX_ROWS, DecodeGraphs, decode_graph_key, graphs_unavailable_reason
 from .layers import MLP, AttentionLayer, KDALayer, rms_norm
 from .timing import KernelTimer
 
@@ -93,6 +94,8 @@ class HybridModel:
         dtype: torch.dtype | None = None,
         decode_attention: str = "auto",
         split_prefill: bool = True,
+        cuda_graphs: bool | str = "auto",
+        graph_rows: int = DEFAULT_MAX_ROWS,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -135,6 +138,15 @@ class HybridModel:
             if isinstance(layer, KDALayer):
                 backend.check_layer(layer.params, self.dtype, self.device)
         self.kda_timer = KernelTimer(self.device)
+        # Decode-only steps replayed from CUDA graphs (models.graphs): "auto" where they can run.
+        self.graphs: DecodeGraphs | None = None
+        reason = graphs_unavailable_reason(self)
+        if cuda_graphs is True and reason is not None:
+            raise UnsupportedLayerError(f"cuda_graphs: {reason}")
+        if cuda_graphs not in (True, False, "auto"):
+            raise ValueError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
+        if cuda_graphs is not False and reason is None:
+            self.graphs = DecodeGraphs(graph_rows)
 
     @staticmethod
     def check_decode_attention(name: str, device: torch.device) -> str:
@@ -226,7 +238,7 @@ class HybridModel:
         paged = step.paged_group(caches.paged_group) if caches.kv else None
         if logits_indices is None:
             logits_indices = np.asarray(step.query_start_loc[1:], dtype=np.int64) - 1
-        slot_mapping: torch.Tensor | np.ndarray | None = None
+        host_slots = None
         slots_checked = False
         if paged is not None:
             host_slots = np.ascontiguousarray(paged.slot_mapping, dtype=np.int64)
@@ -234,21 +246,98 @@ class HybridModel:
             # slots back from the GPU (a synchronisation per layer). A plan with padding (-1)
             # or a bad slot takes each cache's own checks instead.
             slots_checked = all(cache.slots_in_range(host_slots) for cache in caches.kv)
-            slot_mapping = to_device(torch.from_numpy(host_slots), self.device)
-            if not slots_checked:
-                slot_mapping = host_slots
-        decode = None
+        decode_host = None
         if paged is not None and self.decode_attention == "triton":
-            # Selected, checked and uploaded once; every attention layer reads the same rows.
-            decode = DecodeRows.select(
+            decode_host = DecodeRows.check(
                 paged.block_tables,
                 step.seq_lens,
                 step.query_start_loc,
                 num_blocks=min(cache.num_blocks for cache in caches.kv),
                 block_size=caches.kv[0].block_size,
-                device=self.device,
+            )
+        graph_key = None
+        if (
+            self.graphs is not None
+            and plan is not None
+            and state is not None
+            and host_slots is not None
+            and slots_checked
+            and decode_host is not None
+            and not self.kda_timer.enabled  # a timed step runs eagerly
+        ):
+            graph_key = decode_graph_key(
+                step.query_start_loc,
+                step.seq_lens,
+                logits_indices,
+                state.initial_slot,
+                plan.num_checkpoints,
+                block_size=caches.block_size,
+                max_rows=self.graphs.max_rows,
             )
         copy_checked_blocks(copies, {caches.paged_group: caches.kv})
+        if graph_key is not None:
+            assert state is not None and host_slots is not None and decode_host is not None
+            logits = self.graphs.run(  # type: ignore[union-attr]
+                self,
+                graph_key,
+                token_ids,
+                caches,
+                (
+                    host_slots,
+                    np.asarray(state.initial_slot, dtype=np.int64),
+                    np.asarray(state.running_slot, dtype=np.int64),
+                    np.asarray(step.seq_lens, dtype=np.int64),
+                    decode_host[2],
+                ),
+            )
+        else:
+            slot_mapping: torch.Tensor | np.ndarray | None = None
+            if host_slots is not None:
+                slot_mapping = host_slots
+                if slots_checked:
+                    slot_mapping = to_device(torch.from_numpy(host_slots), self.device)
+            decode = None
+            if decode_host is not None:
+                decode = DecodeRows.from_checked(
+                    decode_host,
+                    step.query_start_loc,
+                    block_size=caches.block_size,
+                    device=self.device,
+                )
+            index = torch.from_numpy(np.ascontiguousarray(logits_indices, dtype=np.int64))
+            logits = self.forward_layers(
+                token_ids,
+                caches,
+                plan=plan,
+                slot_mapping=slot_mapping,
+                slots_checked=slots_checked,
+                block_tables=None if paged is None else paged.block_tables,
+                seq_lens=step.seq_lens,
+                query_start_loc=step.query_start_loc,
+                decode=decode,
+                logits_index=to_device(index, self.device),
+            )
+        copy_checked_states(caches.states, snapshots)
+        return logits
+
+    def forward_layers(
+        self,
+        token_ids: torch.Tensor,
+        caches: ModelCaches,
+        *,
+        plan: StatePlan | None,
+        slot_mapping: torch.Tensor | np.ndarray | None,
+        slots_checked: bool,
+        block_tables: np.ndarray | None,
+        seq_lens: np.ndarray,
+        query_start_loc: np.ndarray,
+        decode: DecodeRows | None,
+        logits_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layers of a step already checked by :meth:`execute`, from its device inputs:
+        the embedding, every layer (writing K/V and states), the final norm and the logits of
+        the packed rows ``logits_index``. Launches only device work (a CUDA graph captures it
+        with static inputs: ``models.graphs``)."""
         eps = self.config.rms_eps
         states = iter(caches.states)
         kv = iter(caches.kv)
@@ -262,24 +351,21 @@ class HybridModel:
                     assert plan is not None
                     x = x + mixer.forward(h, self.backend, next(states), plan, self.kda_timer)
                 else:
-                    assert paged is not None and slot_mapping is not None
+                    assert slot_mapping is not None and block_tables is not None
                     x = x + mixer.forward(
                         h,
                         next(kv),
                         slot_mapping,
-                        paged.block_tables,
-                        step.seq_lens,
-                        step.query_start_loc,
+                        block_tables,
+                        seq_lens,
+                        query_start_loc,
                         slots_checked=slots_checked,
                         decode=decode,
                         split_prefill=self.split_prefill,
                     )
                 x = x + mlp.forward(rms_norm(x, mlp_norm, eps))
-            index = torch.from_numpy(np.ascontiguousarray(logits_indices, dtype=np.int64))
-            last = rms_norm(x.index_select(0, index.to(self.device)), self.final_norm, eps)
-            logits = F.linear(last, self.lm_head).float()
-        copy_checked_states(caches.states, snapshots)
-        return logits
+            last = rms_norm(x.index_select(0, logits_index), self.final_norm, eps)
+            return F.linear(last, self.lm_head).float()
 
     @staticmethod
     def sample(logits: torch.Tensor) -> list[int]:

@@ -1,0 +1,255 @@
+"""CUDA graphs of decode-only steps (prefixcache.models.graphs).
+
+On the CPU: which steps qualify and which graph they replay (stated here from the rule: one
+token a row, every row sampled in order, every row resumes a state, no checkpoint; the context
+bucket is the smallest power of two holding the longest row, at least 256 tokens), the static
+buffers' fills, and that bound index tensors are read at every call (what a replay relies on).
+On the GPU (marked ``gpu``; the FlashKDA op): a replay equals the eager step bit for bit, in
+its logits and in every cache entry it writes, for three different steps through one graph,
+and steps of fewer rows or of a longer context get graphs of their own.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from prefixcache.kernels import StatePlan
+from prefixcache.kernels.chaining import bind_round_inputs, plan_rounds, run_rounds
+from prefixcache.kernels.errors import UnsupportedLayerError
+from prefixcache.kernels.step import PagedStep, StateStep, Step
+from prefixcache.models import HybridModel, ModelCaches, ModelConfig
+from prefixcache.models.graphs import StaticInputs, decode_graph_key
+
+
+def key_of(loc, lens, logits=None, initial=None, checkpoints=0, block_size=64, max_rows=8):
+    rows = len(lens)
+    return decode_graph_key(
+        np.asarray(loc),
+        np.asarray(lens),
+        np.arange(rows) if logits is None else np.asarray(logits),
+        np.arange(rows) if initial is None else np.asarray(initial),
+        checkpoints,
+        block_size=block_size,
+        max_rows=max_rows,
+    )
+
+
+def smallest_power_of_two_at_least(n: int) -> int:
+    power = 1
+    while power < n:
+        power *= 2
+    return power
+
+
+@pytest.mark.parametrize("longest", [1, 255, 256, 257, 1000, 4096, 4097, 131072, 131073])
+def test_a_decode_step_replays_the_graph_of_its_rows_and_context_bucket(longest: int) -> None:
+    key = key_of([0, 1, 2, 3], [7, longest, 3], block_size=96)
+    assert key is not None
+    bucket = max(256, smallest_power_of_two_at_least(longest))
+    assert (key.rows, key.context) == (3, bucket)
+    assert key.columns * 96 >= bucket > (key.columns - 1) * 96
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("a prefill row", {"loc": [0, 1, 3], "lens": [5, 9]}),
+        ("more rows than graphs", {"loc": list(range(10)), "lens": [5] * 9}),
+        ("a row not sampled", {"loc": [0, 1, 2], "lens": [5, 9], "logits": [1]}),
+        ("rows sampled out of order", {"loc": [0, 1, 2], "lens": [5, 9], "logits": [1, 0]}),
+        ("a row without a state", {"loc": [0, 1, 2], "lens": [5, 9], "initial": [0, -1]}),
+        ("a checkpoint", {"loc": [0, 1, 2], "lens": [5, 9], "checkpoints": 1}),
+        ("no rows", {"loc": [0], "lens": []}),
+    ],
+)
+def test_other_steps_run_eagerly(case: str, kwargs: dict) -> None:
+    assert key_of(**kwargs) is None, case
+
+
+def test_static_inputs_hold_the_latest_step_only() -> None:
+    inputs = StaticInputs(2, 3, torch.device("cpu"))
+    inputs.pack(
+        np.array([10, 11]),
+        np.array([1, 2]),
+        np.array([3, 4]),
+        np.array([100, 200]),
+        np.array([[5, 6, 7, 8], [9, 10, 11, 12]]),  # wider than the graph: cut to 3 columns
+    )
+    inputs.upload()
+    assert inputs.slots.tolist() == [10, 11]
+    assert inputs.initial.tolist() == [1, 2]
+    assert inputs.running.tolist() == [3, 4]
+    assert inputs.lens.tolist() == [100, 200]
+    assert inputs.tables.tolist() == [[5, 6, 7], [9, 10, 11]]
+    # A narrower table leaves no entry of the previous step behind.
+    inputs.pack(np.array([1, 2]), np.array([0, 0]), np.array([5, 6]), np.array([1, 2]),
+                np.array([[4], [3]]))  # fmt: skip
+    inputs.upload()
+    assert inputs.tables.tolist() == [[4, 0, 0], [3, 0, 0]]
+    assert inputs.running.tolist() == [5, 6]
+
+
+def test_bound_round_inputs_are_read_at_every_call() -> None:
+    # Two rows of one token; the bound slot tensors are changed in place between two calls,
+    # as a graph's static inputs are between two replays: each call reads the current values.
+    plan = StatePlan(
+        query_start_loc=(0, 1, 2), initial_slot=(0, 0), running_slot=(0, 1),
+        checkpoints=((), ()),
+    )  # fmt: skip
+    initial = torch.tensor([2, 0])
+    final = torch.tensor([4, 5])
+    bind_round_inputs(
+        plan, torch.device("cpu"), cu_seqlens=torch.tensor([0, 1, 2]),
+        initial_slots=initial, final_slots=final,
+    )  # fmt: skip
+    recurrent = torch.arange(8, dtype=torch.float32).view(8, 1, 1, 1).repeat(1, 1, 2, 2)
+    q = torch.zeros(2, 1, 2)
+
+    def call(batch):  # the output is the initial state's first entry; the final state + 10
+        return batch.initial_state[:, :, 0, :1].unsqueeze(0), batch.initial_state + 10, None
+
+    rounds = plan_rounds(plan, 1)
+    out = run_rounds(plan, rounds, q, q, q, q, q[..., 0], recurrent, call)
+    assert out[:, 0, 0].tolist() == [2.0, 0.0]
+    assert recurrent[4, 0, 0, 0].item() == 12.0 and recurrent[5, 0, 0, 0].item() == 10.0
+    initial.copy_(torch.tensor([1, 3]))
+    final.copy_(torch.tensor([6, 7]))
+    out = run_rounds(plan, rounds, q, q, q, q, q[..., 0], recurrent, call)
+    assert out[:, 0, 0].tolist() == [1.0, 3.0]
+    assert recurrent[6, 0, 0, 0].item() == 11.0 and recurrent[7, 0, 0, 0].item() == 13.0
+
+
+def test_a_plan_with_checkpoints_has_no_bound_round_inputs() -> None:
+    from prefixcache.kernels.plan import Checkpoint
+
+    plan = StatePlan(
+        query_start_loc=(0, 32), initial_slot=(0,), running_slot=(1,),
+        checkpoints=((Checkpoint(16, 2),),),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="checkpoints"):
+        bind_round_inputs(
+            plan, torch.device("cpu"), cu_seqlens=torch.tensor([0, 32]),
+            initial_slots=torch.tensor([0]), final_slots=torch.tensor([1]),
+        )  # fmt: skip
+
+
+def test_graphs_are_off_on_the_cpu_and_refused_when_asked_for() -> None:
+    from prefixcache.kernels import TorchBackend
+
+    config = ModelConfig.tiny()
+    assert HybridModel(config, TorchBackend(chunk_size=32)).graphs is None
+    with pytest.raises(UnsupportedLayerError, match="CUDA"):
+        HybridModel(config, TorchBackend(chunk_size=32), cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        HybridModel(config, TorchBackend(chunk_size=32), cuda_graphs="yes")
+
+
+# --- on the GPU -------------------------------------------------------------------------------
+
+BLOCK = 64
+COLUMNS = 8  # blocks per row: contexts up to 512 tokens
+
+
+def _step(qsl, lens, slots, tables, initial, running) -> Step:
+    rows = len(running)
+    return Step(
+        query_start_loc=np.asarray(qsl, np.int32),
+        seq_lens=np.asarray(lens, np.int64),
+        copies=np.zeros((0, 4), np.int64),
+        paged=(PagedStep(0, np.asarray(slots, np.int64), np.asarray(tables, np.int32)),),
+        state=(
+            StateStep(
+                1,
+                np.asarray(initial, np.int32),
+                np.asarray(running, np.int32),
+                np.zeros((rows, 0), np.int32),
+                np.full((rows, 0), -1, np.int32),
+                np.zeros((0, 2), np.int32),
+            ),
+        ),
+    )
+
+
+def _decode(rows: int, length: int, initial, running) -> Step:
+    tables = [[COLUMNS * r + c for c in range(COLUMNS)] for r in range(rows)]
+    position = length - 1
+    slots = [tables[r][position // BLOCK] * BLOCK + position % BLOCK for r in range(rows)]
+    return _step(list(range(rows + 1)), [length] * rows, slots, tables, initial, running)
+
+
+def _gpu_model():
+    from prefixcache.engine import build_model
+
+    if not torch.cuda.is_available() or not os.environ.get("PREFIXCACHE_FLASHKDA_LIB"):
+        pytest.skip("needs a CUDA device and the FlashKDA op (PREFIXCACHE_FLASHKDA_LIB)")
+    return build_model("cuda", "flashkda-op", config=ModelConfig.kimi_k3_tp8(1))
+
+
+def _prefilled(model: HybridModel, rows: int, length: int) -> ModelCaches:
+    caches = model.allocate_caches(
+        paged_blocks=COLUMNS * rows, block_size=BLOCK, state_blocks=3 * rows
+    )
+    tables = [[COLUMNS * r + c for c in range(COLUMNS)] for r in range(rows)]
+    slots = [tables[r][p // BLOCK] * BLOCK + p % BLOCK for r in range(rows) for p in range(length)]
+    step = _step(
+        [r * length for r in range(rows + 1)], [length] * rows, slots, tables, [-1] * rows,
+        list(range(rows)),
+    )  # fmt: skip
+    tokens = torch.randint(0, model.config.vocab_size, (rows * length,),
+                           generator=torch.Generator().manual_seed(1)).cuda()  # fmt: skip
+    model.execute(step, tokens, caches)
+    return caches
+
+
+def _same_caches(a: ModelCaches, b: ModelCaches) -> bool:
+    return all(torch.equal(x.conv, y.conv) and torch.equal(x.recurrent, y.recurrent)
+               for x, y in zip(a.states, b.states, strict=True)) and all(
+        torch.equal(x.key, y.key) and torch.equal(x.value, y.value)
+        for x, y in zip(a.kv, b.kv, strict=True))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_replayed_decode_steps_equal_the_eager_ones_bit_for_bit() -> None:
+    model = _gpu_model()
+    graphs = model.graphs
+    assert graphs is not None
+    rows, length = 3, 100
+    eager_caches, graph_caches = _prefilled(model, rows, length), _prefilled(model, rows, length)
+    assert _same_caches(eager_caches, graph_caches)
+    model.kda_timer.enabled = False  # a decode step runs untimed, as the engine runs it
+    generator = torch.Generator().manual_seed(2)
+    # Three steps of one graph (same rows, same bucket) with different tokens, KV slots,
+    # lengths and state slots (the running states double-buffered, as the core plans them).
+    steps = [
+        _decode(rows, length + 1, list(range(rows)), list(range(rows, 2 * rows))),
+        _decode(rows, length + 2, list(range(rows, 2 * rows)), list(range(rows))),
+        _decode(rows, length + 3, list(range(rows)), list(range(2 * rows, 3 * rows))),
+    ]
+    for number, step in enumerate(steps):
+        tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=generator).cuda()
+        model.graphs = None
+        eager = model.execute(step, tokens, eager_caches)
+        model.graphs = graphs
+        replayed = model.execute(step, tokens, graph_caches)
+        assert torch.equal(replayed, eager), number
+        assert _same_caches(eager_caches, graph_caches), number
+    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 3, 1)
+    # Fewer rows, then a context past the first bucket (256 tokens): two more graphs; then the
+    # first graph again (what it reads outlived the later captures, which free cached memory).
+    others = [
+        (_decode(2, 300, [6, 7], [3, 4]), 2),
+        (_decode(rows, 300, [3, 4, 8], [0, 1, 2]), rows),
+        (_decode(rows, length + 4, [0, 1, 2], [3, 4, 5]), rows),
+    ]
+    for number, (step, count) in enumerate(others):
+        tokens = torch.randint(0, model.config.vocab_size, (count,), generator=generator).cuda()
+        model.graphs = None
+        eager = model.execute(step, tokens, eager_caches)
+        model.graphs = graphs
+        replayed = model.execute(step, tokens, graph_caches)
+        assert torch.equal(replayed, eager), number
+        assert _same_caches(eager_caches, graph_caches), number
+    assert (graphs.captures, graphs.replays, len(graphs)) == (3, 6, 3)
