@@ -3,8 +3,9 @@
 
 Runs the reference engine over a short growing-prefix workload with the seed geometry (B = 1536,
 U = 128, budget 8,192; 8 streams of ``--first-prompt`` tokens growing by 2,000 a round) and,
-once the rounds after the first have begun (a prefill chunk over a cached prefix), measures the
-next ``--steps`` prefill steps and decode-only steps three ways:
+once round ``--measure-round`` has begun (default the last: every prefill chunk of a step past
+the previous round's prompt; the rounds before warm every shape), measures the next ``--steps``
+prefill steps and decode-only steps three ways:
 
 - **syncs**: under ``torch.cuda.set_sync_debug_mode("warn")``, every operation inside the
   forward that waits for the GPU (a device-to-host read, a pageable upload), by source line.
@@ -13,8 +14,8 @@ next ``--steps`` prefill steps and decode-only steps three ways:
   launches the whole forward before the GPU reaches it; the host's time to return from the
   forward is its launch time, the elapsed time between two events around it the GPU's own
   work. A step whose host time exceeds its GPU time is launch bound: its wall time is the host's.
-- **wall ms**: the forward from an idle GPU to its last kernel (events, no backlog): what a
-  step costs in a run.
+- **wall ms** (CPU only): the forward's wall time. On CUDA a step's wall time is what the
+  seed runs record (``prefixcache simulate``'s step times).
 
 Then one prefill and one decode step under ``torch.profiler``: the top operators by GPU and by
 host time go to ``--profile-dir`` (small text files). ``--json FILE`` writes every figure.
@@ -166,9 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=2, help="layer groups of the proxy")
     parser.add_argument("--policy", default="fine")
     parser.add_argument("--first-prompt", type=int, default=120_000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=24)
     parser.add_argument("--steps", type=int, default=5, help="measured steps of each kind")
+    parser.add_argument(
+        "--measure-round",
+        type=int,
+        default=None,
+        help="measure from this round on (default: the last; earlier rounds warm every shape)",
+    )
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--profile-dir", help="write the profiler tables here")
     parser.add_argument(
@@ -201,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     config_ = engine_config_for(workload, geometry, model.backend, overlap=False)
     policy = Policy.named(args.policy, block_size=geometry.block_size, fine_unit=geometry.unit)
     engine = Engine(model, policy, config_)
-    probe = Probe(engine.forward, model, args.first_prompt, args.steps)
+    measured = args.rounds if args.measure_round is None else args.measure_round
+    # A prefill chunk of round N ends past the prompt of round N - 1.
+    probe = Probe(engine.forward, model, spec.prompt_len(max(1, measured - 1)), args.steps)
     engine.forward = probe
     started = time.perf_counter()
     run = engine.run(workload.build(model.config.vocab_size))
