@@ -16,6 +16,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prefixcache.kernels import StatePlan
 from prefixcache.kernels.chaining import bind_round_inputs, plan_rounds, run_rounds
 from prefixcache.kernels.errors import UnsupportedLayerError
@@ -67,6 +69,44 @@ def test_a_decode_step_replays_the_graph_of_its_rows_and_context_bucket(longest:
 )
 def test_other_steps_run_eagerly(case: str, kwargs: dict) -> None:
     assert key_of(**kwargs) is None, case
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    query_lens=st.lists(st.integers(0, 3), min_size=0, max_size=10),
+    lens=st.lists(st.integers(0, 600_000), min_size=10, max_size=10),
+    sampled=st.sets(st.integers(0, 9)),
+    missing=st.sets(st.integers(0, 9)),
+    checkpoints=st.integers(0, 2),
+    block_size=st.sampled_from([16, 96, 1536]),
+    max_rows=st.integers(1, 12),
+)
+def test_the_graph_rule_over_random_steps(
+    query_lens, lens, sampled, missing, checkpoints, block_size, max_rows
+) -> None:
+    rows = len(query_lens)
+    loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    logits = np.asarray(sorted(i for i in sampled if i < rows), dtype=np.int64)
+    initial = np.asarray([-1 if r in missing else r for r in range(rows)], dtype=np.int64)
+    key = decode_graph_key(
+        loc, np.asarray(lens[:rows]), logits, initial, checkpoints,
+        block_size=block_size, max_rows=max_rows,
+    )  # fmt: skip
+    qualifies = (
+        1 <= rows <= max_rows
+        and all(n == 1 for n in query_lens)
+        and len(logits) == rows  # every row sampled (sorted: in order)
+        and not any(r in missing for r in range(rows))
+        and checkpoints == 0
+        and min(lens[:rows]) >= 1
+    )
+    assert (key is not None) == qualifies
+    if key is not None:
+        longest = max(lens[:rows])
+        assert key.rows == rows
+        assert key.context >= max(256, longest) and key.context & (key.context - 1) == 0
+        assert key.context < 2 * max(256, longest)
+        assert (key.columns - 1) * block_size < key.context <= key.columns * block_size
 
 
 def test_static_inputs_hold_the_latest_step_only() -> None:
