@@ -12,6 +12,8 @@ copies, query boundaries, the paged group's slot mapping and block tables, the s
 slots, checkpoints and snapshots): copies, then the layers, then snapshots, and returns the
 float32 logits of the tokens the engine asked to sample from. The copies, the state plan (by the
 kernel backend) and the snapshots are all validated once per step, before anything is written.
+On CUDA a decode-only step replays a CUDA graph of the layers instead of launching them
+(:mod:`prefixcache.models.graphs`); nothing inside a step waits for the GPU.
 """
 
 from __future__ import annotations
