@@ -32,10 +32,17 @@
 //!   keeps only its end when that is a unit boundary (the decode tail), and every boundary
 //!   strictly inside it is skipped `mid_step`. A position whose prefix is known and already has
 //!   a checkpoint is skipped `already_cached`; past C interior ones (below qe), `capacity`;
-//! - each kept position takes a block; at the cap (checkpoint blocks of the group: published,
-//!   planned, waiting for their tokens, private decode tails) it evicts the least recently used
-//!   unpinned published checkpoint (a decode tail only a published decode tail), or is skipped
-//!   `budget` when there is none;
+//! - each kept position takes a block, no more of them per row than the state pool has free
+//!   or cached (`budget`), and none that would leave the pool no more than the reserve of the
+//!   started sequences (two, plus one per further step in flight, each; `budget`); at the cap
+//!   (checkpoint blocks of the group: published, planned, waiting for their tokens, private
+//!   decode tails) it evicts the least recently used unpinned published checkpoint (a decode
+//!   tail only a published decode tail), or is skipped `budget` when there is none; below it a
+//!   free block first, else the pool's least recently used cached one;
+//! - running buffers: a first schedule takes a pair, a continuation one more unless it holds a
+//!   buffer neither its committed state nor any of its steps uses; the extras go back when it
+//!   has no step left. A schedule the state pool cannot supply (the pair, and the checkpoint it
+//!   resumes from when that one is cached) is refused (`None`) and changes nothing;
 //! - at commit the checkpoint the first step resumed from is released (most recently used),
 //!   then the step's checkpoints in ascending position: a decode tail replaces the sequence's
 //!   private one, a checkpoint whose prefix is known is published (most recently used), one
@@ -55,8 +62,8 @@
 //! After every call: `check_invariants`, every live sequence's whole hit and pending hit,
 //! positions, lengths and placeholders, the plans in flight, the `BlockStored` and
 //! `BlockRemoved` events of the call, and with a state group the checkpoint blocks, the cached
-//! (unpinned) ones, and the checkpoint statistics; at the end everything is committed and
-//! finished and no block may stay owned.
+//! (unpinned) ones, the blocks free or cached, and the checkpoint statistics; at the end
+//! everything is committed and finished and no block may stay owned.
 //!
 //! Cases: 96 (`PROPTEST_CASES` or `MODEL_CASES` for more); `MODEL_PATHS=1` prints how often the
 //! fixed sample of `overlapped_traffic_reaches_every_path` took each path.
@@ -96,6 +103,8 @@ struct StateSetup {
     interval: Option<u32>,
     cap: Option<u32>,
     per_step: Option<u32>,
+    /// Ids of the state pool (the null block included): small ones run out.
+    blocks: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -152,7 +161,8 @@ enum Op {
     /// The same round through `decode_step_overlapped` (one call; at D > 1 only, for the
     /// sequences that are decoding).
     FastRound,
-    /// A conversation's next turn: finish a sequence, then add its known tokens and more.
+    /// A conversation's next turn: a sequence's steps in flight commit, it finishes, and its
+    /// known tokens and more are added.
     Turn {
         pick: u8,
         fresh: u8,
@@ -191,9 +201,10 @@ fn state_setup() -> impl Strategy<Value = Option<StateSetup>> {
         prop::sample::select(vec![None, Some(U), Some(2 * U)]),
         prop::sample::select(vec![None, None, Some(2), Some(3), Some(5)]),
         prop::sample::select(vec![None, None, Some(1)]),
+        prop::sample::select(vec![1024u32, 1024, 20, 48]),
     )
-        .prop_map(|([tail, junction, decode_tail], interval, cap, per_step)| {
-            Some(StateSetup { tail, junction, decode_tail, interval, cap, per_step })
+        .prop_map(|([tail, junction, decode_tail], interval, cap, per_step, blocks)| {
+            Some(StateSetup { tail, junction, decode_tail, interval, cap, per_step, blocks })
         });
     prop_oneof![1 => Just(None), 3 => retained]
 }
@@ -235,6 +246,8 @@ struct Seq {
     retiring: Option<Retire>,
     /// The running slot of its last committed step (the committed state), if any.
     committed_slot: Option<i32>,
+    /// Running buffers it holds beyond its pair (steps deeper in flight wrote them).
+    extras: u32,
     /// Its length (placeholders counted) and junction at its first schedule.
     prefill_target: u32,
     junction: Option<u32>,
@@ -252,6 +265,12 @@ impl Seq {
     }
     fn planned(&self) -> u32 {
         self.steps.last().map_or(self.committed, |s| s.end)
+    }
+    /// Whether its running buffers hold one neither its committed state nor any of its steps
+    /// uses (the one its next step writes).
+    fn has_spare(&self) -> bool {
+        let used = usize::from(self.committed_slot.is_some()) + self.steps.len();
+        2 + self.extras as usize > used
     }
 }
 
@@ -332,7 +351,7 @@ fn config(s: &Setup) -> CacheConfig {
             }),
             pool: 1,
         });
-        pools.push(PoolConfig { num_blocks: 1024 });
+        pools.push(PoolConfig { num_blocks: st.blocks });
     }
     CacheConfig {
         hash: HashConfig { unit: U, ..HashConfig::default() },
@@ -480,6 +499,40 @@ impl Model {
         let gone = !self.has_ck(&c.prefix);
         self.expect_removed.push((block, self.digest(&c.prefix), gone));
         self.want.evictions += 1;
+    }
+
+    /// Started sequences (finished ones whose steps are still in flight included).
+    fn started(&self) -> usize {
+        self.seqs.values().chain(self.retired.values()).filter(|s| s.started).count()
+    }
+
+    /// State-pool blocks free or cached (evictable): the usable ids less the running buffers
+    /// (a pair per started sequence, and its extras) and the checkpoint blocks outside the LRU
+    /// list.
+    fn available(&self) -> usize {
+        let Some(st) = &self.s.state else { return usize::MAX };
+        let running: usize = self
+            .seqs
+            .values()
+            .chain(self.retired.values())
+            .filter(|s| s.started)
+            .map(|s| 2 + s.extras as usize)
+            .sum();
+        (st.blocks as usize - 1) - running - (self.ck_blocks() - self.lru.len())
+    }
+
+    /// A state-pool block taken (`taken` more already taken but not yet counted): a free one,
+    /// else the least recently used cached checkpoint, evicted.
+    fn take_state_block(&mut self, taken: usize) {
+        if self.available() - taken == self.lru.len() {
+            let victim = self.lru[0];
+            self.saw(if self.ck[&victim].decode_tail {
+                "the pool evicted a decode tail first"
+            } else {
+                "the pool evicted its least recently used checkpoint"
+            });
+            self.evict_ck(victim);
+        }
     }
 
     /// Checkpoint blocks the group holds: published, planned by built steps, waiting for
@@ -656,6 +709,7 @@ impl Model {
                 deferred: BTreeSet::new(),
                 retiring: None,
                 committed_slot: None,
+                extras: 0,
                 prefill_target: 0,
                 junction: None,
                 resume: None,
@@ -726,9 +780,28 @@ impl Model {
             Op::Round => self.round(),
             Op::FastRound => self.fast_round(),
             Op::Turn { pick, fresh } => {
-                let Some(id) = self.pick(pick) else { return Ok(()) };
+                // Mostly a sequence holding a decode tail (its next turn may resume there).
+                let tails: Vec<u64> =
+                    self.seqs.values().filter(|s| s.decode_tail.is_some()).map(|s| s.id).collect();
+                let id = match tails.get(usize::from(pick) % tails.len().max(1)) {
+                    Some(&id) if pick % 4 != 0 => id,
+                    _ => match self.pick(pick) {
+                        Some(id) => id,
+                        None => return Ok(()),
+                    },
+                };
                 if self.classic_busy() {
                     return Ok(());
+                }
+                // The next turn arrives after this one ended: its steps in flight commit first.
+                while self.seqs[&id].steps.iter().any(|s| s.plan != 0) {
+                    self.end(0, false)?;
+                    self.check_all()?;
+                }
+                // (and the tokens they sampled are known)
+                let unknown = self.seqs[&id].placeholders;
+                if unknown > 0 {
+                    self.resolve(id, unknown)?;
                 }
                 let mut tokens = self.seqs[&id].tokens.clone();
                 self.release(id, Retire::Finish)?;
@@ -828,7 +901,17 @@ impl Model {
         for (&id, got) in decoding.iter().zip(r) {
             self.note_placeholders(id, 1);
             let start = self.seqs[&id].planned();
-            let got = got.ok_or("a never-evicting pool refused a decode step")?;
+            let fits = self.state_room(&self.seqs[&id], None);
+            let Some(got) = got else {
+                ensure!(!fits, "decode_step_overlapped refused {id} although the pools have room");
+                self.saw("decode step refused: the state pool is short");
+                continue;
+            };
+            ensure!(fits, "decode_step_overlapped scheduled {id} although the pool is short");
+            if self.s.state.is_some() && !self.seqs[&id].has_spare() {
+                self.take_state_block(0);
+                self.seqs.get_mut(&id).unwrap().extras += 1;
+            }
             ensure!(
                 got.seq_id == id
                     && got.num_computed == start
@@ -855,6 +938,26 @@ impl Model {
         self.check_built(&plan)
     }
 
+    /// Whether the state pool has room for a schedule (`hit`: a first one's): a first step
+    /// takes its running pair, and the checkpoint it resumes from leaves the cached ones; a
+    /// continuation without a spare buffer takes one more.
+    fn state_room(&self, seq: &Seq, hit: Option<u32>) -> bool {
+        if self.s.state.is_none() {
+            return true;
+        }
+        let need = match hit {
+            Some(l) => {
+                let cached = l > 0
+                    && self
+                        .resume_choice(&seq.tokens[..l as usize])
+                        .is_some_and(|b| self.ck[&b].pins == 0);
+                2 + usize::from(cached)
+            }
+            None => usize::from(!seq.has_spare()),
+        };
+        need <= self.available()
+    }
+
     fn schedule(&mut self, id: u64, budget: u32) -> Result<(), String> {
         let depth = self.s.depth as usize;
         let seq = self.seqs[&id].clone();
@@ -875,10 +978,16 @@ impl Model {
             self.saw("schedule refused");
             return Ok(());
         };
-        let r = r.ok_or("a never-evicting pool refused a schedule")?;
         let first = !seq.started;
         let pending = (!self.plans.is_empty()).then(|| self.pending());
         let hit = first.then(|| self.expected_hit(&seq, pending.as_ref()));
+        let fits = self.state_room(&seq, hit.as_ref().map(|h| h.tokens));
+        let Some(r) = r else {
+            ensure!(!fits, "schedule {id} refused although the pools have room");
+            self.saw("schedule refused: the state pool is short");
+            return Ok(());
+        };
+        ensure!(fits, "schedule {id} succeeded although the state pool is short");
         ensure!(r.hit == hit, "schedule {id}: hit\n  got      {:?}\n  expected {hit:?}", r.hit);
         let start = hit.as_ref().map_or_else(|| seq.planned(), |h| h.tokens);
         let end = (start + budget).min(seq.len());
@@ -902,6 +1011,9 @@ impl Model {
                 }
                 self.pin(block);
                 resume = Some(block);
+                if self.ck[&block].since == 0 && self.ck[&block].decode_tail {
+                    self.saw("a pinned decode tail leaves the LRU list");
+                }
                 self.want.hits += 1;
                 self.saw("schedule resumed from a checkpoint");
                 if self.ck[&block].decode_tail {
@@ -914,9 +1026,20 @@ impl Model {
                 self.saw("junction counted keys in flight");
             }
         }
+        if self.s.state.is_some() {
+            if first {
+                self.take_state_block(0);
+                self.take_state_block(1);
+            } else if !self.seqs[&id].has_spare() {
+                self.take_state_block(0);
+                self.seqs.get_mut(&id).unwrap().extras += 1;
+                self.saw("a continuation took a further running buffer");
+            }
+        }
         let seq = self.seqs.get_mut(&id).unwrap();
         if let Some(h) = hit {
             seq.started = true;
+            seq.extras = 0;
             seq.committed = start;
             seq.prefill_target = seq.len();
             seq.junction = h.junction;
@@ -929,7 +1052,7 @@ impl Model {
 
     /// The checkpoints a step asks for, in priority order (position, decode tail), and the
     /// positions it skips by reason, before any block is taken.
-    fn predict(&self, seq: &Seq, step: &Step) -> (Vec<(u32, bool)>, [u64; 5]) {
+    fn predict(&self, seq: &Seq, step: &Step, available: usize) -> (Vec<(u32, bool)>, [u64; 5]) {
         let st = self.s.state.as_ref().expect("a state group");
         let (start, end) = (step.start, step.end);
         let mut skips = [0u64; 5];
@@ -963,6 +1086,10 @@ impl Model {
                 skips[ALREADY_CACHED] += 1;
             } else if p != end && interior >= limit {
                 skips[CAPACITY] += 1;
+            } else if planned.len() >= available {
+                // (no more blocks than the pool has free or cached now: it still counts for C)
+                interior += usize::from(p != end);
+                skips[BUDGET] += 1;
             } else {
                 interior += usize::from(p != end);
                 planned.push((p, decode_tail));
@@ -1078,7 +1205,10 @@ impl Model {
         for pair in sp.snapshots.chunks(2).filter(|pair| pair[0] == running) {
             ensure!(written.insert(step.end, pair[1] as u32).is_none(), "two at {}", step.end);
         }
-        let (planned, skips) = self.predict(seq, step);
+        let (planned, skips) = self.predict(seq, step, self.available());
+        if skips[BUDGET] > 0 {
+            self.saw("checkpoints beyond what the pool holds skipped");
+        }
         for (total, n) in self.want.skipped.iter_mut().zip(skips) {
             *total += n;
         }
@@ -1094,6 +1224,9 @@ impl Model {
         let cap = self.s.state.as_ref().and_then(|st| st.cap);
         let mut ckpts: Vec<(u32, u32, bool)> = Vec::new();
         for (p, decode_tail) in planned {
+            // Running sequences keep the reserve (a further buffer per step deeper in flight).
+            let reserve = (2 + self.s.depth as usize - 1) * self.started();
+            let fits = self.available() - ckpts.len() > reserve;
             let at_cap = cap.is_some_and(|c| self.ck_blocks() + ckpts.len() >= c as usize);
             let victim = if at_cap {
                 self.lru.iter().copied().find(|b| !decode_tail || self.ck[b].decode_tail)
@@ -1101,7 +1234,7 @@ impl Model {
                 None
             };
             let block = written.remove(&p);
-            let take = !at_cap || victim.is_some();
+            let take = fits && (!at_cap || victim.is_some());
             ensure!(
                 take == block.is_some(),
                 "row {row}: checkpoint at {p} (decode tail {decode_tail}) {}, {} blocks of cap \
@@ -1112,9 +1245,16 @@ impl Model {
             );
             let Some(block) = block else {
                 self.want.skipped[BUDGET] += 1;
-                self.saw("cap skipped a checkpoint with nothing to evict");
+                self.saw(if fits {
+                    "cap skipped a checkpoint with nothing to evict"
+                } else {
+                    "the reserve skipped a checkpoint"
+                });
                 continue;
             };
+            if !at_cap {
+                self.take_state_block(ckpts.len());
+            }
             if let Some(v) = victim {
                 self.saw(if self.ck[&v].decode_tail {
                     "cap evicted a decode tail"
@@ -1296,6 +1436,7 @@ impl Model {
                 seq.started = false;
                 seq.committed = 0;
                 seq.committed_slot = None;
+                seq.extras = 0;
                 resume = seq.resume.take();
             }
         }
@@ -1337,6 +1478,8 @@ impl Model {
         if !seq.steps.is_empty() {
             return;
         }
+        // Without steps it gives its extra running buffers back.
+        seq.extras = 0;
         match seq.retiring.take() {
             None => {}
             Some(Retire::Finish) => {
@@ -1487,6 +1630,7 @@ impl Model {
                     seq.started = false;
                     seq.committed = 0;
                     seq.committed_slot = None;
+                    seq.extras = 0;
                     seq.deferred.clear();
                 }
             }
@@ -1558,6 +1702,11 @@ impl Model {
                 self.lru.len()
             );
             ensure!(st.cap.is_none_or(|c| blocks <= c as usize), "{blocks} beyond the cap");
+            ensure!(
+                (usage.free + usage.cached) as usize == self.available(),
+                "state pool {usage:?}: the model has {} blocks free or cached",
+                self.available()
+            );
             let g = &stats.groups[STATE as usize];
             let got = CkStats {
                 published: g.checkpoints_published,
@@ -1672,7 +1821,7 @@ fn overlapped_traffic_reaches_every_path() {
     let mut runner = proptest::test_runner::TestRunner::deterministic();
     let mut seen: BTreeMap<&str, u64> = BTreeMap::new();
     let ops = prop::collection::vec(op(), 20..60);
-    for case in 0..160 {
+    for case in 0..240 {
         let s = setup().new_tree(&mut runner).unwrap().current();
         let o = ops.new_tree(&mut runner).unwrap().current();
         match run(&s, &o) {
