@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 import torch
-from prefixcache.engine import Engine, ForwardFn, RunResult, build_model, engine_config_for
+from prefixcache.engine import Engine, ForwardFn, RunResult, build_model, engine_config_for, worker
 from prefixcache.engine.policy import Policy
 from prefixcache.engine.workloads import PresetWorkload, workload_preset
 from prefixcache.kernels import Step
@@ -153,7 +153,16 @@ def main() -> None:
         "--device-ms", default="0", help="comma-separated device stand-ins, ms a step"
     )
     parser.add_argument("--system-prompts", type=int, help="shared-prompts' system prompts")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="Python's thread switch interval (s) while overlapped (default: the worker's "
+        "SWITCH_INTERVAL, which leaves it alone; 0 leaves it alone too)",
+    )
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        worker.SWITCH_INTERVAL = args.switch_interval or None
+    print(f"switch interval while overlapped: {worker.SWITCH_INTERVAL}")
     torch.set_num_threads(1)
     model = build_model("cpu", "torch")
     if args.holds:

@@ -23,6 +23,7 @@ the host, having aborted the plans and collected every outstanding job, calls
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,15 @@ if TYPE_CHECKING:
     from ..kernels import Step
     from ..models import HybridModel, ModelCaches
 
-__all__ = ["ForwardJob", "ForwardResult", "ForwardWorker", "SkippedStepError"]
+__all__ = ["SWITCH_INTERVAL", "ForwardJob", "ForwardResult", "ForwardWorker", "SkippedStepError"]
+
+#: Python's thread switch interval (seconds) while a worker runs, restored when it closes; None
+#: (the default) leaves it as it is. A thread running Python keeps the GIL until the interval
+#: ends (5 ms by default), so the worker, ready to launch the next forward, may wait that long
+#: behind the host's planning; a shorter interval hands the GIL over sooner. On the CPU 0.5 ms
+#: changed nothing measurable (docs/BENCHMARKS.md); with decode steps replayed from CUDA
+#: graphs the worker's launches take little GIL time on a GPU anyway.
+SWITCH_INTERVAL: float | None = None
 
 Forward = Callable[["Step", torch.Tensor, "ModelCaches", np.ndarray], torch.Tensor]
 
@@ -117,6 +126,10 @@ class ForwardWorker:
         # Sampled ids (on the model's device) of the latest jobs, by step id: a hole names one
         # of the two newest (the step before its own, or the one before that).
         self._samples: dict[int, torch.Tensor] = {}
+        self._switch_before: float | None = None
+        if SWITCH_INTERVAL is not None:
+            self._switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL)
         self._thread = threading.Thread(target=self._serve, name="prefixcache-forward")
         self._thread.daemon = True
         self._thread.start()
@@ -136,6 +149,9 @@ class ForwardWorker:
         """Stop the thread once the jobs queued so far have run (or been skipped)."""
         self._queue.put(None)
         self._thread.join()
+        if self._switch_before is not None:
+            sys.setswitchinterval(self._switch_before)
+            self._switch_before = None
 
     # --- the thread ---------------------------------------------------------------------------
 
