@@ -20,9 +20,11 @@
 #                                 # kernel, unless its GPU tests fail in stage 1)
 #   PREFILL_SPLIT=0 ...           # a chunk's cached prefix in one flash call (default: split,
 #                                 # unless its GPU tests fail in stage 1)
+#   CUDA_GRAPHS=0 ...             # every step eager (default: decode-only steps replay CUDA
+#                                 # graphs, unless their GPU tests fail in stage 1)
 # The seed runs share what is left of BUDGET seconds (default 585: one 600 s device call); with
-# 200 output tokens each order takes about 240 s (2026-12-02): STAGES=45 fits one call, stages
-# 1 to 3 take about 130 s more. SEED_ARGS=--no-overlap measures one step at a time, as
+# 200 output tokens each order takes about 125 to 140 s with the decode graphs (240 s eager,
+# 2026-12-02): STAGES=45 fits one call with room for stage 1 or 3. SEED_ARGS=--no-overlap measures one step at a time, as
 # docs/BENCHMARKS.md's figures are (the overlapped engine adds a step's wait to TTFT).
 set -uo pipefail
 budget=${BUDGET:-585}
@@ -48,6 +50,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torc
 
 decode=${DECODE_ATTENTION:-auto}  # the attention of decode rows (auto: the Triton kernel)
 split=()  # a prefill chunk's cached prefix split across the GPU (--no-prefill-split: one call)
+graphs=()  # decode-only steps from CUDA graphs (--no-cuda-graphs: every step eager)
+[[ ${CUDA_GRAPHS:-1} == 1 ]] || graphs=(--no-cuda-graphs)
 [[ ${PREFILL_SPLIT:-1} == 1 ]] || split=(--no-prefill-split)
 stages=${STAGES:-12345}  # which stages to run, e.g. STAGES=45
 run() { [[ $stages == *"$1"* ]]; }
@@ -64,9 +68,12 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_attention.py 2>&1 \
     | tail -3 | tee -a "$log"
 [[ ${PIPESTATUS[0]} == 0 ]] || { split=(--no-prefill-split); say "split tests failed: no split"; }
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 \
+    | tail -3 | tee -a "$log"
+[[ ${PIPESTATUS[0]} == 0 ]] || { graphs=(--no-cuda-graphs); say "graph tests failed: eager"; }
 }
 common=(--device cuda --backend flashkda-op --model kimi-k3-tp8 --depth "$depth"
-    --decode-attention "$decode" "${split[@]}")
+    --decode-attention "$decode" "${split[@]}" "${graphs[@]}")
 seed=(--preset seed "${common[@]}" ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${WARM_UP:+--warm-up "$WARM_UP"})
 # shellcheck disable=SC2206  # SEED_ARGS="--no-overlap ...": more options of the seed runs
 seed+=(${SEED_ARGS:-})

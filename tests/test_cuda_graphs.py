@@ -187,6 +187,50 @@ def test_graphs_are_off_on_the_cpu_and_refused_when_asked_for() -> None:
         HybridModel(config, TorchBackend(chunk_size=32), cuda_graphs="yes")
 
 
+def test_graphs_belong_to_one_run_and_do_not_keep_its_caches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The bookkeeping only (capture and replay need CUDA): a graph per key and caches object;
+    # other caches start a new set; a finished run's caches are not kept alive by the graphs.
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from prefixcache.models import graphs as graphs_module
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    replays: list[int] = []
+
+    def capture(self, model, key, token_ids, caches, host):
+        inputs = StaticInputs(key.rows, key.columns, torch.device("cpu"))
+        inputs.pack(*host)
+        inputs.upload()
+        graph = SimpleNamespace(replay=lambda: replays.append(key.rows))
+        return graphs_module._Graph(graph, inputs, token_ids.clone(), torch.zeros(key.rows), ())
+
+    monkeypatch.setattr(graphs_module.DecodeGraphs, "_capture", capture)
+    graphs = graphs_module.DecodeGraphs(max_rows=4)
+    key = key_of([0, 1, 2], [10, 20])
+    assert key is not None
+    host = (np.array([1, 2]), np.array([0, 1]), np.array([2, 3]), np.array([10, 20]),
+            np.zeros((2, 1), dtype=np.int64))  # fmt: skip
+    first = ModelCaches(states=[], kv=[])
+    tokens = torch.tensor([3, 4])
+    for _ in range(3):
+        graphs.run(None, key, tokens, first, host)  # type: ignore[arg-type]
+    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 3, 1)
+    second = ModelCaches(states=[], kv=[])
+    graphs.run(None, key, tokens, second, host)  # type: ignore[arg-type]
+    assert (graphs.captures, len(graphs)) == (2, 1)
+    graphs.run(None, key, tokens, second, host)  # type: ignore[arg-type]
+    assert (graphs.captures, graphs.replays, replays) == (2, 5, [2] * 5)
+    # Neither the finished run's caches nor the latest ones are kept alive by the graphs.
+    gone = [weakref.ref(first), weakref.ref(second)]
+    del first, second
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
+
+
 # --- on the GPU -------------------------------------------------------------------------------
 
 BLOCK = 64

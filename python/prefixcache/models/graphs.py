@@ -32,6 +32,7 @@ the Triton convolution and the Triton decode attention; elsewhere the model runs
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -194,7 +195,9 @@ class DecodeGraphs:
         self.captures = 0
         self.replays = 0
         self._graphs: dict[DecodeGraphKey, _Graph] = {}
-        self._caches: ModelCaches | None = None
+        # The caches the graphs were captured on, weakly: a finished run's caches are freed
+        # with it (its graphs are never replayed again, and go at the next run's first step).
+        self._caches: weakref.ref[ModelCaches] | None = None
         self._pool: Any = None
 
     def __len__(self) -> int:
@@ -211,14 +214,16 @@ class DecodeGraphs:
         """The logits of the decode step ``host`` describes (``(slots, initial, running, lens,
         tables)``, checked by the caller), replayed from ``key``'s graph (captured first if
         needed)."""
-        if caches is not self._caches:  # graphs hold the addresses of one run's caches
+        if self._caches is None or self._caches() is not caches:
+            # Graphs hold the addresses of one run's caches: new caches, new graphs.
             self._graphs.clear()
-            self._caches = caches
+            self._caches = weakref.ref(caches)
             self._pool = torch.cuda.graph_pool_handle()
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(model, key, token_ids, caches, host)
             self._graphs[key] = entry
+            self.captures += 1
         else:
             entry.inputs.pack(*host)
             entry.inputs.upload()
@@ -295,7 +300,6 @@ class DecodeGraphs:
             )
 
         graph = _capture_graph(body, caches, inputs.running, self._pool)
-        self.captures += 1
         return _Graph(
             graph=graph[0],
             inputs=inputs,
