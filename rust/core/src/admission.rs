@@ -160,8 +160,7 @@ pub(crate) fn take_blocks(
     end: u32,
     admission: Option<&Admission>,
 ) -> Result<(Vec<PagedStep>, Vec<StateStep>)> {
-    let mut paged_steps = std::mem::take(&mut seq.spare_paged);
-    let mut state_steps = std::mem::take(&mut seq.spare_state);
+    let (mut paged_steps, mut state_steps) = seq.ring.take_free_parts();
     // Every group's hit is pinned before any group allocates: groups may share a pool, and
     // an allocation must not evict a block another group is about to resume from.
     if let Some(a) = admission {
@@ -261,7 +260,7 @@ pub(crate) fn assign_running(
             (state_steps[i].write, state_steps[i].read) = (state.write_block(), state.read_slot());
             continue;
         }
-        let read = seq.step().map_or(-1, |s| s.state[i].write as i32);
+        let read = seq.continuation_read(i);
         let spare = spares.map_or_else(|| seq.spare_buffer(i), |s| Some(s[i]));
         let write = if let Some(b) = spare {
             b

@@ -334,11 +334,7 @@ impl CacheManager {
             advance_running_state(&mut self.store.pools[group.pool], state, s.write);
         }
         seq.num_computed = step.end;
-        let (mut paged, mut state) =
-            (std::mem::take(&mut step.paged), std::mem::take(&mut step.state));
-        paged.clear();
-        state.clear();
-        (seq.spare_paged, seq.spare_state) = (paged, state);
+        // (its vectors stay in the record, for the step that reuses it)
         seq.ring.pop_oldest();
         true
     }

@@ -435,8 +435,6 @@ impl CacheManager {
             paged: vec![PagedSeq::default(); self.layout.paged.len()],
             state: vec![StateSeq::default(); self.layout.state.len()],
             hint_chains,
-            spare_paged: Vec::new(),
-            spare_state: Vec::new(),
             ring: StepRing::default(),
             placeholders: 0,
             placeholder_log: VecDeque::new(),

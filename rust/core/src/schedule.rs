@@ -20,27 +20,7 @@ use crate::limits::{MAX_LOOKAHEAD_TOKENS, MAX_SEQUENCE_TOKENS, MAX_STEP_TOKENS};
 use crate::manager::{check_batch_len, CacheManager};
 use crate::plan::StepPlan;
 use crate::pool::NULL_BLOCK;
-use crate::sequence::{PagedStep, Phase, Sequence, StateStep, StepRecord};
-
-/// State groups whose spare running buffers a continuation's schedule finds once (more take
-/// the general path).
-const SPARES: usize = 4;
-
-/// The step vectors of a sequence whose tables cover its next chunk: what `take_blocks`
-/// returns then, without its per-group block arithmetic (10.2K against 9.1K instructions a
-/// hybrid decode step by `baseline hybrid N`), in the vectors of its last step.
-#[inline(always)]
-fn reuse_step_parts(seq: &mut Sequence) -> (Vec<PagedStep>, Vec<StateStep>) {
-    let mut paged = std::mem::take(&mut seq.spare_paged);
-    let mut state = std::mem::take(&mut seq.spare_state);
-    paged.extend(seq.paged.iter().map(|p| PagedStep {
-        table_len_before: p.table.len(),
-        cow: None,
-        reported_to: 0,
-    }));
-    state.resize_with(seq.state.len(), StateStep::default);
-    (paged, state)
-}
+use crate::sequence::{Phase, Sequence, StepRecord, MAX_INLINE_GROUPS};
 
 /// What `schedule` gave a sequence.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -450,16 +430,17 @@ impl CacheManager {
             return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
         }
         let reach = end + lookahead;
-        let (paged, mut state) = if tables_cover(&self.layout, seq, reach) {
-            reuse_step_parts(self.seq_mut(slot))
-        } else {
-            if !blocks_available(&self.store, &self.layout, seq, reach, None, false) {
-                self.stats.refused_schedules += 1;
-                return Ok(None);
-            }
-            take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?
-        };
-        // (`assign_running` without a step in flight, inlined: the decode step's path)
+        if tables_cover(&self.layout, seq, reach) {
+            self.seq_mut(slot).schedule_covered(start, end);
+            return Ok(Some(self.enqueued(slot, start, end)));
+        }
+        if !blocks_available(&self.store, &self.layout, seq, reach, None, false) {
+            self.stats.refused_schedules += 1;
+            return Ok(None);
+        }
+        let (paged, mut state) =
+            take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?;
+        // (`assign_running` without a step in flight, inlined)
         for (st, s) in state.iter_mut().zip(&self.seq(slot).state) {
             (st.write, st.read) = (s.write_block(), s.read_slot());
         }
@@ -481,25 +462,26 @@ impl CacheManager {
             return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
         }
         let reach = end + lookahead;
-        // The spare running buffers, found once here for up to `SPARES` state groups and
-        // handed to `assign_running`.
-        let mut spares = [NULL_BLOCK; SPARES];
+        // The spare running buffers, found once here for up to `MAX_INLINE_GROUPS` state
+        // groups and handed to `assign_running`.
+        let mut spares = [NULL_BLOCK; MAX_INLINE_GROUPS];
         let groups = self.layout.state.len();
         let buffers = groups == 0
-            || (groups <= SPARES
+            || (groups <= MAX_INLINE_GROUPS
                 && (0..groups).all(|i| {
                     spares[i] = seq.spare_buffer(i).unwrap_or(NULL_BLOCK);
                     spares[i] != NULL_BLOCK
                 }));
-        let (paged, mut state) = if buffers && tables_cover(&self.layout, seq, reach) {
-            reuse_step_parts(self.seq_mut(slot))
-        } else {
-            if !blocks_available(&self.store, &self.layout, seq, reach, None, true) {
-                self.stats.refused_schedules += 1;
-                return Ok(None);
-            }
-            take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?
-        };
+        if buffers && tables_cover(&self.layout, seq, reach) {
+            self.seq_mut(slot).schedule_covered_continuation(start, end, &spares[..groups]);
+            return Ok(Some(self.enqueued(slot, start, end)));
+        }
+        if !blocks_available(&self.store, &self.layout, seq, reach, None, true) {
+            self.stats.refused_schedules += 1;
+            return Ok(None);
+        }
+        let (paged, mut state) =
+            take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?;
         if groups > 0 {
             let found = buffers.then_some(&spares[..groups]);
             let seq = self.table.get_mut(slot);
@@ -512,9 +494,14 @@ impl CacheManager {
     #[inline(always)]
     fn enqueue_step(&mut self, slot: usize, step: StepRecord) -> Scheduled {
         let (start, end) = (step.start, step.end);
-        let seq = self.seq_mut(slot);
-        let seq_id = seq.id;
-        seq.schedule_step(step);
+        self.seq_mut(slot).schedule_step(step);
+        self.enqueued(slot, start, end)
+    }
+
+    /// The step of `slot` just made its newest, `[start, end)`, joins the next plan.
+    #[inline(always)]
+    fn enqueued(&mut self, slot: usize, start: u32, end: u32) -> Scheduled {
+        let seq_id = self.seq(slot).id;
         self.steps.scheduled.push(slot);
         self.steps.scheduled_tokens += end - start;
         self.stats.scheduled_tokens += u64::from(end - start);

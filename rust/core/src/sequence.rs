@@ -194,29 +194,68 @@ impl StepRing {
         (0..self.len).map(move |k| &self.records[(self.head + k) % n])
     }
 
+    /// Where the next `push` writes: the record after the newest (the oldest's when empty),
+    /// or `None` when every record holds a step (the push grows the ring).
+    #[inline(always)]
+    fn free_index(&self) -> Option<usize> {
+        if self.len == 0 {
+            (!self.records.is_empty()).then_some(self.head)
+        } else if self.len < self.records.len() {
+            Some(self.next(self.tail))
+        } else {
+            None
+        }
+    }
+
     /// Adds `step` as the newest.
     #[inline(always)]
     pub fn push(&mut self, step: StepRecord) {
-        if self.len == 0 && !self.records.is_empty() {
-            // (the decode step's case: the ring's one record, or any, reused)
-            self.tail = self.head;
-            self.records[self.head] = step;
-        } else if self.len < self.records.len() {
-            self.tail = self.next(self.tail);
-            self.records[self.tail] = step;
-        } else {
-            self.grow(step);
-        }
-        self.len += 1;
+        *self.push_in_place() = step;
     }
 
-    /// `push` into a full ring: one record more, after the others in order.
+    /// Adds a newest step and returns its record to be filled in place: the record an ended
+    /// step left there (its vectors keep their memory), or a new one when the ring is full.
+    #[inline(always)]
+    pub fn push_in_place(&mut self) -> &mut StepRecord {
+        let at = match self.free_index() {
+            Some(at) => at,
+            None => self.grow(),
+        };
+        self.tail = at;
+        self.len += 1;
+        &mut self.records[at]
+    }
+
+    /// Makes room in a full ring: one record more, after the others in order; returns it.
     #[inline(never)]
-    fn grow(&mut self, step: StepRecord) {
+    fn grow(&mut self) -> usize {
         self.records.rotate_left(self.head);
         self.head = 0;
-        self.records.push(step);
-        self.tail = self.records.len() - 1;
+        self.records.push(StepRecord::default());
+        self.records.len() - 1
+    }
+
+    /// The per-group vectors of the record the next `push` writes, emptied: the parts a
+    /// step's schedule fills before pushing it (empty ones when the ring is full).
+    pub fn take_free_parts(&mut self) -> (Vec<PagedStep>, Vec<StateStep>) {
+        let Some(at) = self.free_index() else { return (Vec::new(), Vec::new()) };
+        let record = &mut self.records[at];
+        let (mut paged, mut state) =
+            (std::mem::take(&mut record.paged), std::mem::take(&mut record.state));
+        paged.clear();
+        state.clear();
+        (paged, state)
+    }
+
+    /// Keeps an ended step's per-group vectors in the record the next `push` writes, so a
+    /// later step reuses their memory.
+    #[inline]
+    pub fn give_free_parts(&mut self, step: &mut StepRecord) {
+        if let Some(at) = self.free_index() {
+            let record = &mut self.records[at];
+            record.paged = std::mem::take(&mut step.paged);
+            record.state = std::mem::take(&mut step.state);
+        }
     }
 
     /// Forgets the oldest step (its record stays for a later step to overwrite).
@@ -256,6 +295,24 @@ impl StepRing {
         self.len = 0;
         self.head = 0;
     }
+}
+
+/// State groups whose continuation is written in place (`schedule_covered_continuation`);
+/// a layout with more takes the general path.
+pub(crate) const MAX_INLINE_GROUPS: usize = 4;
+
+/// A later step's record written in place: not in a plan, not a first step, no checkpoint
+/// requested, and per paged group its table as it is (nothing appended, no copy).
+#[inline(always)]
+fn fill_later(step: &mut StepRecord, start: u32, end: u32, paged: &[PagedSeq]) {
+    (step.plan, step.start, step.end, step.first) = (0, start, end, false);
+    step.requested.clear();
+    step.paged.clear();
+    step.paged.extend(paged.iter().map(|p| PagedStep {
+        table_len_before: p.table.len(),
+        cow: None,
+        reported_to: 0,
+    }));
 }
 
 /// The last lookup of a waiting sequence: the index generation it was computed at, the hit
@@ -310,10 +367,6 @@ pub(crate) struct Sequence {
     /// prefix: a hint that lets the first lookup confirm a block through the pool instead of
     /// probing the index (always verified; dropped at the first schedule).
     pub hint_chains: Vec<Vec<BlockId>>,
-    /// The per-group step vectors of the last committed or undone step, emptied, for the next
-    /// schedule to fill (a decode step then allocates nothing for them).
-    pub spare_paged: Vec<PagedStep>,
-    pub spare_state: Vec<StateStep>,
     /// Its steps scheduled or in flight, oldest first (empty while waiting).
     pub ring: StepRing,
     /// Trailing tokens appended as placeholders (not yet sampled): they are counted in the
@@ -381,6 +434,12 @@ impl Sequence {
         state.extra.iter().copied().find(|&b| spare(b))
     }
 
+    /// The state a continuation of state group `i` reads: what its newest step writes.
+    #[inline(always)]
+    pub fn continuation_read(&self, i: usize) -> i32 {
+        self.ring.newest().map_or(-1, |s| s.state[i].write as i32)
+    }
+
     /// What its keys are computed from.
     #[inline]
     pub fn content(&self) -> Content<'_> {
@@ -425,15 +484,54 @@ impl Sequence {
         }
     }
 
-    /// Keeps a finished step's group vectors, emptied, for the next schedule.
+    /// Keeps a finished step's group vectors for the next schedule (in the ring's free
+    /// record).
     #[inline]
     pub fn recycle_step(&mut self, step: &mut StepRecord) {
-        let (mut paged, mut state) =
-            (std::mem::take(&mut step.paged), std::mem::take(&mut step.state));
-        paged.clear();
-        state.clear();
-        self.spare_paged = paged;
-        self.spare_state = state;
+        self.ring.give_free_parts(step);
+    }
+
+    /// Schedules the next step of a started sequence with no step (`start` = its committed
+    /// position) whose tables cover the chunk, written in place in its ring: nothing to
+    /// allocate, its tables as they are, and per state group the committed-state rule
+    /// (`StateSeq::write_block`, `StateSeq::read_slot`).
+    #[inline(always)]
+    pub fn schedule_covered(&mut self, start: u32, end: u32) {
+        let (paged, state) = (&self.paged, &self.state);
+        let step = self.ring.push_in_place();
+        fill_later(step, start, end, paged);
+        step.state.truncate(state.len());
+        for (st, s) in step.state.iter_mut().zip(state) {
+            (st.write, st.read) = (s.write_block(), s.read_slot());
+            st.interior.clear();
+            st.snapshot = None;
+        }
+        for s in &state[step.state.len()..] {
+            let (write, read) = (s.write_block(), s.read_slot());
+            step.state.push(StateStep { write, read, interior: Vec::new(), snapshot: None });
+        }
+    }
+
+    /// `schedule_covered` of a continuation (a step of it is in flight, D > 1): per state
+    /// group it reads what its newest step writes and writes `spares[i]`.
+    #[inline(always)]
+    pub fn schedule_covered_continuation(&mut self, start: u32, end: u32, spares: &[BlockId]) {
+        let mut reads = [-1i32; MAX_INLINE_GROUPS];
+        for (i, r) in reads.iter_mut().enumerate().take(spares.len()) {
+            *r = self.continuation_read(i);
+        }
+        let paged = &self.paged;
+        let step = self.ring.push_in_place();
+        fill_later(step, start, end, paged);
+        step.state.truncate(spares.len());
+        for ((st, &write), &read) in step.state.iter_mut().zip(spares).zip(&reads) {
+            (st.write, st.read) = (write, read);
+            st.interior.clear();
+            st.snapshot = None;
+        }
+        for (&write, &read) in spares.iter().zip(&reads).skip(step.state.len()) {
+            step.state.push(StateStep { write, read, interior: Vec::new(), snapshot: None });
+        }
     }
 
     /// Schedules `step` for a started sequence: its newest step, after those it has.
