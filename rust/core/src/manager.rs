@@ -934,17 +934,42 @@ impl CacheManager {
         self.add_placeholders(slot, 1);
     }
 
+    /// `resolve_one` of `token` then `add_placeholder_one`, in one visit of the sequence (the
+    /// overlapped decode step of a sequence that resolves its oldest placeholder and appends
+    /// one for the token the plan being built samples; checked by `check_resolve_one` and
+    /// `check_length_one`): its length does not change.
+    #[allow(clippy::inline_always)] // (measured: the overlapped decode step's instructions)
+    #[inline(always)]
+    pub(crate) fn resolve_one_add_one(&mut self, slot: usize, token: u32) -> Result<()> {
+        let (unit, stamp) = (self.unit, self.steps.next_step - 1);
+        let seq = self.table.get_mut(slot);
+        if seq.tokens.capacity() == seq.tokens.len() && seq.tokens.try_reserve(1).is_err() {
+            // (as `resolve_one` then `add_placeholder_one`: the resolve fails, the append stands)
+            seq.log_placeholders(stamp, 1);
+            seq.forget_hit();
+            return Err(unresolvable());
+        }
+        seq.unlog_resolved(1);
+        seq.log_placeholders(stamp, 1);
+        seq.forget_hit();
+        let before = seq.hashes.len();
+        seq.tokens.push(token);
+        self.hasher.extend(&seq.tokens, unit, &seq.extra, &mut seq.hashes);
+        if seq.hashes.len() > before
+            && (seq.keys_pending_from.is_some() || !seq.pending_checkpoints.is_empty())
+        {
+            self.publish_known(slot);
+        }
+        Ok(())
+    }
+
     fn add_placeholders(&mut self, slot: usize, count: u32) {
         if count == 0 {
             return;
         }
         let stamp = self.steps.next_step - 1;
         let seq = self.seq_mut(slot);
-        seq.placeholders += count;
-        match seq.placeholder_log.back_mut() {
-            Some((s, n)) if *s == stamp => *n += count,
-            _ => seq.placeholder_log.push_back((stamp, count)),
-        }
+        seq.log_placeholders(stamp, count);
         seq.forget_hit();
     }
 
@@ -995,21 +1020,9 @@ impl CacheManager {
         if seq.tokens.capacity() - seq.tokens.len() < tokens.len()
             && seq.tokens.try_reserve(tokens.len()).is_err()
         {
-            return Err(CacheError::invalid("the resolved tokens could not be allocated"));
+            return Err(unresolvable());
         }
-        let placeholders = seq.placeholders;
-        seq.placeholders -= tokens.len() as u32;
-        let mut left = tokens.len() as u32;
-        while left > 0 {
-            let Some((_, n)) = seq.placeholder_log.front_mut() else { break };
-            let used = left.min(*n);
-            *n -= used;
-            left -= used;
-            if *n == 0 {
-                seq.placeholder_log.pop_front();
-            }
-        }
-        debug_assert!(placeholders >= tokens.len() as u32);
+        seq.unlog_resolved(tokens.len() as u32);
         let before = seq.hashes.len();
         seq.forget_hit();
         seq.tokens.extend_from_slice(tokens);
@@ -1086,4 +1099,11 @@ fn wire_format(config: &CacheConfig) -> crate::events::WireFormat {
             })
             .collect(),
     }
+}
+
+/// A resolve whose tokens could not be allocated.
+#[cold]
+#[inline(never)]
+fn unresolvable() -> CacheError {
+    CacheError::invalid("the resolved tokens could not be allocated")
 }

@@ -196,10 +196,14 @@ impl CacheManager {
                 self.resolve_one(slot, *token)?;
             }
         }
-        self.schedule_each_and_plan(slots, plan, |m, i, slot| {
-            let resolved = if fused { m.resolve_one(slot, resolved[i]) } else { Ok(()) };
+        if fused {
+            return self.schedule_each_and_plan(slots, plan, |m, i, slot| {
+                m.resolve_one_add_one(slot, resolved[i])
+            });
+        }
+        self.schedule_each_and_plan(slots, plan, |m, _, slot| {
             m.add_placeholder_one(slot);
-            resolved
+            Ok(())
         })
     }
 

@@ -484,6 +484,34 @@ impl Sequence {
         }
     }
 
+    /// Counts `count` placeholders appended while plan `stamp` is the latest built (the
+    /// log an abort reads).
+    #[inline(always)]
+    pub fn log_placeholders(&mut self, stamp: u64, count: u32) {
+        self.placeholders += count;
+        match self.placeholder_log.back_mut() {
+            Some((s, n)) if *s == stamp => *n += count,
+            _ => self.placeholder_log.push_back((stamp, count)),
+        }
+    }
+
+    /// Takes `count` resolved placeholders (at most those it has) off the log, oldest first.
+    #[inline(always)]
+    pub fn unlog_resolved(&mut self, count: u32) {
+        debug_assert!(self.placeholders >= count);
+        self.placeholders -= count;
+        let mut left = count;
+        while left > 0 {
+            let Some((_, n)) = self.placeholder_log.front_mut() else { break };
+            let used = left.min(*n);
+            *n -= used;
+            left -= used;
+            if *n == 0 {
+                self.placeholder_log.pop_front();
+            }
+        }
+    }
+
     /// Keeps a finished step's group vectors for the next schedule (in the ring's free
     /// record).
     #[inline]
