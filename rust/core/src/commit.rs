@@ -24,6 +24,8 @@ use crate::manager::CacheManager;
 use crate::plan::StepPlan;
 use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
 use crate::sequence::{PagedSeq, PagedStep, Sequence, StateSeq, StateStep};
+use crate::stats::Stats;
+use crate::store::BlockStore;
 
 impl CacheManager {
     /// Checks that `step_id` is the oldest plan in flight (the only one that may end).
@@ -268,15 +270,18 @@ impl CacheManager {
     /// block a sliding window released meanwhile is skipped), and the checkpoints waiting for
     /// their prefix.
     pub(crate) fn publish_known(&mut self, slot: usize) {
-        let Some(mut seq) = self.table.take(slot) else {
+        if !self.table.is_live(slot) {
             return;
-        };
-        let unit = self.unit;
+        }
+        // The sequence is worked on in its slot, beside the store (no move of it out and back).
+        let (unit, layout, store, stats) =
+            (self.unit, &self.layout, &mut self.store, &mut self.stats);
+        let seq = self.table.get_mut(slot);
         let known = seq.hashes.len() as u32 * unit;
         if let Some(from) = seq.keys_pending_from {
             let to = seq.num_computed.min(known);
             if to > from {
-                for (i, group) in self.layout.paged.iter().enumerate() {
+                for (i, group) in layout.paged.iter().enumerate() {
                     let (g, block_size, table) =
                         (group.index, group.block_size, &seq.paged[i].table);
                     let mut q = (from / unit + 1) * unit;
@@ -285,7 +290,7 @@ impl CacheManager {
                         let block_end = ((col as u32 + 1) * block_size).min(to);
                         let block = table.get(col).copied().unwrap_or(NULL_BLOCK);
                         if block != NULL_BLOCK {
-                            self.store.publish_range(g, seq.content(), block, q - unit, block_end);
+                            store.publish_range(g, seq.content(), block, q - unit, block_end);
                         }
                         q = (block_end / unit + 1) * unit;
                     }
@@ -301,12 +306,11 @@ impl CacheManager {
                     seq.pending_checkpoints.push((g, block, position));
                     continue;
                 }
-                self.publish_checkpoint(g, &seq, block, position);
-                self.store.pools[self.layout.pool(g)].decref(block, LruEnd::MostRecent);
+                publish_checkpoint(store, stats, g, seq, block, position);
+                store.pools[layout.pool(g)].decref(block, LruEnd::MostRecent);
             }
         }
-        self.store.events.seal();
-        self.table.put(slot, seq);
+        store.events.seal();
     }
 
     /// Commits a step that publishes nothing (most decode steps: no unit boundary crossed, no
@@ -341,9 +345,7 @@ impl CacheManager {
 
     /// Publishes checkpoint `block` of state group `g` at `position` (counted when new).
     fn publish_checkpoint(&mut self, g: usize, seq: &Sequence, block: BlockId, position: u32) {
-        if self.store.publish_checkpoint(g, seq.content(), block, position) {
-            self.stats.groups[g].checkpoints_published += 1;
-        }
+        publish_checkpoint(&mut self.store, &mut self.stats, g, seq, block, position);
     }
 
     /// `finish`: the decode-tail snapshot becomes a published checkpoint, least recently used.
@@ -452,5 +454,19 @@ fn release_window(
         pool.decref(paged.table[col], LruEnd::MostRecent);
         paged.table[col] = NULL_BLOCK;
         paged.window_start += 1;
+    }
+}
+
+/// Publishes checkpoint `block` of state group `g` at `position` (counted when new).
+fn publish_checkpoint(
+    store: &mut BlockStore,
+    stats: &mut Stats,
+    g: usize,
+    seq: &Sequence,
+    block: BlockId,
+    position: u32,
+) {
+    if store.publish_checkpoint(g, seq.content(), block, position) {
+        stats.groups[g].checkpoints_published += 1;
     }
 }
