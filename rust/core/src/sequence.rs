@@ -315,6 +315,18 @@ fn fill_later(step: &mut StepRecord, start: u32, end: u32, paged: &[PagedSeq]) {
     }));
 }
 
+/// Part `i` of a later step's state groups (the parts before it set): it writes `write` and
+/// reads `read`, with no checkpoint yet.
+#[inline(always)]
+fn set_state_step(state: &mut Vec<StateStep>, i: usize, write: BlockId, read: i32) {
+    if let Some(st) = state.get_mut(i) {
+        (st.write, st.read, st.snapshot) = (write, read, None);
+        st.interior.clear();
+    } else {
+        state.push(StateStep { write, read, interior: Vec::new(), snapshot: None });
+    }
+}
+
 /// The last lookup of a waiting sequence: the index generation it was computed at, the hit
 /// and the full-attention chains it chose (see `hit::compute_hit`).
 pub(crate) type LastHit = (u64, Hit, Vec<Vec<BlockId>>);
@@ -529,14 +541,8 @@ impl Sequence {
         let step = self.ring.push_in_place();
         fill_later(step, start, end, paged);
         step.state.truncate(state.len());
-        for (st, s) in step.state.iter_mut().zip(state) {
-            (st.write, st.read) = (s.write_block(), s.read_slot());
-            st.interior.clear();
-            st.snapshot = None;
-        }
-        for s in &state[step.state.len()..] {
-            let (write, read) = (s.write_block(), s.read_slot());
-            step.state.push(StateStep { write, read, interior: Vec::new(), snapshot: None });
+        for (i, s) in state.iter().enumerate() {
+            set_state_step(&mut step.state, i, s.write_block(), s.read_slot());
         }
     }
 
@@ -544,6 +550,9 @@ impl Sequence {
     /// group it reads what its newest step writes and writes `spares[i]`.
     #[inline(always)]
     pub fn schedule_covered_continuation(&mut self, start: u32, end: u32, spares: &[BlockId]) {
+        if spares.is_empty() {
+            return self.schedule_covered(start, end); // (no state group: the same record)
+        }
         let mut reads = [-1i32; MAX_INLINE_GROUPS];
         for (i, r) in reads.iter_mut().enumerate().take(spares.len()) {
             *r = self.continuation_read(i);
@@ -552,13 +561,8 @@ impl Sequence {
         let step = self.ring.push_in_place();
         fill_later(step, start, end, paged);
         step.state.truncate(spares.len());
-        for ((st, &write), &read) in step.state.iter_mut().zip(spares).zip(&reads) {
-            (st.write, st.read) = (write, read);
-            st.interior.clear();
-            st.snapshot = None;
-        }
-        for (&write, &read) in spares.iter().zip(&reads).skip(step.state.len()) {
-            step.state.push(StateStep { write, read, interior: Vec::new(), snapshot: None });
+        for (i, (&write, &read)) in spares.iter().zip(&reads).enumerate() {
+            set_state_step(&mut step.state, i, write, read);
         }
     }
 
