@@ -473,7 +473,7 @@ impl CacheManager {
         let buffers = groups == 0
             || (groups <= MAX_INLINE_GROUPS
                 && (0..groups).all(|i| {
-                    spares[i] = seq.spare_buffer(i).unwrap_or(NULL_BLOCK);
+                    spares[i] = seq.spare_buffer_inline(i).unwrap_or(NULL_BLOCK);
                     spares[i] != NULL_BLOCK
                 }));
         if buffers && tables_cover(&self.layout, seq, reach) {

@@ -429,13 +429,30 @@ impl Sequence {
 
     /// A private running buffer of state group `i` that neither holds the committed state
     /// nor is written by one of its steps (the one its next step can write), if any.
+    #[inline(never)]
     pub fn spare_buffer(&self, i: usize) -> Option<BlockId> {
+        self.spare_buffer_inline(i)
+    }
+
+    /// `spare_buffer` inlined (the continuation's schedule: a call there cost 15 to 20
+    /// instructions more than the search).
+    #[inline(always)]
+    pub fn spare_buffer_inline(&self, i: usize) -> Option<BlockId> {
         // Plain loops over at most D + 1 buffers and D steps: this runs for every
         // continuation of an overlapped decode step.
         let state = &self.state[i];
         let current = state.current.map_or(NULL_BLOCK, |c| state.running[c]);
+        // With one step (the overlapped decode step's case) the buffers its steps write are
+        // that step's: no walk over the ring.
+        let only = match self.ring.newest() {
+            Some(step) if self.ring.len() == 1 => step.state[i].write,
+            _ => NULL_BLOCK,
+        };
+        let one = self.ring.len() <= 1;
         let spare = |b: BlockId| {
-            b != NULL_BLOCK && b != current && !self.ring.iter().any(|s| s.state[i].write == b)
+            b != NULL_BLOCK
+                && b != current
+                && if one { b != only } else { !self.ring.iter().any(|s| s.state[i].write == b) }
         };
         if spare(state.running[0]) {
             return Some(state.running[0]);
