@@ -22,10 +22,17 @@
 #                                 # unless its GPU tests fail in stage 1)
 #   CUDA_GRAPHS=0 ...             # every step eager (default: decode-only steps replay CUDA
 #                                 # graphs, unless their GPU tests fail in stage 1)
+#   REPEATS=2 ...                 # stages 4 and 5 measure each policy twice, interleaved,
+#                                 # after the warm pass (simulate --repeats: the JSON keeps every
+#                                 # pass; gpu_seed_report.py prints them and pass 1 vs pass 2)
 # The seed runs share what is left of BUDGET seconds (default 585: one 600 s device call); with
 # 200 output tokens each order takes about 125 to 140 s with the decode graphs (240 s eager,
-# 2026-12-02): STAGES=45 fits one call with room for stage 1 or 3. SEED_ARGS=--no-overlap measures one step at a time, as
-# docs/BENCHMARKS.md's figures are (the overlapped engine adds a step's wait to TTFT).
+# 2026-12-02): a full warm pass and one measured pass of both policies (61 to 66 s of it), plus
+# the process's start. STAGES=45 fits one call with room for stage 1 or 3; with REPEATS=2 (an
+# estimated 190 to 210 s an order; stage 4 gets half of what is left, about 285 s) it fits
+# alone; REPEATS=3 with both orders does not fit safely, one order (STAGES=4) up to REPEATS=6
+# does. SEED_ARGS=--no-overlap measures one step at a time, as docs/BENCHMARKS.md's figures
+# are (the overlapped engine adds a step's wait to TTFT).
 set -uo pipefail
 budget=${BUDGET:-585}
 device_dir=$(cd "${DEVICE_DIR:-.device}" && pwd)
@@ -74,7 +81,8 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>
 }
 common=(--device cuda --backend flashkda-op --model kimi-k3-tp8 --depth "$depth"
     --decode-attention "$decode" "${split[@]}" "${graphs[@]}")
-seed=(--preset seed "${common[@]}" ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${WARM_UP:+--warm-up "$WARM_UP"})
+seed=(--preset seed "${common[@]}" ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${WARM_UP:+--warm-up "$WARM_UP"}
+    ${REPEATS:+--repeats "$REPEATS"})
 # shellcheck disable=SC2206  # SEED_ARGS="--no-overlap ...": more options of the seed runs
 seed+=(${SEED_ARGS:-})
 run 2 && say "2. layer timing"

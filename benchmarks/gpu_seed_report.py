@@ -6,7 +6,12 @@ in either order) prints, as Markdown: per round, each policy's computed prefill 
 time, whole-model prefill time and TTFT p50; the totals over rounds 2 to 23 against the targets
 (KDA prefill time and TTFT p50 each >= 20% lower for fine); and, given both orders, each
 policy's figures in the two runs side by side (the order check: within 5%); and each policy's
-measured step times (decode steps, prefill steps and their fit).
+measured step times (decode steps, prefill steps and their fit). A document of
+``simulate --repeats N`` (N > 1) also gets its per-pass table (rounds 2 to 23, the median pass
+starred; the per-round tables and totals are the median pass's) with each figure's spread
+(max / min - 1) over the passes, and the order check of pass 1 against pass 2 of each policy;
+with two such documents the order check compares their median passes. Older documents (no
+passes) print as before.
 
     python3 benchmarks/gpu_seed_report.py seed_block_first.json [seed_fine_first.json]
 """
@@ -79,13 +84,61 @@ def totals(document: dict[str, Any]) -> list[str]:
     return lines
 
 
-def order_check(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+def spread(values: list[float]) -> str:
+    return f"{100.0 * (max(values) / min(values) - 1):.1f}%" if min(values) > 0 else "-"
+
+
+def passes(document: dict[str, Any]) -> list[str]:
+    """Each repeated policy's passes (rounds 2 to 23) and the spread of each figure."""
     lines = [
-        "| policy | figure (rounds 2 to 23) | block first | fine first | difference |",
+        "| policy | pass | ran | TTFT p50 ms | prefill s | KDA s | host s (all rounds) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, policy in document["policies"].items():
+        entries = policy.get("passes", [])
+        if len(entries) < 2:
+            continue
+        figures: list[list[float]] = [[], [], [], []]
+        for entry in entries:
+            row = [
+                ttft_p50(entry),
+                later(entry, "prefill_seconds"),
+                later(entry, "kda_prefill_seconds"),
+                float(entry["host_seconds"]),
+            ]
+            for column, value in zip(figures, row, strict=True):
+                column.append(value)
+            star = "*" if entry["pass"] == policy.get("median_pass") else ""
+            lines.append(
+                f"| {name}{star} | {entry['pass']} | {entry['position'] + 1} | {row[0]:.1f} | "
+                f"{row[1]:.3f} | {row[2]:.3f} | {row[3]:.2f} |"
+            )
+        lines.append(f"| {name} spread | | | " + " | ".join(map(spread, figures)) + " |")
+    return lines
+
+
+def pass_policies(document: dict[str, Any], number: int) -> dict[str, Any]:
+    """The policies' entries of pass ``number`` (those repeated that often)."""
+    out = {}
+    for name, policy in document["policies"].items():
+        for entry in policy.get("passes", []):
+            if entry["pass"] == number:
+                out[name] = entry
+    return out
+
+
+def order_check(
+    first: dict[str, Any],
+    second: dict[str, Any],
+    labels: tuple[str, str] = ("block first", "fine first"),
+) -> list[str]:
+    """Each policy's figures in two runs (two ``policies`` mappings) side by side."""
+    lines = [
+        f"| policy | figure (rounds 2 to 23) | {labels[0]} | {labels[1]} | difference |",
         "|---|---|---|---|---|",
     ]
     for name in ("block", "fine"):
-        a, b = first["policies"].get(name), second["policies"].get(name)
+        a, b = first.get(name), second.get(name)
         if a is None or b is None:
             continue
         for label, key in (("KDA s", "kda_prefill_seconds"), ("prefill s", "prefill_seconds")):
@@ -125,9 +178,17 @@ def main(argv: list[str]) -> int:
             print()
             print("\n".join(totals(document)))
             print()
+        if document.get("repeats", 1) > 1:
+            print(f"### {document['repeats']} passes, in the order {document.get('pass_order')}")
+            print("\n".join(passes(document)))
+            print()
+            print("### order check: pass 1 against pass 2")
+            checked = (pass_policies(document, 1), pass_policies(document, 2))
+            print("\n".join(order_check(*checked, labels=("pass 1", "pass 2"))))
+            print()
     if len(documents) == 2:
-        print("## order check")
-        print("\n".join(order_check(documents[0], documents[1])))
+        print("## order check" + (" (median passes)" if documents[0].get("repeats", 1) > 1 else ""))
+        print("\n".join(order_check(documents[0]["policies"], documents[1]["policies"])))
     return 0
 
 

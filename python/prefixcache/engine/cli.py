@@ -76,6 +76,9 @@ timing:
   among its prefill rows by tokens; KDA prefill s is the KDA kernels' time (--kda-timing).
   On a GPU each policy first runs the whole workload once, unmeasured (--warm-up full), so
   that no measured run pays first-call costs and the policies' order does not matter.
+  --repeats N then measures the policies N times, interleaved (block, fine, block, fine, ...),
+  each on fresh caches: every pass is kept in the JSON, with each policy's median and spread
+  (max/min - 1) over the passes, and the tables show each policy's median pass (by TTFT p50).
 """
 
 
@@ -224,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the CPU), full (the whole workload: the second pass is measured), shapes (two "
         "streams reaching the workload's longest context and filling its chunk budget; on "
         "the H200 not enough to make runs independent of the policies' order) or none",
+    )
+    simulate.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="measure the policies N times (1 to 16, default 1), interleaved in the order "
+        "given, each on fresh caches; the none reference runs once, first. The JSON keeps "
+        "every pass and gives each policy's median and spread over them",
     )
     simulate.add_argument(
         "--overlap",
@@ -409,6 +421,36 @@ def render_report(document: dict[str, Any]) -> str:
                 f"{total('fine', 'kda_prefill_seconds'):.2f} s vs "
                 f"{total('block', 'kda_prefill_seconds'):.2f} s"
             )
+    if document.get("repeats", 1) > 1:
+        lines += ["", f"Passes ({document['repeats']}, in the order they ran; * the median pass)"]
+        rows = []
+        for name in names:
+            p = policies[name]
+            for entry in p.get("passes", []):
+                rows.append(
+                    [
+                        name + ("*" if entry["pass"] == p["median_pass"] else ""),
+                        str(entry["pass"]),
+                        str(entry["position"] + 1),
+                        f"{entry['ttft_p50_ms']:.2f}",
+                        f"{entry['prefill_seconds']:.3f}",
+                        f"{entry['kda_prefill_seconds']:.3f}",
+                        f"{entry['host_seconds']:.3f}",
+                    ]
+                )
+            if len(p.get("passes", [])) > 1:
+                spread = [
+                    "-" if p["spread"][key] is None else f"{100.0 * p['spread'][key]:.1f}%"
+                    for key in (
+                        "ttft_p50_ms",
+                        "prefill_seconds",
+                        "kda_prefill_seconds",
+                        "host_seconds",
+                    )
+                ]
+                rows.append([f"{name} spread", "", "", *spread])
+        headers = ["policy", "pass", "ran", "TTFT p50 ms", "prefill s", "KDA s", "host s"]
+        lines.append(_table(headers, rows))
     for name in names:
         if policies[name]["outputs_match_no_cache"] is False:
             lines.append(f"MISMATCH {name}: {policies[name]['outputs_match_detail']}")
@@ -485,7 +527,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     from ..kernels import KernelError
-    from .simulate import SimulationReport, build_model, simulate
+    from .simulate import SimulationReport, build_model, check_repeats, simulate
     from .workloads import TraceError, workload_preset
 
     name, trace_path = _workload_arguments(parser, args.workload)
@@ -494,6 +536,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # busy machine OpenMP's spinning threads slow every op down by an order of magnitude.
         torch.set_num_threads(1)
     try:
+        check_repeats(args.repeats)
         from ..models import ModelConfig
 
         config = None
@@ -582,6 +625,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             warm_up=None if args.warm_up == "auto" else args.warm_up,
             observe=observer.observe if observer.active else None,
             overlap=args.overlap,
+            repeats=args.repeats,
         )
         if observer.active and args.serve_for > 0:
             print(f"\nserving the final state for {args.serve_for:g} s")
@@ -600,6 +644,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plot is not None:
         _plot(document, args.plot)
         print(f"wrote {args.plot}")
+    # A policy's entry fails its check when any of its passes does.
     mismatched = [
         n for n, p in document["policies"].items() if p["outputs_match_no_cache"] is False
     ]

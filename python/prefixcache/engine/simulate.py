@@ -43,10 +43,13 @@ from .workloads import Geometry, GrowingPrefixSpec, PresetWorkload
 __all__ = [
     "FLOAT32_RTOL",
     "LOW_PRECISION_RTOL",
+    "MAX_REPEATS",
+    "REPEATED_FIGURES",
     "WARM_UPS",
     "SimulationReport",
     "StepClock",
     "build_model",
+    "check_repeats",
     "engine_config_for",
     "simulate",
     "warm_up_workload",
@@ -59,6 +62,26 @@ LOW_PRECISION_RTOL = 3e-2
 WarmUp = Literal["none", "shapes", "full"]
 #: What runs unmeasured before the measured runs (``simulate``'s ``warm_up``).
 WARM_UPS: tuple[WarmUp, ...] = ("none", "shapes", "full")
+
+#: The most measured passes ``simulate`` runs (``repeats``): each is a whole run of every policy.
+MAX_REPEATS = 16
+#: The figures of a policy's run whose median and spread over the passes a report gives.
+REPEATED_FIGURES = ("ttft_p50_ms", "prefill_seconds", "kda_prefill_seconds", "host_seconds")
+
+
+def check_repeats(repeats: object) -> int:
+    """``repeats`` as a pass count, or ``ValueError`` unless it is an integer 1 to MAX_REPEATS."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int):
+        raise ValueError(f"repeats must be an integer from 1 to {MAX_REPEATS}, got {repeats!r}")
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise ValueError(f"repeats must be from 1 to {MAX_REPEATS} passes, got {repeats}")
+    return repeats
+
+
+def _spread(values: Sequence[float]) -> float | None:
+    """max / min - 1 (0 for one value; None where the smallest is not positive)."""
+    low = min(values)
+    return max(values) / low - 1.0 if low > 0 else None
 
 
 def build_model(
@@ -195,51 +218,118 @@ class SimulationReport:
     step_times: dict[str, dict[str, Any]] = field(default_factory=dict)
     policies: dict[str, Policy] = field(default_factory=dict)
     matches: dict[str, tuple[bool | None, str]] = field(default_factory=dict)
+    #: Measured passes (``simulate``'s ``repeats``). With more than one, ``passes[name]`` holds
+    #: each pass's run of a repeated policy (with its step times and output check), ``order``
+    #: the (pass, policy) runs as they ran, and ``runs[name]`` is the median pass.
+    repeats: int = 1
+    passes: dict[str, list[tuple[RunResult, dict[str, Any], tuple[bool | None, str]]]] = field(
+        default_factory=dict
+    )
+    order: list[tuple[int, str]] = field(default_factory=list)
+
+    def add_pass(
+        self,
+        name: str,
+        run: RunResult,
+        step_times: dict[str, Any],
+        match: tuple[bool | None, str],
+    ) -> None:
+        """Record one pass of ``name``: its headline becomes the median pass so far, and its
+        output check fails if any pass's does."""
+        passes = self.passes.setdefault(name, [])
+        passes.append((run, step_times, match))
+        self.order.append((len(passes), name))
+        headline, times, headline_match = passes[self.median_pass(name)]
+        self.runs[name], self.step_times[name] = headline, times
+        failed = [(k, m) for k, (_, _, m) in enumerate(passes, 1) if m[0] is False]
+        if failed:
+            k, (_, detail) = failed[0]
+            headline_match = (False, f"pass {k}: {detail}")
+        self.matches[name] = headline_match
+
+    def median_pass(self, name: str) -> int:
+        """The index of ``name``'s median pass by TTFT p50 (of an even count, the faster of
+        the two middle ones; equal figures: the earlier pass)."""
+        passes = self.passes[name]
+        ranked = sorted(range(len(passes)), key=lambda k: (passes[k][0].ttft_p50_ms, k))
+        return ranked[(len(ranked) - 1) // 2]
+
+    def _policy_json(
+        self,
+        name: str,
+        run: RunResult,
+        step_times: dict[str, Any],
+        checked: tuple[bool | None, str],
+    ) -> dict[str, Any]:
+        policy = self.policies[name]
+        match, detail = checked
+        return {
+            "requests": len(run.requests),
+            "prompt_tokens": run.prompt_tokens,
+            "hit_tokens": run.hit_tokens,
+            "computed_prefill_tokens": run.computed_prefill_tokens,
+            "prefill_seconds": run.prefill_seconds,
+            "ttft_p50_ms": run.ttft_p50_ms,
+            "outputs_match_no_cache": match,
+            "rounds": [summary.to_json() for summary in run.rounds()],
+            # (round, TTFT ms) of every request, in request order: p50s over any rounds.
+            "request_ttft_ms": [
+                [result.round, 1e3 * result.ttft_s] for _, result in sorted(run.requests.items())
+            ],
+            "outputs_match_detail": detail,
+            "kda_prefill_seconds": run.kda_prefill_seconds,
+            "unit": policy.unit,
+            "block_size": policy.block_size,
+            "retention": policy.describe(),
+            "steps": run.steps,
+            "decode_steps": run.decode_steps,
+            "decode_fallbacks": run.decode_fallbacks,
+            "aborted_steps": run.aborted_steps,
+            "overlap": run.overlap,
+            "cascaded_aborts": run.cascaded_aborts,
+            "holds": run.holds,
+            "held_requests": run.held_requests,
+            "held_pending_tokens": run.held_pending_tokens,
+            "forward_seconds": run.forward_seconds,
+            "host_seconds": run.host_seconds,
+            "hidden_host_seconds": run.hidden_host_seconds,
+            "preemptions": run.preemptions,
+            "kda_timing_underruns": run.kda_timing_underruns,
+            "seconds": run.seconds,
+            "step_times": step_times,
+            "manager_stats": run.manager_stats,
+        }
 
     def to_json(self) -> dict[str, Any]:
-        """The ``--json`` document (the issue's shape; extra keys are additions)."""
+        """The ``--json`` document (the issue's shape; extra keys are additions).
+
+        With ``repeats`` above 1 a repeated policy's entry is its median pass, plus ``passes``
+        (every pass's entry, in pass order, each with its ``pass`` number and its ``position``
+        in the order the runs ran), ``median_pass`` (its number), ``median`` (the median over
+        the passes of each of ``REPEATED_FIGURES``) and ``spread`` (their max / min - 1); the
+        document adds ``repeats`` and ``pass_order`` ([pass, policy] as they ran).
+        """
         policies: dict[str, Any] = {}
+        position = {entry: k for k, entry in enumerate(self.order)}
         for name, run in self.runs.items():
-            policy = self.policies[name]
-            match, detail = self.matches[name]
-            policies[name] = {
-                "requests": len(run.requests),
-                "prompt_tokens": run.prompt_tokens,
-                "hit_tokens": run.hit_tokens,
-                "computed_prefill_tokens": run.computed_prefill_tokens,
-                "prefill_seconds": run.prefill_seconds,
-                "ttft_p50_ms": run.ttft_p50_ms,
-                "outputs_match_no_cache": match,
-                "rounds": [summary.to_json() for summary in run.rounds()],
-                # (round, TTFT ms) of every request, in request order: p50s over any rounds.
-                "request_ttft_ms": [
-                    [result.round, 1e3 * result.ttft_s]
-                    for _, result in sorted(run.requests.items())
-                ],
-                "outputs_match_detail": detail,
-                "kda_prefill_seconds": run.kda_prefill_seconds,
-                "unit": policy.unit,
-                "block_size": policy.block_size,
-                "retention": policy.describe(),
-                "steps": run.steps,
-                "decode_steps": run.decode_steps,
-                "decode_fallbacks": run.decode_fallbacks,
-                "aborted_steps": run.aborted_steps,
-                "overlap": run.overlap,
-                "cascaded_aborts": run.cascaded_aborts,
-                "holds": run.holds,
-                "held_requests": run.held_requests,
-                "held_pending_tokens": run.held_pending_tokens,
-                "forward_seconds": run.forward_seconds,
-                "host_seconds": run.host_seconds,
-                "hidden_host_seconds": run.hidden_host_seconds,
-                "preemptions": run.preemptions,
-                "kda_timing_underruns": run.kda_timing_underruns,
-                "seconds": run.seconds,
-                "step_times": self.step_times.get(name, {}),
-                "manager_stats": run.manager_stats,
-            }
-        return {
+            entry = self._policy_json(name, run, self.step_times.get(name, {}), self.matches[name])
+            passes = self.passes.get(name, [])
+            if self.repeats > 1 and passes:
+                entry["passes"] = [
+                    {"pass": k, "position": position[(k, name)], **self._policy_json(name, *kept)}
+                    for k, kept in enumerate(passes, 1)
+                ]
+                entry["median_pass"] = self.median_pass(name) + 1
+                entry["median"] = {
+                    key: statistics.median(getattr(r, key) for r, _, _ in passes)
+                    for key in REPEATED_FIGURES
+                }
+                entry["spread"] = {
+                    key: _spread([getattr(r, key) for r, _, _ in passes])
+                    for key in REPEATED_FIGURES
+                }
+            policies[name] = entry
+        document: dict[str, Any] = {
             "workload": self.workload,
             "preset": self.preset,
             "device": self.device,
@@ -279,6 +369,10 @@ class SimulationReport:
                 "checkpoint_cap": self.engine_config.checkpoint_cap,
             },
         }
+        if self.repeats > 1:
+            document["repeats"] = self.repeats
+            document["pass_order"] = [[k, name] for k, name in self.order]
+        return document
 
 
 class StepClock:
@@ -364,6 +458,7 @@ def simulate(
     warm_up: bool | WarmUp | None = None,
     observe: Callable[[pc.CacheManager], Callable[[], object]] | None = None,
     overlap: bool = True,
+    repeats: int = 1,
 ) -> SimulationReport:
     """Run ``none`` (first: it is the reference) and the other ``policies``, in their order.
 
@@ -388,7 +483,15 @@ def simulate(
     the next one starts. ``observe`` is handed to every measured run's :class:`Engine` (an
     event publisher or a metrics endpoint following each run's manager). ``overlap`` runs the
     engine overlapped (``EngineConfig.overlap``; ignored with an ``engine_config``, which says).
+
+    ``repeats`` (1 to ``MAX_REPEATS``) measures the policies that many times after the warm
+    pass, interleaved in the order given (block, fine, block, fine, ...), each run on fresh
+    caches, to tell an effect of the order from run-to-run spread in one process; the ``none``
+    reference runs once, first (it is repeated only when it is the only policy), and every
+    pass is checked against it. The report keeps every pass and heads each policy with its
+    median pass (:meth:`SimulationReport.median_pass`); ``on_policy`` is called after every run.
     """
+    repeats = check_repeats(repeats)
     unknown = [name for name in policies if name not in POLICY_NAMES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose among {', '.join(POLICY_NAMES)}")
@@ -413,6 +516,7 @@ def simulate(
         decode_attention=model.decode_attention,
         split_prefill=model.split_prefill,
         cuda_graphs=model.graphs is not None,
+        repeats=repeats,
     )
     mode: WarmUp
     if warm_up is None:
@@ -425,21 +529,23 @@ def simulate(
         raise ValueError(f"warm_up must be one of {', '.join(WARM_UPS)}, got {warm_up!r}")
     report.warm_up = mode
     _warm_up(model, names, workload, geometry, config, mode)
-    for name in names:
+    repeated = [name for name in names if name != "none"] or names
+    once = [name for name in names if name not in repeated]  # the reference, first
+    for name in once + repeated * repeats:
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
         clock = StepClock(model)
         engine = Engine(model, policy, config, forward=clock, observe=observe)
         callback = None if progress is None else progress(name, workload.spec.num_requests)
         run = engine.run(workload.build(model.config.vocab_size), on_finished=callback)
-        report.runs[name] = run
-        report.step_times[name] = clock.summary()
         report.policies[name] = policy
-        if "none" in report.runs:
-            report.matches[name] = outputs_match(
-                run, report.runs["none"], rtol, tie_aware=rtol > FLOAT32_RTOL
+        match: tuple[bool | None, str] = (None, "not checked: run without the none reference")
+        if name == "none" and "none" not in report.passes:
+            match = outputs_match(run, run, rtol, tie_aware=rtol > FLOAT32_RTOL)
+        elif "none" in report.passes:
+            match = outputs_match(
+                run, report.passes["none"][0][0], rtol, tie_aware=rtol > FLOAT32_RTOL
             )
-        else:
-            report.matches[name] = (None, "not checked: run without the none reference")
+        report.add_pass(name, run, clock.summary(), match)
         if on_policy is not None:
             on_policy(report)
     return report
