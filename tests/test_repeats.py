@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("prefixcache._core")
 
 from prefixcache.engine import Engine, RunResult, build_model, simulate
-from prefixcache.engine.cli import main
+from prefixcache.engine.cli import build_parser, main
+from prefixcache.engine.simulate import MAX_REPEATS
 from prefixcache.engine.workloads import Geometry, GrowingPrefixSpec, PresetWorkload, Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -157,6 +158,10 @@ def test_the_command_line_passes_repeats_through(
     for bad in ("0", "17", "-3"):
         assert main([*arguments, "--repeats", bad]) == 2
         assert "repeats must be from 1 to 16" in capsys.readouterr().err
+    # The help states the library's bound.
+    parser = build_parser().parse_args(["simulate"]).command_parser
+    (action,) = (a for a in parser._actions if a.dest == "repeats")
+    assert f"1 to {MAX_REPEATS}" in str(action.help)
 
 
 def _report(paths: list[str], monkeypatch: pytest.MonkeyPatch) -> list[str]:
