@@ -67,7 +67,7 @@ bench-vllm: $(VLLM_VENV)/.vllm-installed
 	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --force-reinstall --no-deps .
 	PYTHONHASHSEED=0 OPENBLAS_NUM_THREADS=1 $(NICE) $(VLLM_VENV)/bin/python benchmarks/vs_vllm.py $(VS_VLLM_ARGS)
 
-# prefixcache against every peer manager (docs/BENCHMARKS.md, "Against peer managers"):
+# prefixcache against every peer manager (docs/BENCHMARKS.md, "Against SGLang's radix cache, and every peer"):
 # benchmarks/peers.py runs each peer's driver in that peer's environment and merges what they
 # print into benchmarks/results/peers.json (+ docs/peers.png). vLLM: .venv-vllm as above.
 # SGLang 0.5.23: its wheel without its GPU stack, plus what its cache modules import, and torch
