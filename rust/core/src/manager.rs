@@ -33,7 +33,7 @@ use crate::hashing::{validate_sequence, Digest, ExtraKeys, Hasher};
 use crate::hit::{compute_hit, Hit};
 use crate::index::HashIndex;
 use crate::pool::{BlockId, BlockPool, LruEnd, NULL_BLOCK};
-use crate::sequence::{PagedSeq, Phase, Retiring, Sequence, StateSeq, StepRing};
+use crate::sequence::{PagedSeq, Phase, PlaceholderLog, Retiring, Sequence, StateSeq, StepRing};
 use crate::stats::{GroupStats, Stats};
 use crate::store::BlockStore;
 use crate::table::{shared_units, Deferred, SequenceTable};
@@ -437,7 +437,7 @@ impl CacheManager {
             hint_chains,
             ring: StepRing::default(),
             placeholders: 0,
-            placeholder_log: VecDeque::new(),
+            placeholder_log: PlaceholderLog::default(),
             keys_pending_from: None,
             pending_checkpoints: Vec::new(),
             retiring: None,
@@ -942,15 +942,16 @@ impl CacheManager {
     #[inline(always)]
     pub(crate) fn resolve_one_add_one(&mut self, slot: usize, token: u32) -> Result<()> {
         let (unit, stamp) = (self.unit, self.steps.next_step - 1);
+        let in_flight = &self.steps.in_flight;
         let seq = self.table.get_mut(slot);
         if seq.tokens.capacity() == seq.tokens.len() && seq.tokens.try_reserve(1).is_err() {
             // (as `resolve_one` then `add_placeholder_one`: the resolve fails, the append stands)
-            seq.log_placeholders(stamp, 1);
+            seq.log_placeholders(stamp, 1, || in_flight.iter().map(|f| f.step_id));
             seq.forget_hit();
             return Err(unresolvable());
         }
         seq.unlog_resolved(1);
-        seq.log_placeholders(stamp, 1);
+        seq.log_placeholders(stamp, 1, || in_flight.iter().map(|f| f.step_id));
         seq.forget_hit();
         let before = seq.hashes.len();
         seq.tokens.push(token);
@@ -968,8 +969,9 @@ impl CacheManager {
             return;
         }
         let stamp = self.steps.next_step - 1;
-        let seq = self.seq_mut(slot);
-        seq.log_placeholders(stamp, count);
+        let in_flight = &self.steps.in_flight;
+        let seq = self.table.get_mut(slot);
+        seq.log_placeholders(stamp, count, || in_flight.iter().map(|f| f.step_id));
         seq.forget_hit();
     }
 
@@ -1041,14 +1043,7 @@ impl CacheManager {
         if !self.table.is_live(slot) {
             return;
         }
-        let seq = self.seq_mut(slot);
-        while let Some(&(stamp, n)) = seq.placeholder_log.back() {
-            if stamp < plan {
-                break;
-            }
-            seq.placeholders -= n;
-            seq.placeholder_log.pop_back();
-        }
+        self.seq_mut(slot).drop_placeholders_since(plan);
     }
 
     /// Full block-table rows of a paged group for the given sequences, padded with the null

@@ -176,18 +176,26 @@ impl CacheManager {
         if (depth == 1 && !self.steps.in_flight.is_empty()) || self.steps.in_flight.len() >= depth {
             self.refuse_in_flight("decode_step_overlapped")?;
         }
-        let slots = self.batch_slots(seq_ids, "decode_step_overlapped", |m, slot| {
-            m.refuse_pending_step(slot)?;
-            m.check_length_one(slot)
-        })?;
-        // The common case resolves the very sequences it schedules: their resolve, placeholder
-        // and schedule then go in one pass over them.
+        // The common case resolves the very sequences it schedules: their checks go in one
+        // pass over the ids, then their resolve, placeholder and schedule in one more. The
+        // checks are those of the general case; if one fails, the general case's passes run
+        // again for its first error (checks change nothing).
         let fused = !resolve_ids.is_empty() && resolve_ids == seq_ids;
-        if fused {
-            for &slot in &slots {
-                self.check_resolve_one(slot)?;
+        let slots = if fused {
+            let checked = self.batch_slots(seq_ids, "decode_step_overlapped", |m, slot| {
+                m.refuse_pending_step(slot)?;
+                m.check_length_one(slot)?;
+                m.check_resolve_one(slot)
+            });
+            match checked {
+                Ok(slots) => slots,
+                Err(e) => return Err(self.overlapped_check_error(seq_ids, e)),
             }
         } else {
+            let slots = self.batch_slots(seq_ids, "decode_step_overlapped", |m, slot| {
+                m.refuse_pending_step(slot)?;
+                m.check_length_one(slot)
+            })?;
             let resolve_slots =
                 self.batch_slots(resolve_ids, "decode_step_overlapped", |m, slot| {
                     m.check_resolve_one(slot)
@@ -195,7 +203,8 @@ impl CacheManager {
             for (&slot, token) in resolve_slots.iter().zip(resolved) {
                 self.resolve_one(slot, *token)?;
             }
-        }
+            slots
+        };
         if fused {
             return self.schedule_each_and_plan(slots, plan, |m, i, slot| {
                 m.resolve_one_add_one(slot, resolved[i])
@@ -205,6 +214,21 @@ impl CacheManager {
             m.add_placeholder_one(slot);
             Ok(())
         })
+    }
+
+    /// The first error of the fused overlapped decode step's checks in the general case's
+    /// order: every id's schedule checks (known, not pending, length, distinct), then every
+    /// id's resolve check (`fused`, the fused pass's error, if the general case finds none).
+    #[cold]
+    #[inline(never)]
+    fn overlapped_check_error(&mut self, seq_ids: &[u64], fused: CacheError) -> CacheError {
+        let first = self.batch_slots(seq_ids, "decode_step_overlapped", |m, slot| {
+            m.refuse_pending_step(slot)?;
+            m.check_length_one(slot)
+        });
+        let resolved =
+            first.and_then(|slots| slots.iter().try_for_each(|&slot| self.check_resolve_one(slot)));
+        resolved.err().unwrap_or(fused)
     }
 
     /// The decode steps' tail: runs `before` on each of `slots` (the `i`-th of the batch),

@@ -15,8 +15,6 @@
 // callgrind) showed the compiler leaving a small hot function out of line.
 #![allow(clippy::inline_always)]
 
-use std::collections::VecDeque;
-
 use crate::hashing::{Digest, ExtraKeys};
 use crate::hit::Hit;
 use crate::pool::{BlockId, NULL_BLOCK};
@@ -387,7 +385,7 @@ pub(crate) struct Sequence {
     /// Per `append_placeholders` call whose placeholders are not all resolved: the id of the
     /// latest plan built when it was made, and how many of its placeholders are left (oldest
     /// first; an abort drops those appended since the aborted plan was built).
-    pub placeholder_log: VecDeque<(u64, u32)>,
+    pub placeholder_log: PlaceholderLog,
     /// Committed paged keys not published because a token of their prefix was a placeholder:
     /// every unit boundary in `(from, num_computed]` (published as `resolve` makes them known).
     pub keys_pending_from: Option<u32>,
@@ -514,14 +512,15 @@ impl Sequence {
     }
 
     /// Counts `count` placeholders appended while plan `stamp` is the latest built (the
-    /// log an abort reads).
+    /// log an abort reads); `in_flight` lists the ids of the plans in flight, oldest first
+    /// (read only when the log is full, to merge the entries no abort can tell apart).
     #[inline(always)]
-    pub fn log_placeholders(&mut self, stamp: u64, count: u32) {
+    pub fn log_placeholders<I>(&mut self, stamp: u64, count: u32, in_flight: impl Fn() -> I)
+    where
+        I: Iterator<Item = u64>,
+    {
         self.placeholders += count;
-        match self.placeholder_log.back_mut() {
-            Some((s, n)) if *s == stamp => *n += count,
-            _ => self.placeholder_log.push_back((stamp, count)),
-        }
+        self.placeholder_log.log(stamp, count, in_flight);
     }
 
     /// Takes `count` resolved placeholders (at most those it has) off the log, oldest first.
@@ -529,16 +528,12 @@ impl Sequence {
     pub fn unlog_resolved(&mut self, count: u32) {
         debug_assert!(self.placeholders >= count);
         self.placeholders -= count;
-        let mut left = count;
-        while left > 0 {
-            let Some((_, n)) = self.placeholder_log.front_mut() else { break };
-            let used = left.min(*n);
-            *n -= used;
-            left -= used;
-            if *n == 0 {
-                self.placeholder_log.pop_front();
-            }
-        }
+        self.placeholder_log.take_oldest(count);
+    }
+
+    /// Drops the placeholders appended since plan `plan` was built (an abort of that plan).
+    pub fn drop_placeholders_since(&mut self, plan: u64) {
+        self.placeholders -= self.placeholder_log.drop_since(plan);
     }
 
     /// Keeps a finished step's group vectors for the next schedule (in the ring's free
@@ -598,5 +593,179 @@ impl Sequence {
         self.num_computed = 0;
         self.prefill_target = 0;
         self.junction = None;
+    }
+}
+
+/// Entries of the placeholder log (a power of two): more than the `MAX_STEPS_IN_FLIGHT + 1`
+/// entries a merged log can need.
+const LOG_ENTRIES: usize = 16;
+const _: () = assert!(LOG_ENTRIES > crate::limits::MAX_STEPS_IN_FLIGHT as usize + 1);
+const _: () = assert!(LOG_ENTRIES.is_power_of_two());
+
+/// A sequence's placeholders not yet resolved, per the plan that was the latest built when
+/// they were appended (`stamp`), oldest first, in a fixed ring: an abort of plan `p` drops the
+/// entries stamped `p` or later. Two neighbouring entries no abort can tell apart (no plan in
+/// flight between their stamps: a future plan's id is above every stamp) are merged when the
+/// ring is full, which leaves at most one entry below the oldest plan in flight and one per
+/// plan in flight.
+#[derive(Clone, Debug)]
+pub struct PlaceholderLog {
+    stamps: [u64; LOG_ENTRIES],
+    counts: [u32; LOG_ENTRIES],
+    head: u8,
+    len: u8,
+}
+
+impl Default for PlaceholderLog {
+    fn default() -> Self {
+        Self { stamps: [0; LOG_ENTRIES], counts: [0; LOG_ENTRIES], head: 0, len: 0 }
+    }
+}
+
+impl PlaceholderLog {
+    #[inline(always)]
+    fn at(&self, k: usize) -> usize {
+        (self.head as usize + k) & (LOG_ENTRIES - 1)
+    }
+
+    /// Counts `count` placeholders stamped `stamp` (at least every stamp logged before).
+    #[inline(always)]
+    pub fn log<I>(&mut self, stamp: u64, count: u32, in_flight: impl Fn() -> I)
+    where
+        I: Iterator<Item = u64>,
+    {
+        if self.len > 0 {
+            let back = self.at(self.len as usize - 1);
+            if self.stamps[back] == stamp {
+                self.counts[back] += count;
+                return;
+            }
+        }
+        if self.len as usize == LOG_ENTRIES {
+            self.merge(in_flight());
+        }
+        let i = self.at(self.len as usize);
+        self.stamps[i] = stamp;
+        self.counts[i] = count;
+        self.len += 1;
+    }
+
+    /// Merges every run of neighbouring entries with no plan of `in_flight` (ids ascending)
+    /// in `(earlier stamp, later stamp]`, keeping the later stamp.
+    #[cold]
+    #[inline(never)]
+    fn merge(&mut self, in_flight: impl Iterator<Item = u64>) {
+        let ids: Vec<u64> = in_flight.collect();
+        let mut out = 0usize;
+        for k in 0..self.len as usize {
+            let (stamp, count) = (self.stamps[self.at(k)], self.counts[self.at(k)]);
+            if out > 0 {
+                let prev = self.at(out - 1);
+                if !ids.iter().any(|&p| self.stamps[prev] < p && p <= stamp) {
+                    self.stamps[prev] = stamp;
+                    self.counts[prev] += count;
+                    continue;
+                }
+            }
+            let o = self.at(out);
+            self.stamps[o] = stamp;
+            self.counts[o] = count;
+            out += 1;
+        }
+        self.len = out as u8;
+    }
+
+    /// Takes `count` placeholders off the oldest entries (at most those logged).
+    #[inline(always)]
+    pub fn take_oldest(&mut self, count: u32) {
+        let mut left = count;
+        while left > 0 && self.len > 0 {
+            let f = self.head as usize;
+            let used = left.min(self.counts[f]);
+            self.counts[f] -= used;
+            left -= used;
+            if self.counts[f] == 0 {
+                self.head = ((f + 1) & (LOG_ENTRIES - 1)) as u8;
+                self.len -= 1;
+            }
+        }
+    }
+
+    /// Drops the entries stamped `plan` or later; returns how many placeholders they held.
+    pub fn drop_since(&mut self, plan: u64) -> u32 {
+        let mut dropped = 0;
+        while self.len > 0 {
+            let back = self.at(self.len as usize - 1);
+            if self.stamps[back] < plan {
+                break;
+            }
+            dropped += self.counts[back];
+            self.len -= 1;
+        }
+        dropped
+    }
+}
+
+#[cfg(test)]
+mod placeholder_log_tests {
+    use super::PlaceholderLog;
+    use crate::limits::MAX_STEPS_IN_FLIGHT;
+    use proptest::prelude::*;
+    use std::collections::VecDeque;
+
+    // The rule, stated on its own: every append is remembered with the id of the plan built
+    // last when it was made; a resolve consumes the oldest appends first; an abort of plan p
+    // removes what is left of the appends made while p or a later plan was the latest built.
+    // The plain list below never merges; the ring must agree with it on every count.
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn ring_agrees_with_plain_list(ops in proptest::collection::vec((0u8..20, 1u32..4), 1..400)) {
+            let mut log = PlaceholderLog::default();
+            let mut plain: Vec<(u64, u32)> = Vec::new();
+            let mut in_flight: VecDeque<u64> = VecDeque::new();
+            let mut next_plan = 1u64;
+            for (pick, n) in ops {
+                // (weighted: builds and appends often, so the ring fills and merges)
+                let op = [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 3, 3, 3, 3, 3, 4, 4, 5][pick as usize];
+                match op {
+                    0 if in_flight.len() < MAX_STEPS_IN_FLIGHT as usize => {
+                        in_flight.push_back(next_plan);
+                        next_plan += 1;
+                    }
+                    1 => { in_flight.pop_front(); }
+                    2 => { in_flight.pop_back(); }
+                    3 => {
+                        let stamp = next_plan - 1;
+                        log.log(stamp, n, || in_flight.iter().copied());
+                        plain.push((stamp, n));
+                    }
+                    4 => {
+                        let total: u32 = plain.iter().map(|e| e.1).sum();
+                        let mut take = n.min(total);
+                        log.take_oldest(take);
+                        for e in plain.iter_mut() {
+                            let used = take.min(e.1);
+                            e.1 -= used;
+                            take -= used;
+                        }
+                        plain.retain(|e| e.1 > 0);
+                    }
+                    _ => {
+                        if let Some(&oldest) = in_flight.front() {
+                            let want: u32 =
+                                plain.iter().filter(|e| e.0 >= oldest).map(|e| e.1).sum();
+                            prop_assert_eq!(log.drop_since(oldest), want);
+                            plain.retain(|e| e.0 < oldest);
+                            in_flight.clear();
+                        }
+                    }
+                }
+                let total: u32 = plain.iter().map(|e| e.1).sum();
+                let held: u32 = (0..log.len as usize).map(|k| log.counts[log.at(k)]).sum();
+                prop_assert_eq!(held, total);
+                prop_assert!(log.len as usize <= super::LOG_ENTRIES);
+            }
+        }
     }
 }
