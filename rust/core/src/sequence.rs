@@ -744,7 +744,7 @@ mod placeholder_log_tests {
                         let total: u32 = plain.iter().map(|e| e.1).sum();
                         let mut take = n.min(total);
                         log.take_oldest(take);
-                        for e in plain.iter_mut() {
+                        for e in &mut plain {
                             let used = take.min(e.1);
                             e.1 -= used;
                             take -= used;
