@@ -353,10 +353,12 @@ class ZmqEventPublisher:
                     (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
                 )
                 sent += 1
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        # Counted before the end marker goes out, so a client that has read the marker sees
+        # its replay in the publisher's statistics.
         with self._counters.lock:
             self._counters.replays += 1
             self._counters.replayed += sent
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
 def _check_events_on(manager: CacheManager | None) -> None:
