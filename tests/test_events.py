@@ -19,11 +19,14 @@ The rules checked here, stated independently of the implementation:
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
 import prefixcache as pc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 msgpack = pytest.importorskip("msgpack")
 msgspec = pytest.importorskip("msgspec")
@@ -347,6 +350,190 @@ def test_wire_id() -> None:
     assert ev.cleared_payload(1.5, 300) == ENCODER.encode(
         KVEventBatch(ts=1.5, events=[AllBlocksCleared()], data_parallel_rank=300)
     )
+
+
+# --- the bytes, pinned --------------------------------------------------------------------------
+
+
+def _widths(n: int, seed: int) -> list[int]:
+    """``n`` token ids of every msgpack width (fixint, uint8, uint16, uint32), from an LCG."""
+    edges = [0, 1, 127, 128, 255, 256, 65_535, 65_536, 150_000, 2**31 - 1, 2**32 - 1]
+    out, x = [], seed
+    for _ in range(n):
+        x = (x * 6_364_136_223_846_793_005 + 1_442_695_040_888_963_407) % 2**64
+        width = [128, 256, 65_536, 2**32][x >> 62]
+        out.append(edges[(x >> 32) % len(edges)] if (x >> 61) & 1 else (x >> 20) % width)
+    return out
+
+
+def _prefill(mgr: pc.CacheManager, seq: int, tokens: list[int], extra: Any, chunk: int) -> None:
+    mgr.add(seq, tokens, extra)
+    while mgr.num_computed(seq) < len(tokens):
+        assert mgr.schedule(seq, chunk) is not None
+        mgr.commit(mgr.build_plan())
+
+
+def golden_payloads() -> list[bytes]:
+    """Wire batches of a fixed workload that reaches every form the encoder writes: tokens and
+    ids of each integer width, arrays of 16+ and 65,536+ entries, str8 / str16 / bin salts and
+    multimodal hashes, LoRA ids, W = U and W > U, sliding-window and mamba groups, evictions
+    of shared and last copies, a reset, sha256 digests, ranks nil / negative / wide."""
+    payloads: list[bytes] = []
+    ranks = [None, 0, 5, 127, 128, -1, -32, -33, -200, -40_000, 2**40, -(2**40)]
+
+    def drain(mgr: pc.CacheManager) -> None:
+        rank = ranks[len(payloads) % len(ranks)]
+        payload, taken, written = mgr.drain_events_wire(0.25 * len(payloads) - 3.0, rank)
+        assert (payload is None) == (written == 0) and taken >= written
+        if payload is not None:
+            payloads.append(payload)
+
+    salts = [b"tenant-a", b"s" * 40, "ü".encode() * 150, b"\xff\xfe"]
+    loras = [None, 0, 127, 128, 2**16, 2**33, 2**64 - 1]
+    images = [b"img-a", b"\x80\x81", b"h" * 33]
+    configs = [
+        dict(groups=[pc.FullAttention(4)], hash=pc.HashConfig(unit=4), pools=[pc.PoolConfig(40)]),
+        dict(
+            groups=[
+                pc.FullAttention(8, pool=0),
+                pc.SlidingWindow(8, 16, pool=0),
+                pc.StateGroup(alignment=4, pool=1),
+            ],
+            hash=pc.HashConfig(unit=4),
+            pools=[pc.PoolConfig(90), pc.PoolConfig(40)],
+            event_block_size=8,
+        ),
+        dict(
+            groups=[pc.FullAttention(16)],
+            hash=pc.HashConfig(unit=8, algorithm="sha256"),
+            pools=[pc.PoolConfig(30)],
+            event_block_size=16,
+        ),
+    ]
+    for c, config in enumerate(configs):
+        mgr = pc.CacheManager(pc.CacheConfig(**config))  # type: ignore[arg-type]
+        base = _widths(40, seed=c)
+        for s in range(12):
+            tokens = base[: 8 + (s * 5) % 33] + _widths(s % 7, seed=100 * c + s)
+            extra = pc.ExtraKeys(
+                cache_salt=salts[s // 3 % len(salts)] if s % 3 == 0 else None,
+                lora_id=loras[s % len(loras)],
+                multimodal=[
+                    pc.MultimodalInput(2, 7, images[s % 3]),
+                    pc.MultimodalInput(9, 10, b"x"),
+                ]
+                if s % 4 == 1 and len(tokens) > 10
+                else [],
+            )
+            _prefill(mgr, s, tokens, extra, chunk=5 + s % 9)
+            for t in range(s % 4):
+                mgr.append(s, [_widths(1, seed=s * 10 + t)[0]])
+                assert mgr.schedule(s, 1) is not None
+                mgr.commit(mgr.build_plan())
+            if s % 2:
+                drain(mgr)
+            if s >= 2:
+                mgr.finish(s - 2)
+        drain(mgr)
+        mgr.finish(10)
+        mgr.finish(11)
+        mgr.reset()
+        drain(mgr)
+    # One run of 70,000 tokens: 4,375 ids (array16) and token ids in an array32.
+    mgr = full(unit=16, block=16, blocks=4400)
+    _prefill(mgr, 1, _widths(70_000, seed=7), None, chunk=70_000)
+    drain(mgr)
+    return payloads
+
+
+GOLDEN_SIZE = (21, 264_852)
+GOLDEN_SHA256 = "ba577a0a29a018d675b8f9dee7f9844dc13a3dcf2690380300c46d56985a24c6"
+
+
+def test_wire_bytes_are_pinned() -> None:
+    """The payloads of a fixed workload, byte for byte as the encoder wrote them when vLLM's
+    structs and Dynamo's indexer were checked against it (b5d5151), and each one the bytes
+    vLLM's structs re-encode (those with a mamba group's extra key aside)."""
+    payloads = golden_payloads()
+    for payload in payloads:
+        if b"\xa5mamba" not in payload:
+            assert ENCODER.encode(DECODER.decode(payload)) == payload
+    digest = hashlib.sha256(b"".join(len(p).to_bytes(4, "big") + p for p in payloads))
+    assert (len(payloads), sum(map(len, payloads))) == GOLDEN_SIZE
+    assert digest.hexdigest() == GOLDEN_SHA256
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(["full", "sliding", "state"]),
+    unit=st.sampled_from([2, 4]),
+    wide=st.booleans(),
+    ops=st.lists(
+        st.tuples(
+            st.integers(0, 5),  # sequence id
+            st.integers(0, 24),  # tokens shared with the common prefix
+            st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=30),
+            st.sampled_from([None, b"t", b"\xff" * 40]),
+            st.sampled_from([None, 1, 300, 2**64 - 1]),
+            st.sampled_from([None, 0, -7, 2**20]),  # drain with this rank (None: no drain)
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_every_payload_is_what_vllms_structs_encode(
+    layout: str, unit: int, wide: bool, ops: list[Any]
+) -> None:
+    """Any workload (evictions, shared prefixes, salts, LoRA ids, token ids of every width):
+    every payload decodes with vLLM's structs into the bytes they re-encode, each store sends
+    exactly its blocks' tokens, and a drain's counts are the payload's."""
+    block = 2 * unit * (2 if wide else 1)
+    groups: list[Any] = [pc.FullAttention(block)]
+    if layout == "sliding":
+        groups.append(pc.SlidingWindow(block, 2 * block))
+    if layout == "state":
+        groups.append(pc.StateGroup(alignment=unit, pool=1))
+    mgr = pc.CacheManager(
+        pc.CacheConfig(
+            pools=[pc.PoolConfig(24), pc.PoolConfig(12)],
+            groups=groups,
+            hash=pc.HashConfig(unit=unit),
+            event_block_size=block if wide else None,
+        )
+    )
+    w = block if wide else unit
+    common = list(range(1000, 1024))
+    live: set[int] = set()
+
+    def check(rank: int | None) -> None:
+        payload, taken, written = mgr.drain_events_wire(1.5, rank)
+        assert (payload is None) == (written == 0) and taken >= written
+        if payload is None:
+            return
+        raw = msgpack.unpackb(payload)
+        assert len(raw[1]) == written and raw[2] == rank
+        for e in raw[1]:
+            if e["type"] == "BlockStored":
+                assert e["block_size"] == w
+                assert len(e["token_ids"]) == w * len(e["block_hashes"])
+        if layout != "state":
+            assert ENCODER.encode(DECODER.decode(payload)) == payload
+
+    for seq, shared, tail, salt, lora, rank in ops:
+        if seq in live:
+            mgr.finish(seq)
+            live.discard(seq)
+        tokens = common[:shared] + tail
+        mgr.add(seq, tokens, pc.ExtraKeys(cache_salt=salt, lora_id=lora))
+        live.add(seq)
+        if mgr.schedule(seq, len(tokens)) is None:
+            mgr.finish(seq)
+            live.discard(seq)
+        else:
+            mgr.commit(mgr.build_plan())
+        if rank is not None:
+            check(rank)
+    check(None)
 
 
 # --- the publisher ------------------------------------------------------------------------------
