@@ -30,7 +30,11 @@
 //!   tail (the last unit boundary below that length), the junction of the first schedule's hit
 //!   and every multiple of the interval, in that order (intervals latest first); a decode step
 //!   keeps only its end when that is a unit boundary (the decode tail), and every boundary
-//!   strictly inside it is skipped `mid_step`. A position whose prefix is known and already has
+//!   strictly inside it is skipped `mid_step`. Positions `request_checkpoint` asked for (unit
+//!   boundaries of the chunk, asked between schedule and the plan, for a continuation too)
+//!   come first in either case (a requested decode-step end is a checkpoint, not a decode
+//!   tail, and a requested interior boundary is not skipped `mid_step`); any other position
+//!   is an `Alignment` error. A position whose prefix is known and already has
 //!   a checkpoint is skipped `already_cached`; past C interior ones (below qe), `capacity`;
 //! - each kept position takes a block, no more of them per row than the state pool has free
 //!   or cached (`budget`), and none that would leave the pool no more than the reserve of the
@@ -171,6 +175,13 @@ enum Op {
     Decode {
         rounds: u8,
     },
+    /// `request_checkpoint` for a sequence scheduled for the next plan (`pick` among those;
+    /// when none is, a live one, scheduled first unless `position % 8 == 0`): below 200, a position the chunk accepts, else an arbitrary
+    /// one (off the grid, outside the chunk).
+    Request {
+        pick: u8,
+        position: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -192,6 +203,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::FastRound),
         1 => (any::<u8>(), 1u8..6).prop_map(|(pick, fresh)| Op::Turn { pick, fresh }),
         1 => (2u8..9).prop_map(|rounds| Op::Decode { rounds }),
+        3 => (any::<u8>(), any::<u8>()).prop_map(|(pick, position)| Op::Request { pick, position }),
     ]
 }
 
@@ -230,6 +242,8 @@ struct Step {
     slots: Option<(i32, i32)>,
     /// Checkpoints the plan gave it: (position, block, decode tail), ascending.
     ckpts: Vec<(u32, u32, bool)>,
+    /// Positions `request_checkpoint` asked for before its plan was built, in request order.
+    requested: Vec<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -819,7 +833,87 @@ impl Model {
                 }
                 Ok(())
             }
+            Op::Request { pick, position } => self.request(pick, position),
         }
+    }
+
+    /// `request_checkpoint`. Its rule, stated here: allowed (at D = 1 only with no plan in
+    /// flight) for a sequence whose newest step waits for the next plan, continuations deeper
+    /// in flight included; with a state group, a position p of that step's chunk `(qs, qe]`
+    /// that is a unit boundary (alignment 1: every one is exportable) is recorded once, and
+    /// anything else is an `Alignment` error; without one, `InvalidRequest`. The plan then
+    /// considers the requested positions first, in request order (section 4).
+    fn request(&mut self, pick: u8, position: u8) -> Result<(), String> {
+        let waiting: Vec<u64> = self
+            .seqs
+            .values()
+            .filter(|s| s.steps.last().is_some_and(|st| st.plan == 0))
+            .map(|s| s.id)
+            .collect();
+        let id = match waiting.get(usize::from(pick) % waiting.len().max(1)) {
+            Some(&id) => id,
+            None => match self.pick(pick) {
+                // (scheduled first, mostly: a request needs a step waiting for the plan)
+                Some(id) if position % 8 != 0 => {
+                    let seq = &self.seqs[&id];
+                    let mut budget = 1 + u32::from(position) % 9;
+                    if seq.started && seq.planned() >= seq.len() && !self.classic_busy() {
+                        // decoding: a step of one to U placeholders (its end is a unit
+                        // boundary a quarter of the time)
+                        budget = 1 + u32::from(position / 8) % U;
+                        self.placeholders(id, budget)?;
+                    }
+                    self.schedule(id, budget)?;
+                    self.check_all()?;
+                    id
+                }
+                Some(id) => id,
+                None => return Ok(()),
+            },
+        };
+        let chunk =
+            self.seqs[&id].steps.last().filter(|st| st.plan == 0).map(|st| (st.start, st.end));
+        let valid: Vec<u32> =
+            chunk.map_or_else(Vec::new, |(s, e)| (s / U + 1..=e / U).map(|i| i * U).collect());
+        let p = match chunk {
+            Some(_) if position < 200 && !valid.is_empty() => {
+                valid[usize::from(position) % valid.len()]
+            }
+            Some((_, e)) => u32::from(position) % (e + U + 1),
+            None => u32::from(position),
+        };
+        let r = self.m.request_checkpoint(id, p);
+        let expect = if self.classic_busy() || chunk.is_none() {
+            "Step"
+        } else if self.s.state.is_none() {
+            "InvalidRequest"
+        } else if !valid.contains(&p) {
+            "Alignment"
+        } else {
+            "ok"
+        };
+        ensure!(kind(&r) == expect, "request_checkpoint({id}, {p}): {r:?}, expected {expect}");
+        if r.is_ok() {
+            let seq = self.seqs.get_mut(&id).unwrap();
+            let first = seq.steps.len() == 1;
+            let decode =
+                seq.steps.last().is_some_and(|st| !st.first && st.start >= seq.prefill_target);
+            let step = seq.steps.last_mut().unwrap();
+            if !step.requested.contains(&p) {
+                step.requested.push(p);
+            }
+            if decode {
+                self.saw("checkpoint requested in a decode step");
+            }
+            self.saw(if first {
+                "checkpoint requested"
+            } else {
+                "checkpoint requested for a continuation"
+            });
+        } else if expect == "Alignment" {
+            self.saw("checkpoint request off the grid refused");
+        }
+        Ok(())
     }
 
     fn fresh(&mut self) -> u32 {
@@ -931,6 +1025,7 @@ impl Model {
                 first: false,
                 slots: None,
                 ckpts: Vec::new(),
+                requested: Vec::new(),
             });
             self.unbuilt.push((false, id));
         }
@@ -1045,7 +1140,15 @@ impl Model {
             seq.junction = h.junction;
             seq.resume = resume;
         }
-        seq.steps.push(Step { plan: 0, start, end, first, slots: None, ckpts: Vec::new() });
+        seq.steps.push(Step {
+            plan: 0,
+            start,
+            end,
+            first,
+            slots: None,
+            ckpts: Vec::new(),
+            requested: Vec::new(),
+        });
         self.unbuilt.push((false, id));
         Ok(())
     }
@@ -1058,10 +1161,13 @@ impl Model {
         let mut skips = [0u64; 5];
         let mut wanted: Vec<(u32, bool)> = Vec::new();
         let inside = (start / U + 1..=end / U).map(|i| i * U);
+        // Requested positions come first, whatever the step.
+        wanted.extend(step.requested.iter().map(|&p| (p, false)));
         if !step.first && start >= seq.prefill_target {
             if st.decode_tail {
-                skips[MID_STEP] += inside.filter(|&p| p < end).count() as u64;
-                if end % U == 0 {
+                let asked = |p: u32| step.requested.contains(&p);
+                skips[MID_STEP] += inside.filter(|&p| p < end && !asked(p)).count() as u64;
+                if end % U == 0 && !asked(end) {
                     wanted.push((end, true));
                 }
             }
@@ -1873,6 +1979,10 @@ fn overlapped_traffic_reaches_every_path() {
         "cap evicted the least recently used of several",
         "cap evicted a decode tail",
         "cap skipped a checkpoint with nothing to evict",
+        "checkpoint requested",
+        "checkpoint requested for a continuation",
+        "checkpoint requested in a decode step",
+        "checkpoint request off the grid refused",
     ];
     if std::env::var_os("MODEL_PATHS").is_some() {
         eprintln!("{seen:#?}");
