@@ -4,9 +4,14 @@
 //! placeholders appended and resolved, known appends, finish and preempt with steps in flight,
 //! against a deliberately naive model; with a state group, its checkpoints too.
 //!
-//! The model keeps, per sequence, its known tokens, its placeholders (with the plan built last
-//! when each batch of them was appended), its committed position and its steps (plan, start,
-//! end), and the set of published prefixes (token lists of a length that is a multiple of U).
+//! The model keeps, per sequence, its known tokens, its extra keys, its placeholders (with the
+//! plan built last when each batch of them was appended), its committed position and its steps
+//! (plan, start, end), and the set of published prefixes, each as its identity (`key`): the
+//! salt, the adapter, and per unit its tokens and the hashes of the multimodal inputs
+//! overlapping it (section 2), so that two prefixes share a key exactly when those are equal,
+//! whatever `extends`, a live prefix or a finished turn lets the core reuse. Prompts carry
+//! salts, adapters and multimodal inputs (forks change them; a list out of order is refused
+//! and adds nothing); the expected digests come from `hash_prefix` of the whole sequence.
 //! Its rules, stated independently of the code:
 //! - plans end in build order; at D = 1 no call but add, lookup, commit and abort is allowed
 //!   while a plan is in flight; at D > 1 `build_plan` is refused with D plans in flight and a
@@ -76,7 +81,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use prefixcache_core::{
     hash_prefix, CacheConfig, CacheError, CacheEvent, CacheManager, Digest, ExtraKeys, GroupConfig,
-    GroupHit, GroupKind, HashConfig, Hit, MissReason, PoolConfig, Retention, StateGroupConfig,
+    GroupHit, GroupKind, HashConfig, Hit, MissReason, MultimodalInput, PoolConfig, Retention,
+    StateGroupConfig,
 };
 use proptest::prelude::*;
 
@@ -113,17 +119,23 @@ struct StateSetup {
 
 #[derive(Clone, Debug)]
 enum Op {
+    /// A prompt of a stream, with extra keys from `extra` (`Extras::of`; streams 2 and 3).
     Add {
         stream: u8,
         len: u8,
+        extra: u8,
     },
     /// A new prompt: the first tokens of a live sequence's known ones, then fresh ones, then
-    /// `unknown` placeholders (tokens still being sampled when it is admitted).
+    /// `unknown` placeholders (tokens still being sampled when it is admitted); its extra keys
+    /// are the parent's (those within its tokens), changed by `change` (salt, adapter, a
+    /// multimodal input's hash, an input inserted); `extends` names the parent.
     Fork {
         pick: u8,
         cut: u8,
         fresh: u8,
         unknown: u8,
+        change: u8,
+        extends: bool,
     },
     Lookup {
         pick: u8,
@@ -186,9 +198,20 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0u8..4, 1u8..24).prop_map(|(stream, len)| Op::Add { stream, len }),
-        2 => (any::<u8>(), any::<u8>(), 0u8..6, prop::sample::select(vec![0u8, 0, 1, 2, 3, 4]))
-            .prop_map(|(pick, cut, fresh, unknown)| Op::Fork { pick, cut, fresh, unknown }),
+        3 => (0u8..4, 1u8..24, any::<u8>())
+            .prop_map(|(stream, len, extra)| Op::Add { stream, len, extra }),
+        2 => (
+            (any::<u8>(), any::<u8>(), 0u8..6),
+            (prop::sample::select(vec![0u8, 0, 1, 2, 3, 4]), any::<u8>(), any::<bool>())
+        )
+            .prop_map(|((pick, cut, fresh), (unknown, change, extends))| Op::Fork {
+                pick,
+                cut,
+                fresh,
+                unknown,
+                change,
+                extends,
+            }),
         2 => any::<u8>().prop_map(|pick| Op::Lookup { pick }),
         5 => (any::<u8>(), 1u8..12).prop_map(|(pick, budget)| Op::Schedule { pick, budget }),
         4 => Just(Op::Build),
@@ -250,6 +273,8 @@ struct Step {
 struct Seq {
     id: u64,
     tokens: Vec<u32>,
+    /// Its extra keys (salt, adapter, multimodal inputs).
+    x: Extras,
     placeholders: u32,
     log: Vec<(u64, u32)>,
     committed: u32,
@@ -274,6 +299,10 @@ struct Seq {
 }
 
 impl Seq {
+    /// The identity of its first `q` known tokens (q a unit boundary).
+    fn key(&self, q: u32) -> Vec<u32> {
+        key(&self.tokens, &self.x, q)
+    }
     fn len(&self) -> u32 {
         self.tokens.len() as u32 + self.placeholders
     }
@@ -288,10 +317,85 @@ impl Seq {
     }
 }
 
+/// A sequence's extra keys as the model keeps them: a salt and an adapter id (small numbers),
+/// multimodal inputs `(start, end, hash)` with a one-byte hash.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Extras {
+    salt: Option<u8>,
+    lora: Option<u64>,
+    mm: Vec<(u32, u32, u8)>,
+}
+
+impl Extras {
+    fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    fn core(&self) -> ExtraKeys {
+        ExtraKeys {
+            cache_salt: self.salt.map(|s| vec![s]),
+            lora_id: self.lora,
+            multimodal: self
+                .mm
+                .iter()
+                .map(|&(start, end, h)| MultimodalInput { start, end, hash: vec![h] })
+                .collect(),
+        }
+    }
+
+    /// Whether the multimodal inputs are listed in order of their start, ties by end.
+    fn in_order(&self) -> bool {
+        self.mm.windows(2).all(|w| (w[0].0, w[0].1) <= (w[1].0, w[1].1))
+    }
+
+    /// Extra keys from one byte for a prompt of `len` tokens: none half the time, else a
+    /// salt, an adapter, one multimodal input or two (the two possibly out of order).
+    fn of(e: u8, len: u32) -> Self {
+        let v = u32::from(e >> 3);
+        let mut x = Self::default();
+        let input = |a: u32, b: u32, h: u32| {
+            let start = a % len;
+            (start, start + 1 + b % (len - start), (h % 3) as u8 + 1)
+        };
+        match e % 8 {
+            4 => x.salt = Some((v % 2) as u8),
+            5 => x.lora = Some(u64::from(v % 2)),
+            6 => x.mm.push(input(v, v / 3, v / 2)),
+            7 => {
+                x.mm.push(input(v, v / 3, v / 2));
+                x.mm.push(input(v / 5, v / 7, v));
+            }
+            _ => {}
+        }
+        x
+    }
+}
+
+/// The identity of the first `q` tokens of a sequence (q a unit boundary), stated from
+/// section 2 rather than from the hash: its salt and adapter (every unit depends on both),
+/// then per unit its tokens and the hashes, in list order, of the multimodal inputs whose
+/// range overlaps the unit. Two prefixes share a key exactly when their identities are equal,
+/// whatever the two sequences share beyond them (`extends`, a live prefix, a finished turn).
+fn key(tokens: &[u32], x: &Extras, q: u32) -> Vec<u32> {
+    let tag = |v: Option<u64>| v.map_or(0, |v| 1 + v as u32);
+    let mut identity = vec![tag(x.salt.map(u64::from)), tag(x.lora)];
+    for i in 0..q / U {
+        let (lo, hi) = (i * U, (i + 1) * U);
+        identity.extend(&tokens[lo as usize..hi as usize]);
+        let over: Vec<u32> =
+            x.mm.iter().filter(|m| m.0 < hi && m.1 > lo).map(|m| u32::from(m.2)).collect();
+        identity.push(over.len() as u32);
+        identity.extend(over);
+    }
+    identity
+}
+
 /// A published checkpoint block.
 #[derive(Clone, Debug)]
 struct Ck {
+    /// The identity of its prefix (`key`), and its digest.
     prefix: Vec<u32>,
+    digest: Digest,
     /// First steps resuming from it.
     pins: u32,
     /// When it was last released at the most recently used end (0: at the least recently used
@@ -452,8 +556,11 @@ impl Model {
         }
     }
 
-    fn digest(&self, prefix: &[u32]) -> Digest {
-        *hash_prefix(&self.hash, prefix, &ExtraKeys::default()).unwrap().last().unwrap()
+    /// The digest of the first `q` tokens (q a unit boundary) with the sequence's extra keys,
+    /// from the public hash function (whose own statement is checked by `hash_vectors`).
+    fn digest(&self, tokens: &[u32], x: &Extras, q: u32) -> Digest {
+        let all = hash_prefix(&self.hash, tokens, &x.core()).expect("valid extra keys");
+        all[(q / U) as usize - 1]
     }
 
     // --- checkpoints ---------------------------------------------------------------------
@@ -493,13 +600,16 @@ impl Model {
         self.release_ck(block, true);
     }
 
-    fn publish_ck(&mut self, tokens: &[u32], position: u32, block: u32, decode_tail: bool) {
-        let prefix = tokens[..position as usize].to_vec();
+    fn publish_ck(&mut self, who: (&[u32], &Extras), position: u32, block: u32, dt: bool) {
+        let (tokens, x) = who;
+        let prefix = key(tokens, x, position);
         if self.has_ck(&prefix) {
             self.saw("a second copy of a checkpoint published");
         }
-        self.expect_stored.push((STATE, self.digest(&prefix), Some(block)));
-        self.ck.insert(block, Ck { prefix, pins: 0, since: 0, decode_tail });
+        let digest = self.digest(tokens, x, position);
+        self.expect_stored.push((STATE, digest, Some(block)));
+        let decode_tail = dt;
+        self.ck.insert(block, Ck { prefix, digest, pins: 0, since: 0, decode_tail });
         self.release_ck(block, !decode_tail);
         self.want.published += 1;
         if decode_tail {
@@ -511,7 +621,7 @@ impl Model {
         let c = self.ck.remove(&block).expect("published checkpoint");
         self.lru.retain(|&b| b != block);
         let gone = !self.has_ck(&c.prefix);
-        self.expect_removed.push((block, self.digest(&c.prefix), gone));
+        self.expect_removed.push((block, c.digest, gone));
         self.want.evictions += 1;
     }
 
@@ -564,10 +674,10 @@ impl Model {
 
     /// The full-attention bound of known `tokens` below `max`: the largest L whose block
     /// boundaries, and L itself when it ends inside a block, are published (or in `extra`).
-    fn fa_bound(&self, tokens: &[u32], max: u32, extra: &Overlay) -> u32 {
+    fn fa_bound(&self, seq: &Seq, max: u32, extra: &Overlay) -> u32 {
         let has = |q: u32| {
-            let p = &tokens[..q as usize];
-            self.published.contains(p) || extra.contains_key(p)
+            let p = seq.key(q);
+            self.published.contains(&p) || extra.contains_key(&p)
         };
         let b = self.s.block;
         (0..=max / U)
@@ -578,13 +688,13 @@ impl Model {
     }
 
     /// The state group's own hit within `bound`: a checkpoint at exactly L, or 0.
-    fn state_own(&self, tokens: &[u32], bound: u32, extra: &Overlay) -> u32 {
+    fn state_own(&self, seq: &Seq, bound: u32, extra: &Overlay) -> u32 {
         (0..=bound / U)
             .rev()
             .map(|i| i * U)
             .find(|&l| {
-                let p = &tokens[..l as usize];
-                l == 0 || self.has_ck(p) || extra.contains_key(p)
+                let p = seq.key(l);
+                l == 0 || self.has_ck(&p) || extra.contains_key(&p)
             })
             .unwrap_or(0)
     }
@@ -602,12 +712,12 @@ impl Model {
             for step in seq.steps.iter().filter(|s| s.plan != 0) {
                 let mut q = (step.start / U + 1) * U;
                 while q <= step.end && q <= known {
-                    add(&mut fa, seq.tokens[..q as usize].to_vec(), step.plan);
+                    add(&mut fa, seq.key(q), step.plan);
                     q += U;
                 }
                 for &(p, _, dt) in &step.ckpts {
                     if !dt && p <= known {
-                        add(&mut ck, seq.tokens[..p as usize].to_vec(), step.plan);
+                        add(&mut ck, seq.key(p), step.plan);
                     }
                 }
             }
@@ -622,9 +732,9 @@ impl Model {
         let n = tokens.len() as u32;
         let max = if n == 0 { 0 } else { (n - 1) / U * U };
         let none = BTreeMap::new();
-        let bound = self.fa_bound(tokens, max, &none);
+        let bound = self.fa_bound(seq, max, &none);
         let state = self.s.state.is_some();
-        let own = if state { self.state_own(tokens, bound, &none) } else { bound };
+        let own = if state { self.state_own(seq, bound, &none) } else { bound };
         let mut groups = vec![GroupHit {
             group: 0,
             tokens: bound,
@@ -647,8 +757,8 @@ impl Model {
             pending_plan: None,
         };
         let Some((fa, ck)) = pending else { return hit };
-        let bound_p = self.fa_bound(tokens, max, fa);
-        let own_p = if state { self.state_own(tokens, bound_p, ck) } else { bound_p };
+        let bound_p = self.fa_bound(seq, max, fa);
+        let own_p = if state { self.state_own(seq, bound_p, ck) } else { bound_p };
         if self.s.depth > 1 {
             hit.junction = junction_at(bound_p);
         }
@@ -663,11 +773,11 @@ impl Model {
             let plan = needed
                 .into_iter()
                 .filter_map(|(in_state, q)| {
-                    let p = &tokens[..q as usize];
+                    let p = seq.key(q);
                     if in_state {
-                        (!self.has_ck(p)).then(|| ck.get(p).copied()).flatten()
+                        (!self.has_ck(&p)).then(|| ck.get(&p).copied()).flatten()
                     } else {
-                        (!self.published.contains(p)).then(|| fa.get(p).copied()).flatten()
+                        (!self.published.contains(&p)).then(|| fa.get(&p).copied()).flatten()
                     }
                 })
                 .max();
@@ -688,10 +798,10 @@ impl Model {
     }
 
     /// Publishes boundary `q` of a sequence's tokens (known), recording the expected key.
-    fn publish(&mut self, tokens: &[u32], q: u32) {
-        let prefix = tokens[..q as usize].to_vec();
-        self.expect_stored.push((0, self.digest(&prefix), None));
-        self.published.insert(prefix);
+    fn publish(&mut self, who: (&[u32], &Extras), q: u32) {
+        let (tokens, x) = who;
+        self.expect_stored.push((0, self.digest(tokens, x, q), None));
+        self.published.insert(key(tokens, x, q));
     }
 
     /// Whether a checkpoint block is held anywhere the model knows of.
@@ -706,15 +816,31 @@ impl Model {
 
     // --- operations ----------------------------------------------------------------------
 
-    fn add_seq(&mut self, tokens: Vec<u32>) -> Result<(), String> {
+    /// `add`: refused (`InvalidRequest`, nothing added) when the multimodal inputs are out of
+    /// order; `extends` only shares work, never identity (the keys stay the sequence's own).
+    fn add_seq(&mut self, tokens: Vec<u32>, x: Extras, extends: Option<u64>) -> Result<(), String> {
         self.next_id += 1;
         let id = self.next_id;
-        self.m.add(id, &tokens, ExtraKeys::default(), None).map_err(|e| e.to_string())?;
+        let r = self.m.add(id, &tokens, x.core(), extends);
+        if !x.in_order() {
+            ensure!(kind(&r) == "InvalidRequest", "add {id} with {:?}: {r:?}", x.mm);
+            self.saw("multimodal inputs out of order refused");
+            return Ok(());
+        }
+        r.map_err(|e| format!("add {id}: {e}"))?;
+        if !x.is_empty() {
+            self.saw(if extends.is_some() {
+                "added with extra keys, extends"
+            } else {
+                "added with extra keys"
+            });
+        }
         self.seqs.insert(
             id,
             Seq {
                 id,
                 tokens,
+                x,
                 placeholders: 0,
                 log: Vec::new(),
                 committed: 0,
@@ -736,26 +862,25 @@ impl Model {
 
     fn apply(&mut self, op: &Op) -> Result<(), String> {
         match *op {
-            Op::Add { stream, len } => {
+            Op::Add { stream, len, extra } => {
                 let base = u32::from(stream) * 1000;
                 let mut tokens: Vec<u32> = (base..base + u32::from(len)).collect();
                 if stream == 3 {
                     tokens.push(self.fresh());
                 }
-                self.add_seq(tokens)
+                // (streams 0 and 1 carry none: their prompts share prefixes as before)
+                let mut x = if stream < 2 {
+                    Extras::default()
+                } else {
+                    Extras::of(extra, tokens.len() as u32)
+                };
+                if extra < 128 {
+                    x.mm.sort_unstable_by_key(|m| (m.0, m.1));
+                }
+                self.add_seq(tokens, x, None)
             }
-            Op::Fork { pick, cut, fresh, unknown } => {
-                let Some(id) = self.pick(pick) else { return Ok(()) };
-                let known = self.seqs[&id].tokens.clone();
-                let mut tokens = known[..=usize::from(cut) % known.len()].to_vec();
-                for _ in 0..fresh {
-                    tokens.push(self.fresh());
-                }
-                self.add_seq(tokens)?;
-                if unknown > 0 {
-                    self.placeholders(self.next_id, u32::from(unknown))?;
-                }
-                Ok(())
+            Op::Fork { pick, cut, fresh, unknown, change, extends } => {
+                self.fork(pick, cut, fresh, unknown, (change, extends))
             }
             Op::Lookup { pick } => {
                 if let Some(id) = self.pick(pick) {
@@ -818,13 +943,19 @@ impl Model {
                     self.resolve(id, unknown)?;
                 }
                 let mut tokens = self.seqs[&id].tokens.clone();
+                let mut x = self.seqs[&id].x.clone();
                 self.release(id, Retire::Finish)?;
                 self.check_all()?;
+                let n = tokens.len() as u32;
                 for _ in 0..fresh {
                     tokens.push(self.fresh());
                 }
+                if pick % 3 == 0 {
+                    // (the new turn carries an image)
+                    x.mm.push((n, n + u32::from(fresh), 1 + pick % 3));
+                }
                 self.saw("next turn");
-                self.add_seq(tokens)
+                self.add_seq(tokens, x, (pick % 2 == 0).then_some(id))
             }
             Op::Decode { rounds } => {
                 for _ in 0..rounds {
@@ -875,7 +1006,13 @@ impl Model {
             self.seqs[&id].steps.last().filter(|st| st.plan == 0).map(|st| (st.start, st.end));
         let valid: Vec<u32> =
             chunk.map_or_else(Vec::new, |(s, e)| (s / U + 1..=e / U).map(|i| i * U).collect());
+        let seq = &self.seqs[&id];
+        let cached = valid.iter().copied().find(|&p| {
+            p as usize <= seq.tokens.len() && self.has_ck(&seq.key(p)) && position % 2 == 1
+        });
         let p = match chunk {
+            // (a position whose prefix has a checkpoint already, when there is one: skipped)
+            Some(_) if position < 200 && cached.is_some() => cached.unwrap_or_default(),
             Some(_) if position < 200 && !valid.is_empty() => {
                 valid[usize::from(position) % valid.len()]
             }
@@ -912,6 +1049,52 @@ impl Model {
             });
         } else if expect == "Alignment" {
             self.saw("checkpoint request off the grid refused");
+        }
+        Ok(())
+    }
+
+    /// `Op::Fork`: a prefix of a live sequence's known tokens, fresh ones, placeholders; the
+    /// parent's extra keys (those within the new tokens), changed by `change.0`; `change.1`:
+    /// `extends` names the parent.
+    fn fork(
+        &mut self,
+        pick: u8,
+        cut: u8,
+        fresh: u8,
+        unknown: u8,
+        change: (u8, bool),
+    ) -> Result<(), String> {
+        let (change, extends) = change;
+        let Some(id) = self.pick(pick) else { return Ok(()) };
+        let known = self.seqs[&id].tokens.clone();
+        let mut tokens = known[..=usize::from(cut) % known.len()].to_vec();
+        for _ in 0..fresh {
+            tokens.push(self.fresh());
+        }
+        let n = tokens.len() as u32;
+        let mut x = self.seqs[&id].x.clone();
+        x.mm.retain(|m| m.1 <= n);
+        let v = u32::from(change >> 3);
+        match change % 8 {
+            4 => x.salt = if x.salt.is_some() { None } else { Some(0) },
+            5 => x.lora = Some(x.lora.map_or(0, |l| l + 1)),
+            6 if !x.mm.is_empty() => {
+                let i = v as usize % x.mm.len();
+                x.mm[i].2 = x.mm[i].2 % 3 + 1;
+            }
+            6 | 7 => {
+                let start = v % n;
+                x.mm.push((start, start + 1 + (v / 3) % (n - start), 1 + (v % 3) as u8));
+                x.mm.sort_unstable_by_key(|m| (m.0, m.1));
+            }
+            _ => {}
+        }
+        if x != self.seqs[&id].x {
+            self.saw("fork with different extra keys");
+        }
+        self.add_seq(tokens, x, extends.then_some(id))?;
+        if unknown > 0 {
+            self.placeholders(self.next_id, u32::from(unknown))?;
         }
         Ok(())
     }
@@ -1042,10 +1225,8 @@ impl Model {
         }
         let need = match hit {
             Some(l) => {
-                let cached = l > 0
-                    && self
-                        .resume_choice(&seq.tokens[..l as usize])
-                        .is_some_and(|b| self.ck[&b].pins == 0);
+                let cached =
+                    l > 0 && self.resume_choice(&seq.key(l)).is_some_and(|b| self.ck[&b].pins == 0);
                 2 + usize::from(cached)
             }
             None => usize::from(!seq.has_spare()),
@@ -1099,8 +1280,9 @@ impl Model {
         let mut resume = None;
         if let Some(h) = &hit {
             if self.s.state.is_some() && start > 0 {
-                let prefix = &seq.tokens[..start as usize];
-                let block = self.resume_choice(prefix).ok_or("a state hit without a checkpoint")?;
+                let prefix = seq.key(start);
+                let block =
+                    self.resume_choice(&prefix).ok_or("a state hit without a checkpoint")?;
                 if self.ck.values().filter(|c| c.prefix == prefix).count() > 1 {
                     self.saw("resumed from one of several copies");
                 }
@@ -1115,7 +1297,7 @@ impl Model {
                     self.saw("schedule resumed from a decode tail");
                 }
             }
-            let committed = self.fa_bound(&seq.tokens, h.max_tokens, &BTreeMap::new());
+            let committed = self.fa_bound(&seq, h.max_tokens, &BTreeMap::new());
             let committed = (committed >= h.tokens + 2 * U).then_some(committed);
             if h.junction.is_some() && h.junction != committed {
                 self.saw("junction counted keys in flight");
@@ -1188,7 +1370,7 @@ impl Model {
         let limit = st.per_step.map_or(usize::MAX, |c| c as usize);
         let (mut planned, mut interior) = (Vec::new(), 0);
         for (p, decode_tail) in wanted {
-            if p <= known && self.has_ck(&seq.tokens[..p as usize]) {
+            if p <= known && self.has_ck(&seq.key(p)) {
                 skips[ALREADY_CACHED] += 1;
             } else if p != end && interior >= limit {
                 skips[CAPACITY] += 1;
@@ -1468,8 +1650,9 @@ impl Model {
                 }
                 q += U;
             }
+            let (tokens, x) = (seq.tokens.clone(), seq.x.clone());
             for q in stored {
-                self.publish(&seq.tokens.clone(), q);
+                self.publish((&tokens, &x), q);
             }
             seq.committed = step.end;
             seq.committed_slot = step.slots.map(|x| x.1).or(seq.committed_slot);
@@ -1488,13 +1671,12 @@ impl Model {
                     publish.push((p, b));
                 }
             }
-            let tokens = seq.tokens.clone();
             *self.seq_mut(key) = seq;
             if let Some(b) = resume {
                 self.unpin(b);
             }
             for (p, b) in publish {
-                self.publish_ck(&tokens, p, b, false);
+                self.publish_ck((&tokens, &x), p, b, false);
             }
             self.after_end(key);
         }
@@ -1559,13 +1741,13 @@ impl Model {
         debug_assert!(seq.resume.is_none());
         let tail = seq.decode_tail.take();
         let waiting = std::mem::take(&mut seq.waiting);
-        let tokens = seq.tokens.clone();
+        let (tokens, x) = (seq.tokens.clone(), seq.x.clone());
         if !waiting.is_empty() {
             self.saw("checkpoints waiting for tokens dropped");
         }
         match tail {
             Some((b, p)) if finish && p as usize <= tokens.len() => {
-                self.publish_ck(&tokens, p, b, true);
+                self.publish_ck((&tokens, &x), p, b, true);
                 self.saw("finish published the decode tail");
             }
             Some(_) if finish => self.saw("finish dropped a decode tail over a placeholder"),
@@ -1665,15 +1847,18 @@ impl Model {
         let (now, still): (Waiting, Waiting) =
             std::mem::take(&mut seq.waiting).into_iter().partition(|w| w.1 <= known);
         seq.waiting = still;
-        let tokens = seq.tokens.clone();
+        let (tokens, x) = (seq.tokens.clone(), seq.x.clone());
         if !ready.is_empty() {
             self.saw("resolve published a committed key");
+            if !x.is_empty() {
+                self.saw("resolve published a key with extra keys");
+            }
         }
         for q in ready {
-            self.publish(&tokens, q);
+            self.publish((&tokens, &x), q);
         }
         for (b, p) in now {
-            self.publish_ck(&tokens, p, b, false);
+            self.publish_ck((&tokens, &x), p, b, false);
             self.saw("resolve published a waiting checkpoint");
         }
     }
@@ -1755,9 +1940,16 @@ impl Model {
         ensure!(hit == expected, "lookup {id}:\n  got      {hit:?}\n  expected {expected:?}");
         let waits_for_state = self.s.state.is_some()
             && hit.pending_plan.is_some()
-            && !self.has_ck(&seq.tokens[..hit.pending_tokens as usize]);
+            && !self.has_ck(&seq.key(hit.pending_tokens));
+        let extras = !seq.x.is_empty();
         if hit.pending_plan.is_some() {
             self.saw("pending hit");
+        }
+        if extras && hit.tokens > 0 {
+            self.saw("hit with extra keys");
+        }
+        if extras && hit.pending_plan.is_some() {
+            self.saw("pending hit with extra keys");
         }
         if waits_for_state {
             self.saw("pending hit waits for a checkpoint in flight");
@@ -1983,6 +2175,14 @@ fn overlapped_traffic_reaches_every_path() {
         "checkpoint requested for a continuation",
         "checkpoint requested in a decode step",
         "checkpoint request off the grid refused",
+        // extra keys
+        "added with extra keys",
+        "added with extra keys, extends",
+        "fork with different extra keys",
+        "multimodal inputs out of order refused",
+        "resolve published a key with extra keys",
+        "hit with extra keys",
+        "pending hit with extra keys",
     ];
     if std::env::var_os("MODEL_PATHS").is_some() {
         eprintln!("{seen:#?}");
