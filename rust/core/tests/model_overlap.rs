@@ -28,6 +28,20 @@
 //!   and returns the ids of every plan it ended;
 //! - finish or preempt with steps in flight releases the blocks once the last of them ends.
 //!
+//! The full-attention pool (small ones run short; `fa_blocks`), stated on its own: a started
+//! sequence holds its table (`ceil(planned / B)` blocks: its hit's, then its own, appended by
+//! the plans), a built first step resuming inside a block also the copy-on-write source until
+//! its plan ends, and a scheduled first step pins, before allocating, a cached block for each
+//! key of its hit no block in use serves (a hit uses a copy in use when there is one). A
+//! schedule whose pins and new blocks exceed what is free or cached is refused (`None`). A key
+//! is published into the block of the table holding token q - 1. An abort gives the undone
+//! steps' blocks back (the tables as before the oldest plan); a sequence released after its
+//! last step its whole table. Only a block not in use may be evicted, with exactly the keys it
+//! carries, a key leaving the index when no block carries it any more; the pool's owned and
+//! cached counts must be the model's (not checked while a scheduled step pins one of several
+//! copies of a key, which only the pool's recency decides). Which cached block an allocation
+//! evicts is not predicted (the LRU order of full-attention blocks is not mirrored).
+//!
 //! With a state group, each step must read the running state the step before it writes, and
 //! write a buffer none of its other steps uses. Its checkpoints, stated on their own:
 //! - which positions a step asks for: a prefill chunk `(qs, qe]` (a first step, or one that
@@ -99,6 +113,8 @@ const MID_STEP: usize = 4;
 struct Setup {
     depth: u32,
     block: u32,
+    /// Ids of the full-attention pool (the null block included): small ones evict.
+    fa_blocks: u32,
     state: Option<StateSetup>,
     /// Whether every waiting sequence is looked up after every call (else only by `Lookup`).
     watch: bool,
@@ -245,8 +261,20 @@ fn state_setup() -> impl Strategy<Value = Option<StateSetup>> {
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
-    (1u32..=3, prop::sample::select(vec![4u32, 8]), state_setup(), any::<bool>())
-        .prop_map(|(depth, block, state, watch)| Setup { depth, block, state, watch })
+    (
+        1u32..=3,
+        prop::sample::select(vec![4u32, 8]),
+        prop::sample::select(vec![1024u32, 1024, 14, 24, 40]),
+        state_setup(),
+        any::<bool>(),
+    )
+        .prop_map(|(depth, block, fa_blocks, state, watch)| Setup {
+            depth,
+            block,
+            fa_blocks,
+            state,
+            watch,
+        })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -267,7 +295,17 @@ struct Step {
     ckpts: Vec<(u32, u32, bool)>,
     /// Positions `request_checkpoint` asked for before its plan was built, in request order.
     requested: Vec<u32>,
+    /// Full attention: the table's length before the step, the copy-on-write source its plan
+    /// pins (a first step resuming inside a block), and before its plan is built, the keys
+    /// whose cached block it pinned and the number of new blocks it took (ids not known yet).
+    table_before: usize,
+    cow_src: Option<u32>,
+    pins: Vec<Pin>,
+    new_blocks: u32,
 }
+
+/// A key of a scheduled first step's hit, with the block it pins when only one carries it.
+type Pin = (Vec<u32>, Option<u32>);
 
 #[derive(Clone, Debug)]
 struct Seq {
@@ -275,6 +313,8 @@ struct Seq {
     tokens: Vec<u32>,
     /// Its extra keys (salt, adapter, multimodal inputs).
     x: Extras,
+    /// Its full-attention block table, as the engine keeps it from the plans' appended entries.
+    table: Vec<u32>,
     placeholders: u32,
     log: Vec<(u64, u32)>,
     committed: u32,
@@ -434,7 +474,13 @@ struct Model {
     plans: VecDeque<(u64, Vec<(bool, u64)>)>,
     /// Sequences scheduled for the next plan, in order: (retired?, key).
     unbuilt: Vec<(bool, u64)>,
-    published: BTreeSet<Vec<u32>>,
+    /// Published full-attention keys (prefix identities) with the blocks carrying them, and
+    /// per block the keys it carries with their digests.
+    published: BTreeMap<Vec<u32>, BTreeSet<u32>>,
+    carried: BTreeMap<u32, BTreeMap<Vec<u32>, Digest>>,
+    /// Events drained before `check_events` (full-attention evictions checked at once).
+    drained: Vec<CacheEvent>,
+    fa_evictions: u64,
     ended: Vec<u64>,
     /// Published checkpoint blocks, and the unpinned ones, least recently used first.
     ck: BTreeMap<u32, Ck>,
@@ -451,7 +497,7 @@ struct Model {
 fn config(s: &Setup) -> CacheConfig {
     let mut groups =
         vec![GroupConfig { kind: GroupKind::FullAttention { block_size: s.block }, pool: 0 }];
-    let mut pools = vec![PoolConfig { num_blocks: 1024 }];
+    let mut pools = vec![PoolConfig { num_blocks: s.fa_blocks }];
     if let Some(st) = &s.state {
         let retention = Retention {
             tail: st.tail,
@@ -515,7 +561,10 @@ impl Model {
             next_retired: 0,
             plans: VecDeque::new(),
             unbuilt: Vec::new(),
-            published: BTreeSet::new(),
+            published: BTreeMap::new(),
+            carried: BTreeMap::new(),
+            drained: Vec::new(),
+            fa_evictions: 0,
             ended: Vec::new(),
             ck: BTreeMap::new(),
             lru: VecDeque::new(),
@@ -670,6 +719,224 @@ impl Model {
         self.ck.len() + self.seqs.values().chain(self.retired.values()).map(per_seq).sum::<usize>()
     }
 
+    // --- the full-attention pool ------------------------------------------------------------
+    //
+    // Stated here: a started sequence holds the blocks of its table (`ceil(planned / B)`: the
+    // blocks of its hit, then its own), a built first step resuming inside a block also pins
+    // the copy-on-write source until its plan ends; a scheduled first step pins, before it
+    // allocates anything, one cached block for each key of its hit (block boundaries, and the
+    // hit itself inside a block) no block in use serves. A schedule needs those pins and its
+    // new blocks from what is free or cached, else it is refused; an abort gives back what the
+    // undone steps took (the tables as they were before the oldest plan), a sequence released
+    // after its last step its whole table. Only an unheld block may be evicted, with exactly
+    // the keys it carries, and a key leaves the index when no block carries it.
+
+    /// Full-attention blocks in use, by id: tables of started sequences, and the copy-on-write
+    /// sources of built steps.
+    fn held_ids(&self) -> BTreeSet<u32> {
+        let mut held = BTreeSet::new();
+        for seq in self.seqs.values().chain(self.retired.values()).filter(|s| s.started) {
+            held.extend(seq.table.iter().copied());
+            held.extend(seq.steps.iter().filter(|st| st.plan != 0).filter_map(|st| st.cow_src));
+        }
+        held
+    }
+
+    /// The pins of steps scheduled for the next plan.
+    fn unbuilt_pins(&self) -> impl Iterator<Item = &Pin> {
+        self.seqs
+            .values()
+            .chain(self.retired.values())
+            .flat_map(|s| s.steps.iter().filter(|st| st.plan == 0))
+            .flat_map(|st| st.pins.iter())
+    }
+
+    /// Blocks held or pinned by a scheduled step (where the model knows which).
+    fn owned_ids(&self) -> BTreeSet<u32> {
+        let mut owned = self.held_ids();
+        owned.extend(self.unbuilt_pins().filter_map(|p| p.1));
+        owned
+    }
+
+    /// Whether a scheduled step pins a block of a key several blocks carry (which one, the
+    /// model cannot tell without the pool's recency: its counts are then not checked).
+    fn fuzzy(&self) -> bool {
+        self.unbuilt_pins().any(|p| p.1.is_none())
+    }
+
+    /// Full-attention blocks free or cached (evictable), `None` when fuzzy.
+    fn fa_available(&self) -> Option<usize> {
+        if self.fuzzy() {
+            return None;
+        }
+        let new: usize = self
+            .seqs
+            .values()
+            .chain(self.retired.values())
+            .flat_map(|s| s.steps.iter().filter(|st| st.plan == 0))
+            .map(|st| st.new_blocks as usize)
+            .sum();
+        Some((self.s.fa_blocks as usize - 1) - self.owned_ids().len() - new)
+    }
+
+    /// What a schedule of `seq` up to `end` takes from the pool (`hit`: a first one's): the
+    /// keys of its hit it pins (with the block when only one carries the key), how many of
+    /// them no block in use serves (each pins a cached block), and its new blocks.
+    fn fa_need(&self, seq: &Seq, hit: Option<u32>, end: u32) -> (Vec<Pin>, usize, u32) {
+        let b = self.s.block;
+        let blocks = end.div_ceil(b);
+        let Some(l) = hit else {
+            return (Vec::new(), 0, blocks.saturating_sub(seq.table.len() as u32));
+        };
+        let owned = self.owned_ids();
+        let pinned: BTreeSet<&Vec<u32>> = self.unbuilt_pins().map(|p| &p.0).collect();
+        let mut needed: Vec<u32> = (1..=l / b).map(|j| j * b).collect();
+        if l % b != 0 {
+            needed.push(l);
+        }
+        let mut pins = Vec::new();
+        let mut extra = 0;
+        for q in needed {
+            let k = seq.key(q);
+            let copies = self.published.get(&k).cloned().unwrap_or_default();
+            let in_use = copies.iter().any(|x| owned.contains(x)) || pinned.contains(&k);
+            extra += usize::from(!in_use);
+            let only = (copies.len() == 1).then(|| copies.iter().next().copied()).flatten();
+            pins.push((k, only));
+        }
+        (pins, extra, blocks - l / b)
+    }
+
+    /// Drains the manager's events: full-attention evictions are checked against what is held
+    /// now (before the call's own allocations are known), the rest kept for `check_events`.
+    fn take_removals(&mut self) -> Result<(), String> {
+        let held = self.owned_ids();
+        let pinned: BTreeSet<Vec<u32>> = self.unbuilt_pins().map(|p| p.0.clone()).collect();
+        for r in self.m.drain_events() {
+            let CacheEvent::BlockRemoved { group: 0, block, keys, gone } = r.event else {
+                self.drained.push(r.event);
+                continue;
+            };
+            ensure!(!held.contains(&block), "evicted full-attention block {block} is in use");
+            let carried = self
+                .carried
+                .remove(&block)
+                .ok_or_else(|| format!("evicted full-attention block {block} carries no key"))?;
+            let mut want: Vec<Digest> = carried.values().copied().collect();
+            let mut got = keys.clone();
+            want.sort_unstable();
+            got.sort_unstable();
+            ensure!(got == want, "evicted block {block} with keys {got:?}, it carries {want:?}");
+            let mut no_longer = Vec::new();
+            for (k, d) in carried {
+                let blocks = self.published.get_mut(&k).expect("a published key");
+                blocks.remove(&block);
+                if blocks.is_empty() {
+                    self.published.remove(&k);
+                    ensure!(
+                        !pinned.contains(&k),
+                        "evicted block {block}, the only one of a key a scheduled step pinned"
+                    );
+                    no_longer.push(d);
+                }
+            }
+            let mut gone = gone.clone();
+            gone.sort_unstable();
+            no_longer.sort_unstable();
+            ensure!(
+                gone == no_longer,
+                "evicted block {block}: gone {gone:?}, expected {no_longer:?}"
+            );
+            self.fa_evictions += 1;
+            self.saw("full-attention block evicted");
+        }
+        Ok(())
+    }
+
+    /// A row's full-attention table entries and copy against the model: the plan appends the
+    /// entries from the table's length up to `ceil(end / B)` (a first step's hit blocks first,
+    /// each carrying its key), and a first step resuming inside a block copies from a block
+    /// carrying the key at its hit. Returns the table and the copy source.
+    fn check_table_row(
+        &mut self,
+        plan: &prefixcache_core::StepPlan,
+        row: usize,
+        seq: &Seq,
+        step: &Step,
+    ) -> Result<(Vec<u32>, Option<u32>), String> {
+        let b = self.s.block;
+        let mut table = seq.table.clone();
+        let held = self.held_ids();
+        // (keys pinned by other scheduled steps: the copy they hold is not known)
+        let pinned: BTreeSet<Vec<u32>> =
+            self.unbuilt_pins().filter(|p| !step.pins.contains(p)).map(|p| p.0.clone()).collect();
+        for e in plan.paged[0].appended.chunks(3).filter(|e| e[0] as usize == row) {
+            ensure!(
+                e[1] as usize == table.len() && e[2] > 0 && (e[2] as u32) < self.s.fa_blocks,
+                "row {row}: appended {e:?} to a table of {}",
+                table.len()
+            );
+            table.push(e[2] as u32);
+        }
+        ensure!(
+            table.len() as u32 == step.end.div_ceil(b),
+            "row {row}: a table of {} blocks for [0, {})",
+            table.len(),
+            step.end
+        );
+        let copies: Vec<&[i64]> = plan
+            .copies
+            .chunks(4)
+            .filter(|c| c[0] == 0 && c[2] == i64::from(table[(step.start / b) as usize]))
+            .collect();
+        let mut cow_src = None;
+        if step.first {
+            let l = step.start;
+            // (state (`is_some_and`) of a key: some copy of it in use before this row)
+            let check = |this: &Self, q: u32, block: u32| -> Result<(), String> {
+                let k = seq.key(q);
+                let carries = this.carried.get(&block).is_some_and(|c| c.contains_key(&k));
+                ensure!(
+                    carries,
+                    "row {row}: block {block} of the hit does not carry the key at {q}"
+                );
+                let copies = &this.published[&k];
+                if copies.iter().any(|x| held.contains(x)) && !pinned.contains(&k) {
+                    ensure!(
+                        held.contains(&block),
+                        "row {row}: the hit at {q} uses block {block}, not the copy in use"
+                    );
+                }
+                Ok(())
+            };
+            for j in 0..l / b {
+                check(self, (j + 1) * b, table[j as usize])?;
+            }
+            if l % b != 0 {
+                ensure!(
+                    copies.len() == 1 && copies[0][3] == i64::from(l % b),
+                    "row {row}: copies {:?} for a hit at {l}",
+                    plan.copies
+                );
+                let src = copies[0][1] as u32;
+                check(self, l, src)?;
+                cow_src = Some(src);
+                self.saw("copy on write");
+            }
+            if l >= b && self.s.fa_blocks < 1024 {
+                self.saw("first step shared cached blocks");
+            }
+        }
+        if cow_src.is_none() {
+            ensure!(
+                copies.is_empty(),
+                "row {row}: copies {:?} without a hit inside a block",
+                plan.copies
+            );
+        }
+        Ok((table, cow_src))
+    }
+
     // --- the hit rule ----------------------------------------------------------------------
 
     /// The full-attention bound of known `tokens` below `max`: the largest L whose block
@@ -677,7 +944,7 @@ impl Model {
     fn fa_bound(&self, seq: &Seq, max: u32, extra: &Overlay) -> u32 {
         let has = |q: u32| {
             let p = seq.key(q);
-            self.published.contains(&p) || extra.contains_key(&p)
+            self.published.contains_key(&p) || extra.contains_key(&p)
         };
         let b = self.s.block;
         (0..=max / U)
@@ -777,7 +1044,7 @@ impl Model {
                     if in_state {
                         (!self.has_ck(&p)).then(|| ck.get(&p).copied()).flatten()
                     } else {
-                        (!self.published.contains(&p)).then(|| fa.get(&p).copied()).flatten()
+                        (!self.published.contains_key(&p)).then(|| fa.get(&p).copied()).flatten()
                     }
                 })
                 .max();
@@ -798,10 +1065,16 @@ impl Model {
     }
 
     /// Publishes boundary `q` of a sequence's tokens (known), recording the expected key.
-    fn publish(&mut self, who: (&[u32], &Extras), q: u32) {
+    /// Publishes boundary `q` of a sequence (known) in the block of its table holding token
+    /// q - 1, recording the expected key.
+    fn publish(&mut self, who: (&[u32], &Extras), table: &[u32], q: u32) {
         let (tokens, x) = who;
-        self.expect_stored.push((0, self.digest(tokens, x, q), None));
-        self.published.insert(key(tokens, x, q));
+        let block = table[((q - 1) / self.s.block) as usize];
+        let digest = self.digest(tokens, x, q);
+        self.expect_stored.push((0, digest, Some(block)));
+        let k = key(tokens, x, q);
+        self.published.entry(k.clone()).or_default().insert(block);
+        self.carried.entry(block).or_default().insert(k, digest);
     }
 
     /// Whether a checkpoint block is held anywhere the model knows of.
@@ -841,6 +1114,7 @@ impl Model {
                 id,
                 tokens,
                 x,
+                table: Vec::new(),
                 placeholders: 0,
                 log: Vec::new(),
                 committed: 0,
@@ -1170,6 +1444,7 @@ impl Model {
             .collect();
         let mut plan = prefixcache_core::StepPlan::default();
         let r = self.m.decode_step_overlapped(commit, &resolve, &tokens, &decoding, &mut plan);
+        self.take_removals()?;
         let r = r.map_err(|e| format!("decode_step_overlapped: {e}"))?;
         for (&id, &t) in resolve.iter().zip(&tokens) {
             self.note_resolve(id, &[t]);
@@ -1178,13 +1453,22 @@ impl Model {
         for (&id, got) in decoding.iter().zip(r) {
             self.note_placeholders(id, 1);
             let start = self.seqs[&id].planned();
-            let fits = self.state_room(&self.seqs[&id], None);
+            let (pins, _, new_blocks) = self.fa_need(&self.seqs[&id], None, start + 1);
+            let available = self.fa_available();
+            let fits = self.state_room(&self.seqs[&id], None)
+                && available.is_none_or(|a| new_blocks as usize <= a);
             let Some(got) = got else {
-                ensure!(!fits, "decode_step_overlapped refused {id} although the pools have room");
+                ensure!(
+                    !fits || available.is_none(),
+                    "decode_step_overlapped refused {id} although the pools have room"
+                );
                 self.saw("decode step refused: the state pool is short");
                 continue;
             };
-            ensure!(fits, "decode_step_overlapped scheduled {id} although the pool is short");
+            ensure!(
+                fits || available.is_none(),
+                "decode_step_overlapped scheduled {id} although the pool is short"
+            );
             if self.s.state.is_some() && !self.seqs[&id].has_spare() {
                 self.take_state_block(0);
                 self.seqs.get_mut(&id).unwrap().extras += 1;
@@ -1200,6 +1484,7 @@ impl Model {
             if self.seqs[&id].steps.iter().any(|s| s.plan != 0) {
                 self.saw("continuation scheduled");
             }
+            let table_before = self.seqs[&id].table.len();
             let seq = self.seqs.get_mut(&id).unwrap();
             seq.steps.push(Step {
                 plan: 0,
@@ -1209,6 +1494,10 @@ impl Model {
                 slots: None,
                 ckpts: Vec::new(),
                 requested: Vec::new(),
+                table_before,
+                cow_src: None,
+                pins,
+                new_blocks,
             });
             self.unbuilt.push((false, id));
         }
@@ -1234,6 +1523,7 @@ impl Model {
         need <= self.available()
     }
 
+    #[allow(clippy::too_many_lines)]
     fn schedule(&mut self, id: u64, budget: u32) -> Result<(), String> {
         let depth = self.s.depth as usize;
         let seq = self.seqs[&id].clone();
@@ -1248,25 +1538,41 @@ impl Model {
         } else {
             "ok"
         };
+        let first = !seq.started;
+        let pending = (!self.plans.is_empty()).then(|| self.pending());
+        let hit = first.then(|| self.expected_hit(&seq, pending.as_ref()));
+        let start = hit.as_ref().map_or_else(|| seq.planned(), |h| h.tokens);
+        let end = (start + budget).min(seq.len());
+        let (pins, extra, new_blocks) = self.fa_need(&seq, hit.as_ref().map(|h| h.tokens), end);
         let r = self.m.schedule(id, budget, 0, false);
+        self.take_removals()?;
         ensure!(kind(&r) == expect, "schedule {id}: {r:?}, expected {expect}");
         let Ok(r) = r else {
             self.saw("schedule refused");
             return Ok(());
         };
-        let first = !seq.started;
-        let pending = (!self.plans.is_empty()).then(|| self.pending());
-        let hit = first.then(|| self.expected_hit(&seq, pending.as_ref()));
-        let fits = self.state_room(&seq, hit.as_ref().map(|h| h.tokens));
+        let state_fits = self.state_room(&seq, hit.as_ref().map(|h| h.tokens));
+        let available = self.fa_available();
+        let fa_fits = available.is_none_or(|a| extra + new_blocks as usize <= a);
+        let fits = state_fits && fa_fits;
         let Some(r) = r else {
-            ensure!(!fits, "schedule {id} refused although the pools have room");
-            self.saw("schedule refused: the state pool is short");
+            ensure!(
+                !fits || available.is_none(),
+                "schedule {id} refused although the pools have room"
+            );
+            self.saw(if state_fits {
+                "schedule refused: the full-attention pool is short"
+            } else {
+                "schedule refused: the state pool is short"
+            });
             return Ok(());
         };
-        ensure!(fits, "schedule {id} succeeded although the state pool is short");
+        ensure!(
+            fits || !state_fits || available.is_none(),
+            "schedule {id} succeeded although the {} pool is short",
+            if state_fits { "full-attention" } else { "state" }
+        );
         ensure!(r.hit == hit, "schedule {id}: hit\n  got      {:?}\n  expected {hit:?}", r.hit);
-        let start = hit.as_ref().map_or_else(|| seq.planned(), |h| h.tokens);
-        let end = (start + budget).min(seq.len());
         ensure!(
             r.num_computed == start && r.num_tokens == end - start,
             "schedule {id}: {r:?}, expected [{start}, {end})"
@@ -1313,6 +1619,7 @@ impl Model {
                 self.saw("a continuation took a further running buffer");
             }
         }
+        let table_before = self.seqs[&id].table.len();
         let seq = self.seqs.get_mut(&id).unwrap();
         if let Some(h) = hit {
             seq.started = true;
@@ -1330,6 +1637,10 @@ impl Model {
             slots: None,
             ckpts: Vec::new(),
             requested: Vec::new(),
+            table_before,
+            cow_src: None,
+            pins,
+            new_blocks,
         });
         self.unbuilt.push((false, id));
         Ok(())
@@ -1424,10 +1735,16 @@ impl Model {
             } else {
                 (None, Vec::new())
             };
-            let step = self.seq_mut(key).steps.last_mut().ok_or("no step")?;
+            let (table, cow_src) = self.check_table_row(plan, row, &seq, &step)?;
+            let seq = self.seq_mut(key);
+            seq.table = table;
+            let step = seq.steps.last_mut().ok_or("no step")?;
             step.plan = id;
             step.slots = slots;
             step.ckpts = ckpts;
+            step.cow_src = cow_src;
+            step.pins.clear();
+            step.new_blocks = 0;
         }
         self.plans.push_back((id, rows));
         if self.plans.len() > 1 {
@@ -1650,9 +1967,9 @@ impl Model {
                 }
                 q += U;
             }
-            let (tokens, x) = (seq.tokens.clone(), seq.x.clone());
+            let (tokens, x, table) = (seq.tokens.clone(), seq.x.clone(), seq.table.clone());
             for q in stored {
-                self.publish((&tokens, &x), q);
+                self.publish((&tokens, &x), &table, q);
             }
             seq.committed = step.end;
             seq.committed_slot = step.slots.map(|x| x.1).or(seq.committed_slot);
@@ -1720,6 +2037,10 @@ impl Model {
         let seq = self.seq_mut(key);
         let mut resume = None;
         if let Some(step) = seq.steps.pop() {
+            // (its blocks go back: the ones it took, and the table as it was before it)
+            if step.plan != 0 {
+                seq.table.truncate(step.table_before);
+            }
             if step.first {
                 seq.started = false;
                 seq.committed = 0;
@@ -1778,6 +2099,7 @@ impl Model {
             Some(Retire::Preempt) => {
                 self.release_checkpoints(key, false);
                 let seq = self.seq_mut(key);
+                seq.table.clear();
                 seq.started = false;
                 seq.committed = 0;
                 seq.committed_slot = None;
@@ -1847,7 +2169,7 @@ impl Model {
         let (now, still): (Waiting, Waiting) =
             std::mem::take(&mut seq.waiting).into_iter().partition(|w| w.1 <= known);
         seq.waiting = still;
-        let (tokens, x) = (seq.tokens.clone(), seq.x.clone());
+        let (tokens, x, table) = (seq.tokens.clone(), seq.x.clone(), seq.table.clone());
         if !ready.is_empty() {
             self.saw("resolve published a committed key");
             if !x.is_empty() {
@@ -1855,7 +2177,7 @@ impl Model {
             }
         }
         for q in ready {
-            self.publish((&tokens, &x), q);
+            self.publish((&tokens, &x), &table, q);
         }
         for (b, p) in now {
             self.publish_ck((&tokens, &x), p, b, false);
@@ -1918,6 +2240,7 @@ impl Model {
                 } else {
                     self.release_checkpoints((false, id), false);
                     let seq = self.seqs.get_mut(&id).unwrap();
+                    seq.table.clear();
                     seq.started = false;
                     seq.committed = 0;
                     seq.committed_slot = None;
@@ -2015,7 +2338,30 @@ impl Model {
             };
             ensure!(got == self.want, "checkpoint statistics {got:?}, expected {:?}", self.want);
         }
-        ensure!(stats.evictions == self.want.evictions, "{} evictions", stats.evictions);
+        ensure!(
+            stats.evictions == self.want.evictions + self.fa_evictions,
+            "{} evictions",
+            stats.evictions
+        );
+        let usage = self.m.pool_usage()[0];
+        if self.fuzzy() {
+            self.saw("full-attention counts not checked: a pin of one of several copies");
+        }
+        if let Some(available) = self.fa_available() {
+            let held = self.owned_ids();
+            let owned = self.s.fa_blocks as usize - 1 - available;
+            let cached = self.carried.keys().filter(|b| !held.contains(b)).count();
+            ensure!(
+                usage.owned as usize == owned && usage.cached as usize == cached,
+                "full-attention pool {usage:?}: the model holds {owned} blocks, {cached} cached \
+                 (tables {:?})",
+                self.seqs
+                    .values()
+                    .chain(self.retired.values())
+                    .map(|s| (s.id, s.table.clone(), s.steps.len()))
+                    .collect::<Vec<_>>()
+            );
+        }
         Ok(())
     }
 
@@ -2023,12 +2369,13 @@ impl Model {
     fn check_events(&mut self) -> Result<(), String> {
         let mut stored: Vec<Stored> = Vec::new();
         let mut removed: Vec<(u32, Digest, bool)> = Vec::new();
-        for r in self.m.drain_events() {
-            match r.event {
+        self.take_removals()?;
+        for event in std::mem::take(&mut self.drained) {
+            match event {
                 CacheEvent::BlockStored { group, keys, blocks, checkpoint, .. } => {
                     ensure!(checkpoint == (group == STATE), "checkpoint flag of group {group}");
                     for (k, b) in keys.into_iter().zip(blocks) {
-                        stored.push((group, k, (group == STATE).then_some(b)));
+                        stored.push((group, k, Some(b)));
                     }
                 }
                 CacheEvent::BlockRemoved { group, block, keys, gone } => {
@@ -2171,6 +2518,11 @@ fn overlapped_traffic_reaches_every_path() {
         "cap evicted the least recently used of several",
         "cap evicted a decode tail",
         "cap skipped a checkpoint with nothing to evict",
+        // the full-attention pool
+        "full-attention block evicted",
+        "schedule refused: the full-attention pool is short",
+        "copy on write",
+        "first step shared cached blocks",
         "checkpoint requested",
         "checkpoint requested for a continuation",
         "checkpoint requested in a decode step",
