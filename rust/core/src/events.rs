@@ -15,7 +15,8 @@
 //!   route on).
 //!
 //! Vectors of drained events are kept for reuse, so recording allocates nothing once warm
-//! when the caller drains through [`EventLog::drain_wire`].
+//! when the caller drains through [`EventLog::drain_wire`], and a buffer kept for the wire
+//! bytes is written in place.
 
 use std::collections::VecDeque;
 
@@ -133,6 +134,17 @@ impl WireFormat {
     }
 }
 
+/// What [`EventLog::drain_wire`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WireDrain {
+    /// The batch is `buf[..bytes]` (0 when nothing was pending).
+    pub bytes: usize,
+    /// Events taken.
+    pub taken: usize,
+    /// Wire events written (a run or eviction with no wire-block boundary has no wire form).
+    pub written: usize,
+}
+
 /// A bounded queue of events.
 #[derive(Clone, Debug)]
 pub struct EventLog {
@@ -144,9 +156,43 @@ pub struct EventLog {
     format: WireFormat,
     /// Whether the last pending event is a run the next key may extend (until `seal`).
     open: bool,
-    spare_digests: Vec<Vec<Digest>>,
-    spare_blocks: Vec<Vec<BlockId>>,
-    spare_tokens: Vec<Vec<u32>>,
+    spare: Spare,
+}
+
+/// Vectors of drained events, cleared, for the next ones.
+#[derive(Clone, Debug, Default)]
+struct Spare {
+    digests: Vec<Vec<Digest>>,
+    blocks: Vec<Vec<BlockId>>,
+    tokens: Vec<Vec<u32>>,
+}
+
+impl Spare {
+    /// Spare vectors kept of each kind (enough for a step's events).
+    const KEEP: usize = 1024;
+
+    /// Takes `event`'s vectors (leaving them empty and unallocated in it).
+    fn take(&mut self, event: &mut CacheEvent) {
+        fn give<T>(v: &mut Vec<T>, spare: &mut Vec<Vec<T>>) {
+            if spare.len() < Spare::KEEP && v.capacity() > 0 {
+                let mut v = std::mem::take(v);
+                v.clear();
+                spare.push(v);
+            }
+        }
+        match event {
+            CacheEvent::BlockStored { keys, blocks, tokens, .. } => {
+                give(keys, &mut self.digests);
+                give(blocks, &mut self.blocks);
+                give(tokens, &mut self.tokens);
+            }
+            CacheEvent::BlockRemoved { keys, gone, .. } => {
+                give(keys, &mut self.digests);
+                give(gone, &mut self.digests);
+            }
+            CacheEvent::AllBlocksCleared => {}
+        }
+    }
 }
 
 impl EventLog {
@@ -160,9 +206,7 @@ impl EventLog {
             pending: VecDeque::new(),
             format,
             open: false,
-            spare_digests: Vec::new(),
-            spare_blocks: Vec::new(),
-            spare_tokens: Vec::new(),
+            spare: Spare::default(),
         }
     }
 
@@ -185,8 +229,8 @@ impl EventLog {
         let sequence = self.next_sequence;
         self.next_sequence += 1;
         if self.pending.len() >= self.capacity.max(1) {
-            if let Some(old) = self.pending.pop_front() {
-                self.recycle(old.event);
+            if let Some(mut old) = self.pending.pop_front() {
+                self.spare.take(&mut old.event);
             }
             self.dropped += 1;
         }
@@ -252,19 +296,23 @@ impl EventLog {
             }
         }
         let run_from = token_start / self.format.block_size * self.format.block_size;
-        let mut keys = self.spare_digests.pop().unwrap_or_default();
+        let mut keys = self.spare.digests.pop().unwrap_or_default();
         keys.push(digest);
-        let mut blocks = self.spare_blocks.pop().unwrap_or_default();
+        let mut blocks = self.spare.blocks.pop().unwrap_or_default();
         blocks.push(block);
-        let mut run_tokens = self.spare_tokens.pop().unwrap_or_default();
+        let mut run_tokens = self.spare.tokens.pop().unwrap_or_default();
         run_tokens.extend_from_slice(&tokens[run_from as usize..position as usize]);
         let cache_salt = if token_start == 0 { extra.cache_salt.clone() } else { None };
-        let multimodal = extra
-            .multimodal
-            .iter()
-            .filter(|m| m.start < position && m.end > run_from)
-            .cloned()
-            .collect();
+        let multimodal = if extra.multimodal.is_empty() {
+            Vec::new()
+        } else {
+            extra
+                .multimodal
+                .iter()
+                .filter(|m| m.start < position && m.end > run_from)
+                .cloned()
+                .collect()
+        };
         self.push(CacheEvent::BlockStored {
             group,
             block,
@@ -303,37 +351,14 @@ impl EventLog {
         if !self.enabled {
             return;
         }
-        let mut keys = self.spare_digests.pop().unwrap_or_default();
+        let mut keys = self.spare.digests.pop().unwrap_or_default();
         keys.extend(lost.iter().map(|k| k.key.digest));
-        let mut gone = self.spare_digests.pop().unwrap_or_default();
+        let mut gone = self.spare.digests.pop().unwrap_or_default();
         let w = self.format.block_size;
         gone.extend(
             lost.iter().filter(|k| k.position % w == 0 && !still_held(k)).map(|k| k.key.digest),
         );
         self.push(CacheEvent::BlockRemoved { group, block, keys, gone });
-    }
-
-    fn recycle(&mut self, event: CacheEvent) {
-        /// Spare vectors kept of each kind (enough for a step's events).
-        const KEEP: usize = 1024;
-        fn give<T>(mut v: Vec<T>, spare: &mut Vec<Vec<T>>) {
-            if spare.len() < KEEP {
-                v.clear();
-                spare.push(v);
-            }
-        }
-        match event {
-            CacheEvent::BlockStored { keys, blocks, tokens, .. } => {
-                give(keys, &mut self.spare_digests);
-                give(blocks, &mut self.spare_blocks);
-                give(tokens, &mut self.spare_tokens);
-            }
-            CacheEvent::BlockRemoved { keys, gone, .. } => {
-                give(keys, &mut self.spare_digests);
-                give(gone, &mut self.spare_digests);
-            }
-            CacheEvent::AllBlocksCleared => {}
-        }
     }
 
     /// Takes every pending event, oldest first.
@@ -342,27 +367,23 @@ impl EventLog {
         self.pending.drain(..).collect()
     }
 
-    /// Takes every pending event and appends them to `out` as one vLLM `KVEventBatch`
-    /// (msgpack, see [`encode_batch`]); appends nothing when none is pending. Returns the
-    /// number of events taken and the number of wire events written.
-    pub fn drain_wire(&mut self, ts: f64, rank: Option<i64>, out: &mut Vec<u8>) -> (usize, usize) {
+    /// Takes every pending event and writes them as one vLLM `KVEventBatch` (msgpack, see
+    /// [`encode_batch`]) at the start of `buf`, in place (see [`encode_batch_into`]: a buffer
+    /// kept from one drain to the next is not cleared, reallocated or copied); writes nothing
+    /// when none is pending.
+    pub fn drain_wire(&mut self, ts: f64, rank: Option<i64>, buf: &mut Vec<u8>) -> WireDrain {
         if self.pending.is_empty() {
-            return (0, 0);
+            return WireDrain::default();
         }
         self.open = false;
         let taken = self.pending.len();
-        let (slices, _) = self.pending.as_slices();
-        let written = if slices.len() == taken {
-            encode_batch(slices, &self.format, ts, rank, out)
-        } else {
-            self.pending.make_contiguous();
-            encode_batch(self.pending.as_slices().0, &self.format, ts, rank, out)
-        };
-        let drained: Vec<EventRecord> = self.pending.drain(..).collect();
-        for record in drained {
-            self.recycle(record.event);
+        let (bytes, written) =
+            encode_batch_into(self.pending.make_contiguous(), &self.format, ts, rank, buf);
+        for record in &mut self.pending {
+            self.spare.take(&mut record.event);
         }
-        (taken, written)
+        self.pending.clear();
+        WireDrain { bytes, taken, written }
     }
 
     /// Events dropped because nobody drained them in time.
@@ -373,6 +394,12 @@ impl EventLog {
 }
 
 // --- the wire encoding -------------------------------------------------------------------------
+//
+// A hand-written encoder for one fixed schema: every key is a constant, so each event is a few
+// constant byte strings and the integers between them. A generic msgpack crate would write the
+// same bytes key by key, checking capacity and dispatching on each value; here the payload's
+// size is bounded once per batch and each item is one fixed-size store into it (a token, of
+// whatever width, is one 8-byte store and an advance by its width).
 
 /// Whether `event` has a wire form (a run or an eviction touching a wire-block boundary).
 fn on_wire(event: &CacheEvent, format: &WireFormat) -> bool {
@@ -384,6 +411,16 @@ fn on_wire(event: &CacheEvent, format: &WireFormat) -> bool {
         }
         CacheEvent::BlockRemoved { gone, .. } => !gone.is_empty(),
         CacheEvent::AllBlocksCleared => true,
+    }
+}
+
+/// Bytes an event's wire form is expected to take (an estimate: `encode_batch_into` measures
+/// and writes again past it).
+fn size_hint(event: &CacheEvent) -> usize {
+    match event {
+        CacheEvent::BlockStored { keys, tokens, .. } => 240 + 9 * keys.len() + 5 * tokens.len(),
+        CacheEvent::BlockRemoved { gone, .. } => 64 + 9 * gone.len(),
+        CacheEvent::AllBlocksCleared => 24,
     }
 }
 
@@ -402,26 +439,114 @@ pub fn encode_batch(
     rank: Option<i64>,
     out: &mut Vec<u8>,
 ) -> usize {
-    let count = records.iter().filter(|r| on_wire(&r.event, format)).count();
-    out.push(0x93);
-    out.push(0xcb);
-    out.extend_from_slice(&ts.to_bits().to_be_bytes());
-    array_header(out, count);
+    let mut buf = Vec::new();
+    let (bytes, written) = encode_batch_into(records, format, ts, rank, &mut buf);
+    out.extend_from_slice(&buf[..bytes]);
+    written
+}
+
+/// [`encode_batch`] written at the start of `buf`, in place: `buf` is lengthened (never
+/// shortened) until the batch fits, and what lies past the batch is left as it was, so a
+/// buffer kept across calls is neither cleared nor reallocated once it has held the largest
+/// batch. Returns the batch's size (it is `buf[..size]`) and the number of events written.
+pub fn encode_batch_into(
+    records: &[EventRecord],
+    format: &WireFormat,
+    ts: f64,
+    rank: Option<i64>,
+    buf: &mut Vec<u8>,
+) -> (usize, usize) {
+    let (mut count, mut hint) = (0, 32);
     for record in records {
         if on_wire(&record.event, format) {
-            encode_event(&record.event, format, out);
+            count += 1;
+            hint += size_hint(&record.event);
+        }
+    }
+    if buf.len() < hint {
+        buf.resize(hint, 0);
+    }
+    let size = write_batch(records, count, format, ts, rank, buf);
+    if size + Writer::SLACK > buf.len() {
+        // Past the expected size: the first pass measured the batch, the second fits.
+        buf.resize(size + Writer::SLACK, 0);
+        write_batch(records, count, format, ts, rank, buf);
+    }
+    (size, count)
+}
+
+/// Writes the batch of `records`, `count` of which have a wire form, at the start of `buf` as
+/// far as it fits; returns its full size (every byte is in `buf` when the size plus
+/// [`Writer::SLACK`] is within it).
+fn write_batch(
+    records: &[EventRecord],
+    count: usize,
+    format: &WireFormat,
+    ts: f64,
+    rank: Option<i64>,
+    buf: &mut [u8],
+) -> usize {
+    let mut w = Writer { buf, at: 0 };
+    let mut head = [0u8; 10];
+    head[0] = 0x93;
+    head[1] = 0xcb;
+    head[2..].copy_from_slice(&ts.to_bits().to_be_bytes());
+    w.put(head);
+    w.array_header(count);
+    for record in records {
+        if on_wire(&record.event, format) {
+            encode_event(&record.event, format, &mut w);
         }
     }
     match rank {
-        Some(r) => int(out, r),
-        None => out.push(0xc0),
+        Some(r) => w.int(r),
+        None => w.put([NIL]),
     }
-    count
+    w.at
 }
 
+const NIL: u8 = 0xc0;
+
+/// The msgpack strings `parts`, each a fixstr, one after another (`N` their total size).
+const fn fixstrs<const N: usize>(parts: &[&str]) -> [u8; N] {
+    let mut out = [0u8; N];
+    let (mut at, mut p) = (0, 0);
+    while p < parts.len() {
+        let s = parts[p].as_bytes();
+        assert!(s.len() < 32, "a fixstr holds at most 31 bytes");
+        out[at] = 0xa0 | s.len() as u8;
+        at += 1;
+        let mut i = 0;
+        while i < s.len() {
+            out[at] = s[i];
+            at += 1;
+            i += 1;
+        }
+        p += 1;
+    }
+    assert!(at == N, "N is the strings' total size");
+    out
+}
+
+const STORED_HEAD: [u8; 30] = fixstrs(&["type", "BlockStored", "block_hashes"]);
+const PARENT: [u8; 18] = fixstrs(&["parent_block_hash"]);
+const TOKEN_IDS: [u8; 10] = fixstrs(&["token_ids"]);
+const BLOCK_SIZE: [u8; 11] = fixstrs(&["block_size"]);
+const LORA_ID: [u8; 8] = fixstrs(&["lora_id"]);
+const MEDIUM_LORA_NAME: [u8; 21] = fixstrs(&["medium", "GPU", "lora_name"]);
+const EXTRA_KEYS: [u8; 11] = fixstrs(&["extra_keys"]);
+const GROUP_IDX: [u8; 10] = fixstrs(&["group_idx"]);
+const KIND_FULL: [u8; 34] = fixstrs(&["kv_cache_spec_kind", "full_attention"]);
+const KIND_SLIDING: [u8; 63] =
+    fixstrs(&["kv_cache_spec_kind", "sliding_window", "kv_cache_spec_sliding_window"]);
+const KIND_MAMBA: [u8; 34] = fixstrs(&["kv_cache_spec_kind", "mamba", "position"]);
+const REMOVED_HEAD: [u8; 31] = fixstrs(&["type", "BlockRemoved", "block_hashes"]);
+const MEDIUM_GPU_GROUP_IDX: [u8; 21] = fixstrs(&["medium", "GPU", "group_idx"]);
+const CLEARED: [u8; 22] = fixstrs(&["type", "AllBlocksCleared"]);
+
 /// A store's map: the run's wire blocks (those ending at a multiple of W in the run).
-fn encode_stored(event: &CacheEvent, format: &WireFormat, out: &mut Vec<u8>) {
-    let (w, unit) = (format.block_size, format.unit);
+fn encode_stored(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
+    let (size, unit) = (format.block_size, format.unit);
     let CacheEvent::BlockStored {
         group,
         keys,
@@ -440,206 +565,256 @@ fn encode_stored(event: &CacheEvent, format: &WireFormat, out: &mut Vec<u8>) {
     };
     let kind = format.kinds.get(*group as usize).copied().unwrap_or(WireKind::FullAttention);
     // Wire blocks end at the multiples of W in (token_start, token_end].
-    let first_end = (token_start / w + 1) * w;
-    let last_end = token_end / w * w;
-    let n = ((last_end - first_end) / w + 1) as usize;
-    let salted = cache_salt.is_some() && first_end == w;
+    let first_end = (token_start / size + 1) * size;
+    let last_end = token_end / size * size;
+    let n = ((last_end - first_end) / size + 1) as usize;
+    let salted = cache_salt.is_some() && first_end == size;
     // vLLM's per-block extra keys: each multimodal input overlapping the block as (its hash,
     // its start less the block's), then the salt on the sequence's first block.
     let overlapping =
-        |end: u32| multimodal.iter().filter(move |m| m.start < end && m.end > end - w);
-    let with_extra =
-        salted || (0..n).any(|i| overlapping(first_end + i as u32 * w).next().is_some());
-    let mut fields = 10;
-    fields += usize::from(with_extra);
-    fields += usize::from(matches!(kind, WireKind::SlidingWindow(_)));
-    fields += usize::from(kind == WireKind::Mamba);
-    out.push(0xde);
-    out.extend_from_slice(&(fields as u16).to_be_bytes());
-    string(out, "type");
-    string(out, "BlockStored");
-    string(out, "block_hashes");
-    array_header(out, n);
-    for i in 0..n {
-        let end = first_end + i as u32 * w;
-        let key = &keys[((end - token_start) / unit - 1) as usize];
-        uint(out, format.id(key));
+        |end: u32| multimodal.iter().filter(move |m| m.start < end && m.end > end - size);
+    let with_extra = salted
+        || (!multimodal.is_empty()
+            && (0..n).any(|i| overlapping(first_end + i as u32 * size).next().is_some()));
+    let fields = 10
+        + u16::from(with_extra)
+        + u16::from(matches!(kind, WireKind::SlidingWindow(_)))
+        + u16::from(kind == WireKind::Mamba);
+    let [hi, lo] = fields.to_be_bytes();
+    w.put([0xde, hi, lo]);
+    w.put(STORED_HEAD);
+    w.array_header(n);
+    if n == 1 {
+        w.uint(format.id(&keys[((first_end - token_start) / unit - 1) as usize]));
+    } else {
+        let per_block = (size / unit) as usize;
+        let first = ((first_end - token_start) / unit - 1) as usize;
+        for key in keys[first..].iter().step_by(per_block).take(n) {
+            w.uint(format.id(key));
+        }
     }
-    string(out, "parent_block_hash");
+    w.put(PARENT);
     match wire_parent {
-        Some(p) => uint(out, format.id(p)),
-        None => out.push(0xc0),
+        Some(p) => w.uint(format.id(p)),
+        None => w.put([NIL]),
     }
-    string(out, "token_ids");
-    let from = (first_end - w - tokens_start) as usize;
+    w.put(TOKEN_IDS);
+    let from = (first_end - size - tokens_start) as usize;
     let to = (last_end - tokens_start) as usize;
-    array_header(out, to - from);
-    for &t in &tokens[from..to] {
-        uint(out, u64::from(t));
-    }
-    string(out, "block_size");
-    uint(out, u64::from(w));
-    string(out, "lora_id");
+    w.array_header(to - from);
+    w.tokens(&tokens[from..to]);
+    w.put(BLOCK_SIZE);
+    w.uint(u64::from(size));
+    w.put(LORA_ID);
     match lora_id {
-        Some(id) => uint(out, *id),
-        None => out.push(0xc0),
+        Some(id) => w.uint(*id),
+        None => w.put([NIL]),
     }
-    string(out, "medium");
-    string(out, "GPU");
-    string(out, "lora_name");
-    out.push(0xc0);
+    w.put(MEDIUM_LORA_NAME);
+    w.put([NIL]);
     if with_extra {
         // One entry per block (nil for a block without any), as vLLM does.
-        string(out, "extra_keys");
-        array_header(out, n);
+        w.put(EXTRA_KEYS);
+        w.array_header(n);
         for i in 0..n {
-            let end = first_end + i as u32 * w;
+            let end = first_end + i as u32 * size;
             let salt = cache_salt.as_deref().filter(|_| salted && i == 0);
             let count = overlapping(end).count() + usize::from(salt.is_some());
             if count == 0 {
-                out.push(0xc0);
+                w.put([NIL]);
                 continue;
             }
-            array_header(out, count);
+            w.array_header(count);
             for m in overlapping(end) {
-                out.push(0x92);
-                text_or_bin(out, &m.hash);
-                int(out, i64::from(m.start) - i64::from(end - w));
+                w.put([0x92]);
+                w.text_or_bin(&m.hash);
+                w.int(i64::from(m.start) - i64::from(end - size));
             }
             if let Some(salt) = salt {
-                text_or_bin(out, salt);
+                w.text_or_bin(salt);
             }
         }
     }
-    string(out, "group_idx");
-    uint(out, u64::from(*group));
-    string(out, "kv_cache_spec_kind");
-    string(out, kind.name());
-    if let WireKind::SlidingWindow(window) = kind {
-        string(out, "kv_cache_spec_sliding_window");
-        uint(out, u64::from(window));
-    }
-    if kind == WireKind::Mamba {
-        // Where the checkpoint's state resumes (a key current routers ignore).
-        string(out, "position");
-        uint(out, u64::from(*token_end));
+    w.put(GROUP_IDX);
+    w.uint(u64::from(*group));
+    match kind {
+        WireKind::FullAttention => w.put(KIND_FULL),
+        WireKind::SlidingWindow(window) => {
+            w.put(KIND_SLIDING);
+            w.uint(u64::from(window));
+        }
+        WireKind::Mamba => {
+            // Where the checkpoint's state resumes (a key current routers ignore).
+            w.put(KIND_MAMBA);
+            w.uint(u64::from(*token_end));
+        }
     }
 }
 
-fn encode_event(event: &CacheEvent, format: &WireFormat, out: &mut Vec<u8>) {
+fn encode_event(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
     match event {
-        CacheEvent::BlockStored { .. } => encode_stored(event, format, out),
+        CacheEvent::BlockStored { .. } => encode_stored(event, format, w),
         CacheEvent::BlockRemoved { group, gone, .. } => {
-            out.push(0x84);
-            string(out, "type");
-            string(out, "BlockRemoved");
-            string(out, "block_hashes");
-            array_header(out, gone.len());
+            w.put([0x84]);
+            w.put(REMOVED_HEAD);
+            w.array_header(gone.len());
             for key in gone {
-                uint(out, format.id(key));
+                w.uint(format.id(key));
             }
-            string(out, "medium");
-            string(out, "GPU");
-            string(out, "group_idx");
-            uint(out, u64::from(*group));
+            w.put(MEDIUM_GPU_GROUP_IDX);
+            w.uint(u64::from(*group));
         }
         CacheEvent::AllBlocksCleared => {
-            out.push(0x81);
-            string(out, "type");
-            string(out, "AllBlocksCleared");
+            w.put([0x81]);
+            w.put(CLEARED);
         }
     }
 }
 
-fn array_header(out: &mut Vec<u8>, n: usize) {
-    if n < 16 {
-        out.push(0x90 | n as u8);
-    } else if let Ok(n) = u16::try_from(n) {
-        out.push(0xdc);
-        out.extend_from_slice(&n.to_be_bytes());
-    } else {
-        out.push(0xdd);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
+/// Writes msgpack into a byte slice from its start. Every store is of a fixed size (a token
+/// of any width is one 8-byte store, and the cursor moves by its width); one that would pass
+/// the slice's end is skipped, but the cursor always moves, so it ends at the batch's full
+/// size, and every store was made when that size plus [`Writer::SLACK`] is within the slice.
+struct Writer<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl Writer<'_> {
+    /// The most a store writes past where it leaves the cursor, plus one.
+    const SLACK: usize = 8;
+
+    /// Stores `bytes` at the cursor and moves past them.
+    #[inline]
+    fn put<const N: usize>(&mut self, bytes: [u8; N]) {
+        if let Some(dst) = self.buf.get_mut(self.at..).and_then(<[u8]>::first_chunk_mut) {
+            *dst = bytes;
+        }
+        self.at += N;
+    }
+
+    /// Stores the 8 bytes of `word` at the cursor and moves past its first `len` (<= 8).
+    #[inline]
+    fn put_word(&mut self, word: u64, len: usize) {
+        if let Some(dst) = self.buf.get_mut(self.at..).and_then(<[u8]>::first_chunk_mut) {
+            *dst = word.to_le_bytes();
+        }
+        self.at += len;
+    }
+
+    fn slice(&mut self, bytes: &[u8]) {
+        if let Some(dst) = self.buf.get_mut(self.at..self.at + bytes.len()) {
+            dst.copy_from_slice(bytes);
+        }
+        self.at += bytes.len();
+    }
+
+    /// Token ids, each in its shortest msgpack form (as msgspec writes them).
+    #[inline]
+    fn tokens(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            let (word, len) = uint32_word(t);
+            self.put_word(word, len);
+        }
+    }
+
+    fn array_header(&mut self, n: usize) {
+        if n < 16 {
+            self.put([0x90 | n as u8]);
+        } else if let Ok(n) = u16::try_from(n) {
+            let be = n.to_be_bytes();
+            self.put([0xdc, be[0], be[1]]);
+        } else {
+            let be = (n as u32).to_be_bytes();
+            self.put([0xdd, be[0], be[1], be[2], be[3]]);
+        }
+    }
+
+    /// An unsigned integer in its shortest msgpack form (as msgspec writes it).
+    #[inline]
+    fn uint(&mut self, v: u64) {
+        if let Ok(v) = u32::try_from(v) {
+            let (word, len) = uint32_word(v);
+            self.put_word(word, len);
+        } else {
+            let mut b = [0xcf; 9];
+            b[1..].copy_from_slice(&v.to_be_bytes());
+            self.put(b);
+        }
+    }
+
+    fn int(&mut self, v: i64) {
+        if let Ok(u) = u64::try_from(v) {
+            self.uint(u);
+        } else if v >= -32 {
+            self.put([v as u8]);
+        } else if let Ok(v) = i8::try_from(v) {
+            self.put([0xd0, v as u8]);
+        } else if let Ok(v) = i16::try_from(v) {
+            let be = v.to_be_bytes();
+            self.put([0xd1, be[0], be[1]]);
+        } else if let Ok(v) = i32::try_from(v) {
+            let be = v.to_be_bytes();
+            self.put([0xd2, be[0], be[1], be[2], be[3]]);
+        } else {
+            let mut b = [0xd3; 9];
+            b[1..].copy_from_slice(&v.to_be_bytes());
+            self.put(b);
+        }
+    }
+
+    /// A byte string as msgpack str when it is UTF-8 (vLLM's identifiers and salts are `str`),
+    /// else as bin.
+    fn text_or_bin(&mut self, b: &[u8]) {
+        match std::str::from_utf8(b) {
+            Ok(text) => self.string(text),
+            Err(_) => self.bin(b),
+        }
+    }
+
+    fn string(&mut self, s: &str) {
+        let n = s.len();
+        if n < 32 {
+            self.put([0xa0 | n as u8]);
+        } else if let Ok(n) = u8::try_from(n) {
+            self.put([0xd9, n]);
+        } else if let Ok(n) = u16::try_from(n) {
+            let be = n.to_be_bytes();
+            self.put([0xda, be[0], be[1]]);
+        } else {
+            let be = (n as u32).to_be_bytes();
+            self.put([0xdb, be[0], be[1], be[2], be[3]]);
+        }
+        self.slice(s.as_bytes());
+    }
+
+    fn bin(&mut self, b: &[u8]) {
+        let n = b.len();
+        if let Ok(n) = u8::try_from(n) {
+            self.put([0xc4, n]);
+        } else if let Ok(n) = u16::try_from(n) {
+            let be = n.to_be_bytes();
+            self.put([0xc5, be[0], be[1]]);
+        } else {
+            let be = (n as u32).to_be_bytes();
+            self.put([0xc6, be[0], be[1], be[2], be[3]]);
+        }
+        self.slice(b);
     }
 }
 
-/// A byte string as msgpack str when it is UTF-8 (vLLM's identifiers and salts are `str`), else
-/// as bin.
-fn text_or_bin(out: &mut Vec<u8>, b: &[u8]) {
-    match std::str::from_utf8(b) {
-        Ok(text) => string(out, text),
-        Err(_) => bin(out, b),
-    }
-}
-
-fn string(out: &mut Vec<u8>, s: &str) {
-    let n = s.len();
-    if n < 32 {
-        out.push(0xa0 | n as u8);
-    } else if let Ok(n) = u8::try_from(n) {
-        out.push(0xd9);
-        out.push(n);
-    } else if let Ok(n) = u16::try_from(n) {
-        out.push(0xda);
-        out.extend_from_slice(&n.to_be_bytes());
+/// A u32's shortest msgpack form as the low bytes of a little-endian word, and its length:
+/// a positive fixint below 128, else the uint 8 / 16 / 32 tag and the value big-endian.
+#[inline]
+fn uint32_word(v: u32) -> (u64, usize) {
+    if v < 0x80 {
+        (u64::from(v), 1)
+    } else if v < 0x100 {
+        (0xcc | u64::from(v) << 8, 2)
+    } else if v < 0x1_0000 {
+        (0xcd | u64::from((v as u16).swap_bytes()) << 8, 3)
     } else {
-        out.push(0xdb);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    }
-    out.extend_from_slice(s.as_bytes());
-}
-
-fn bin(out: &mut Vec<u8>, b: &[u8]) {
-    let n = b.len();
-    if let Ok(n) = u8::try_from(n) {
-        out.push(0xc4);
-        out.push(n);
-    } else if let Ok(n) = u16::try_from(n) {
-        out.push(0xc5);
-        out.extend_from_slice(&n.to_be_bytes());
-    } else {
-        out.push(0xc6);
-        out.extend_from_slice(&(n as u32).to_be_bytes());
-    }
-    out.extend_from_slice(b);
-}
-
-/// An unsigned integer in its shortest msgpack form (as msgspec writes it).
-fn uint(out: &mut Vec<u8>, v: u64) {
-    if v < 128 {
-        out.push(v as u8);
-    } else if let Ok(v) = u8::try_from(v) {
-        out.push(0xcc);
-        out.push(v);
-    } else if let Ok(v) = u16::try_from(v) {
-        out.push(0xcd);
-        out.extend_from_slice(&v.to_be_bytes());
-    } else if let Ok(v) = u32::try_from(v) {
-        out.push(0xce);
-        out.extend_from_slice(&v.to_be_bytes());
-    } else {
-        out.push(0xcf);
-        out.extend_from_slice(&v.to_be_bytes());
-    }
-}
-
-fn int(out: &mut Vec<u8>, v: i64) {
-    if let Ok(u) = u64::try_from(v) {
-        uint(out, u);
-    } else if v >= -32 {
-        out.push(v as u8);
-    } else if let Ok(v) = i8::try_from(v) {
-        out.push(0xd0);
-        out.push(v as u8);
-    } else if let Ok(v) = i16::try_from(v) {
-        out.push(0xd1);
-        out.extend_from_slice(&v.to_be_bytes());
-    } else if let Ok(v) = i32::try_from(v) {
-        out.push(0xd2);
-        out.extend_from_slice(&v.to_be_bytes());
-    } else {
-        out.push(0xd3);
-        out.extend_from_slice(&v.to_be_bytes());
+        (0xce | u64::from(v.swap_bytes()) << 8, 5)
     }
 }
 
@@ -681,8 +856,51 @@ mod tests {
         log.removed(0, 7, &[key], |_| false);
         log.push(CacheEvent::AllBlocksCleared);
         let mut out = Vec::new();
-        assert_eq!(log.drain_wire(1.5, Some(0), &mut out), (3, 3));
-        assert_eq!(hex(&out), VECTOR);
+        let drained = log.drain_wire(1.5, Some(0), &mut out);
+        assert_eq!((drained.taken, drained.written), (3, 3));
+        assert_eq!(hex(&out[..drained.bytes]), VECTOR);
+        assert_eq!(log.drain_wire(1.5, Some(0), &mut out), WireDrain::default());
+    }
+
+    /// A buffer written in place gives the bytes of a fresh one whatever it held and however
+    /// long it was: shorter than the batch (it grows), as long, longer (left past the batch).
+    #[test]
+    fn in_place_batches_are_the_appended_ones() {
+        let digests: Vec<Digest> = (1..=40u8)
+            .map(|i| {
+                let mut d = Digest([0; 32]);
+                d.0[15] = i;
+                d.0[8] = i.wrapping_mul(37);
+                d
+            })
+            .collect();
+        let tokens: Vec<u32> =
+            (0..160u32).map(|i| [5, 200, 40_000, 3_000_000_000][i as usize % 4] + i).collect();
+        let format = WireFormat {
+            block_size: 4,
+            unit: 4,
+            digest_len: 16,
+            kinds: vec![WireKind::FullAttention, WireKind::Mamba],
+        };
+        let mut log = EventLog::new(true, 64, format);
+        let salted = ExtraKeys { cache_salt: Some(b"tenant".to_vec()), ..ExtraKeys::default() };
+        for position in (4..=160).step_by(4) {
+            log.stored_key(0, position / 4, position, false, &tokens, &digests, &salted);
+            log.seal();
+        }
+        log.stored_key(1, 3, 8, true, &tokens, &digests, &ExtraKeys::default());
+        let records = log.drain();
+        let mut fresh = vec![0x55];
+        let written = encode_batch(&records, log.format(), -2.5, Some(-40_000), &mut fresh);
+        assert_eq!((fresh[0], written), (0x55, 41), "appended after what was there");
+        let want = &fresh[1..];
+        for len in [0, 1, 9, want.len() - 1, want.len(), want.len() + 7, want.len() + 8, 9000] {
+            let mut buf = vec![0xaa; len];
+            let (size, n) =
+                encode_batch_into(&records, log.format(), -2.5, Some(-40_000), &mut buf);
+            assert_eq!((&buf[..size], n), (want, 41), "buffer of {len}");
+            assert!(buf.len() >= len && buf[size..].iter().all(|&b| b == 0xaa || b == 0), "{len}");
+        }
     }
 
     #[test]

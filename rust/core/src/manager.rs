@@ -760,17 +760,19 @@ impl CacheManager {
         self.store.events.drain()
     }
 
-    /// Takes the pending block events and appends them to `out` as one vLLM 0.33
-    /// `KVEventBatch` (msgpack; `events::encode_batch`) stamped `ts` (seconds) and `rank`;
-    /// appends nothing when none is pending. Returns the events taken and the wire events
-    /// written (a run or eviction with no wire-block boundary has no wire form).
+    /// Takes the pending block events and writes them at the start of `buf`, in place, as one
+    /// vLLM 0.33 `KVEventBatch` (msgpack; `events::encode_batch_into`: a buffer kept across
+    /// drains is not cleared or reallocated) stamped `ts` (seconds) and `rank`; writes nothing
+    /// when none is pending. The batch is `buf[..bytes]` of the result, which counts the events
+    /// taken and the wire events written (a run or eviction with no wire-block boundary has no
+    /// wire form).
     pub fn drain_events_wire(
         &mut self,
         ts: f64,
         rank: Option<i64>,
-        out: &mut Vec<u8>,
-    ) -> (usize, usize) {
-        self.store.events.drain_wire(ts, rank, out)
+        buf: &mut Vec<u8>,
+    ) -> crate::events::WireDrain {
+        self.store.events.drain_wire(ts, rank, buf)
     }
 
     /// The wire format `drain_events_wire` encodes in (W, U, digest length, group kinds).

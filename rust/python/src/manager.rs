@@ -37,7 +37,7 @@
 //! `commit_step` end the step in flight by its id when its plan object is gone.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2};
@@ -263,6 +263,10 @@ pub struct PyCacheManager {
     algorithm: HashAlgorithm,
     chunk_alignment: u32,
     config: Py<PyAny>,
+    /// The buffer `drain_events_wire` encodes into, kept from one drain to the next so that a
+    /// drain neither allocates nor clears it (taken out while a drain runs; a drain running
+    /// meanwhile on another thread uses a fresh one).
+    wire: Mutex<Vec<u8>>,
 }
 
 impl PyCacheManager {
@@ -292,6 +296,7 @@ impl PyCacheManager {
             chunk_alignment: manager.chunk_alignment(),
             inner: Arc::new(Mutex::new(manager)),
             config: config.clone().unbind(),
+            wire: Mutex::new(Vec::new()),
         })
     }
 
@@ -778,13 +783,15 @@ impl PyCacheManager {
         ts: f64,
         data_parallel_rank: Option<i64>,
     ) -> PyResult<(Option<Bound<'py, PyBytes>>, usize, usize)> {
-        let (out, taken, written) = self.enter(py, Work::Short, move |m| {
-            let mut out = Vec::new();
-            let (taken, written) = m.drain_events_wire(ts, data_parallel_rank, &mut out);
-            Ok((out, taken, written))
+        let mut buf =
+            std::mem::take(&mut *self.wire.lock().unwrap_or_else(PoisonError::into_inner));
+        let (buf, drained) = self.enter(py, Work::Short, move |m| {
+            let drained = m.drain_events_wire(ts, data_parallel_rank, &mut buf);
+            Ok((buf, drained))
         })?;
-        let payload = (written > 0).then(|| PyBytes::new(py, &out));
-        Ok((payload, taken, written))
+        let payload = (drained.written > 0).then(|| PyBytes::new(py, &buf[..drained.bytes]));
+        *self.wire.lock().unwrap_or_else(PoisonError::into_inner) = buf;
+        Ok((payload, drained.taken, drained.written))
     }
 
     /// A snapshot of the counters.

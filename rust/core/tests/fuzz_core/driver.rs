@@ -95,6 +95,8 @@ pub(crate) struct Fuzz {
     next_token: u32,
     next_id: u64,
     removed_seen: u64,
+    /// A wire buffer kept across drains, as the bindings keep theirs (written in place).
+    wire: Vec<u8>,
     /// API calls made.
     pub calls: u64,
     /// How often the interesting outcomes happened (reported by the long run).
@@ -173,6 +175,7 @@ impl Fuzz {
             next_token: FIRST_FRESH_TOKEN,
             next_id: 1000,
             removed_seen: 0,
+            wire: vec![0xa5; 7],
             calls: 0,
             seen: BTreeMap::new(),
         })
@@ -1199,6 +1202,18 @@ impl Fuzz {
             &mut wire,
         );
         ensure!(written <= records.len() && wire[0] == 0x93, "wire batch of {written} events");
+        // Written in place over an earlier batch, the bytes are the same.
+        let (size, again) = prefixcache_core::events::encode_batch_into(
+            &records,
+            self.m.event_format(),
+            1.0,
+            Some(0),
+            &mut self.wire,
+        );
+        ensure!(
+            (again, &self.wire[..size]) == (written, wire.as_slice()),
+            "a batch written in place differs from a fresh one"
+        );
         for record in records {
             match record.event {
                 CacheEvent::BlockStored { keys, group, .. } => {
