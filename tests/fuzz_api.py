@@ -91,6 +91,10 @@ CHECKPOINT_RESUMES = 0
 """Plan rows of ``OverlapMachine`` that resumed from a published checkpoint (its short run in
 ``make test`` must reach some), and those of them built while other plans were in flight."""
 CHECKPOINT_RESUMES_IN_FLIGHT = 0
+CHECKPOINT_RESUMES_WITH_EXTRA_KEYS = 0
+"""Of those, rows of sequences with extra keys; and ``request_checkpoint`` calls of
+``OverlapMachine`` accepted for a known chunk."""
+CHECKPOINT_REQUESTS = 0
 HUGE_POOL_CHECKED = False
 
 SEQ_ID_MAX = 2**63 - 1
@@ -2743,9 +2747,18 @@ class OverlapMachine(RuleBasedStateMachine):
     Checkpoint hits with plans in flight (exact events only): the published checkpoint blocks
     are those a ``BlockStored`` event of a state group named and no ``BlockRemoved`` took
     since. A plan row that reads one resumes at exactly its position: the block carries the
-    digest of the sequence's first ``num_computed`` tokens. A first schedule that started at
-    a hit L > 0 reads such a block in every state group (a hit rests on committed content,
-    never on what plans in flight will publish).
+    digest of the sequence's first ``num_computed`` tokens with its own extra keys (prompts
+    carry salts, adapters and multimodal inputs, and a next turn may change them or name the
+    earlier sequence in ``extends``: a checkpoint of another tenant, adapter or image is never
+    read). A first schedule that started at a hit L > 0 reads such a block in every state
+    group (a hit rests on committed content, never on what plans in flight will publish).
+
+    ``request_checkpoint`` for a sequence scheduled for the next plan (its chunk ``(s, e]``
+    known from the schedule, no plan built or ended since): a unit boundary p of the chunk
+    with ``p == e`` or ``(p - s)`` a multiple of the state groups' alignment is accepted;
+    any other position is an ``AlignmentError``; without a state group, an
+    ``InvalidRequestError``. Pools are small (2 to 100 blocks), so every rule above also
+    holds while blocks are evicted with plans in flight.
     """
 
     def __init__(self) -> None:
@@ -2761,6 +2774,8 @@ class OverlapMachine(RuleBasedStateMachine):
         self.prompts: dict[int, list[int]] = {}
         self.admitted: dict[int, int] = {}  # sequence -> the hit its first schedule used
         self.checkpoints: dict[tuple[int, int], bytes] = {}  # (group, block) -> digest
+        self.extras: dict[int, pc.ExtraKeys | None] = {}  # sequence -> its extra keys
+        self.chunks: dict[int, tuple[int, int]] = {}  # sequence -> chunk for the next plan
 
     @initialize(config=st.one_of(configs(st.integers(2, 3)), hybrid_configs(st.integers(2, 3))))
     def init(self, config: pc.CacheConfig) -> None:
@@ -2785,14 +2800,32 @@ class OverlapMachine(RuleBasedStateMachine):
                 self.checkpoints.pop((ev.group, ev.block), None)
 
     def admit(self, results: list[Any]) -> None:
-        """Records the hit of each first schedule that scheduled tokens."""
+        """Records the hit of each first schedule that scheduled tokens, and every chunk
+        scheduled for the next plan."""
         for r in results:
             if r is not None and r.hit is not None and r.num_tokens > 0:
                 self.admitted[r.seq_id] = r.num_computed
+            if r is not None and r.num_tokens > 0:
+                self.chunks[r.seq_id] = (r.num_computed, r.num_computed + r.num_tokens)
+
+    def extra_keys(self, pick: int, n: int) -> pc.ExtraKeys | None:
+        """Extra keys from ``pick`` for a prompt of ``n`` tokens: none half the time, else a
+        salt, an adapter or a multimodal input (a few values, so that some are shared)."""
+        kind, v = pick % 8, pick // 8
+        if kind == 4:
+            return pc.ExtraKeys(cache_salt=f"tenant{v % 2}")
+        if kind == 5:
+            return pc.ExtraKeys(lora_id=v % 2)
+        if kind >= 6:
+            start = v % n
+            end = start + 1 + (v // 3) % (n - start)
+            image = pc.MultimodalInput(start=start, end=end, hash=bytes([1 + v % 2]))
+            return pc.ExtraKeys(multimodal=[image])
+        return None
 
     def check_resumes(self, plan: Any) -> None:
         """The checkpoint rule of the class docstring, for the rows of a plan just built."""
-        global CHECKPOINT_RESUMES, CHECKPOINT_RESUMES_IN_FLIGHT
+        global CHECKPOINT_RESUMES, CHECKPOINT_RESUMES_IN_FLIGHT, CHECKPOINT_RESUMES_WITH_EXTRA_KEYS
         cfg = self.cfg
         if cfg is None or not self.exact:
             return
@@ -2815,9 +2848,13 @@ class OverlapMachine(RuleBasedStateMachine):
                 if key is None or prompt is None or start > len(prompt):
                     continue
                 digests = pc.hash_prefix(
-                    prompt[:start], unit=h.unit, algorithm=h.algorithm, seed=h.seed
+                    prompt,
+                    unit=h.unit,
+                    algorithm=h.algorithm,
+                    seed=h.seed,
+                    extra_keys=self.extras.get(seq_id),
                 )
-                if start == 0 or start % h.unit or digests[-1] != key:
+                if start == 0 or start % h.unit or digests[start // h.unit - 1] != key:
                     raise FuzzFailure(
                         f"sequence {seq_id} resumes at {start} from block {slot} of state group "
                         f"{sp.group}, a checkpoint of another prefix"
@@ -2825,6 +2862,8 @@ class OverlapMachine(RuleBasedStateMachine):
                 CHECKPOINT_RESUMES += 1
                 if self.flights:
                     CHECKPOINT_RESUMES_IN_FLIGHT += 1
+                if self.extras.get(seq_id) is not None:
+                    CHECKPOINT_RESUMES_WITH_EXTRA_KEYS += 1
         for seq_id in ids:
             self.admitted.pop(seq_id, None)
 
@@ -2885,27 +2924,87 @@ class OverlapMachine(RuleBasedStateMachine):
         if in_flight != ours or len(in_flight) > self.depth:
             raise FuzzFailure(f"plans in flight {in_flight}, built and not ended {ours}")
 
-    @rule(i=st.integers(0, 5), stream=st.integers(0, 2), n=st.integers(1, 40))
-    def add(self, i: int, stream: int, n: int) -> None:
+    @rule(i=st.integers(0, 5), stream=st.integers(0, 2), n=st.integers(1, 40), x=st.integers(0, 63))
+    def add(self, i: int, stream: int, n: int, x: int) -> None:
         mgr = self.mgr
         assert mgr is not None
         tokens = [stream * 100_000 + t for t in range(n)] + self.tokens(n % 3)
-        if self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens))[0]:
+        extra = self.extra_keys(x, len(tokens))
+        if self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens, extra))[0]:
             self.prompts[OVERLAP_IDS[i]] = tokens
+            self.extras[OVERLAP_IDS[i]] = extra
             self.admitted.pop(OVERLAP_IDS[i], None)
 
-    @rule(i=st.integers(0, 5), j=st.integers(0, 5), n=st.integers(1, 9))
-    def resend(self, i: int, j: int, n: int) -> None:
-        """A conversation's next turn: the prompt sequence ``j`` was added with, and more."""
+    @rule(
+        i=st.integers(0, 5),
+        j=st.integers(0, 5),
+        n=st.integers(1, 9),
+        x=st.one_of(st.none(), st.integers(0, 63)),
+        extends=st.booleans(),
+    )
+    def resend(self, i: int, j: int, n: int, x: int | None, extends: bool) -> None:
+        """A conversation's next turn: the prompt sequence ``j`` was added with, and more,
+        with its extra keys (or others, from ``x``), naming ``j`` in ``extends`` or not."""
         mgr = self.mgr
         assert mgr is not None
         prompt = self.prompts.get(OVERLAP_IDS[j])
         if prompt is None:
             return
         tokens = prompt + self.tokens(n)
-        if self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens))[0]:
+        extra = self.extras.get(OVERLAP_IDS[j]) if x is None else self.extra_keys(x, len(tokens))
+        source = OVERLAP_IDS[j] if extends else None
+        if self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens, extra, extends=source))[0]:
             self.prompts[OVERLAP_IDS[i]] = tokens
+            self.extras[OVERLAP_IDS[i]] = extra
             self.admitted.pop(OVERLAP_IDS[i], None)
+
+    @rule(i=st.integers(0, 5), pick=st.integers(0, 40))
+    def request(self, i: int, pick: int) -> None:
+        """``request_checkpoint``, its rule in the class docstring, for a sequence with a
+        chunk for the next plan (one scheduled first when none has): mostly a position the
+        chunk accepts, else any near it."""
+        mgr = self.mgr
+        cfg = self.cfg
+        assert mgr is not None and cfg is not None
+        if not self.chunks:
+            # (scheduled first: a request needs a chunk waiting for the next plan)
+            ok, r = self.call("schedule", lambda: mgr.schedule(OVERLAP_IDS[i], 1 + pick % 9))
+            if ok:
+                self.admit([r])
+        waiting = sorted(self.chunks)
+        seq_id = waiting[i % len(waiting)] if waiting else OVERLAP_IDS[i]
+        chunk = self.chunks.get(seq_id)
+        unit = cfg.hash.unit
+        aligns = [g.alignment for g in cfg.groups if isinstance(g, pc.StateGroup)]
+        grid = math.lcm(*aligns) if aligns else 1
+
+        def accepts(p: int, s: int, e: int) -> bool:
+            return s < p <= e and p % unit == 0 and (p == e or (p - s) % grid == 0)
+
+        if chunk is None:
+            position = pick
+        else:
+            s, e = chunk
+            valid = [p for p in range(s + 1, e + 1) if accepts(p, s, e)]
+            if valid and pick % 3:
+                position = valid[pick % len(valid)]
+            else:
+                position = s + pick % (e - s + 2 * unit)
+        outcome = self.call("request_checkpoint", lambda: mgr.request_checkpoint(seq_id, position))
+        if chunk is None:
+            return
+        s, e = chunk
+        if not aligns:
+            self.expect("request_checkpoint without a state group", outcome, pc.InvalidRequestError)
+        elif not accepts(position, s, e):
+            self.expect(f"request_checkpoint({position}) in ({s}, {e}]", outcome, pc.AlignmentError)
+        elif not outcome[0]:
+            raise FuzzFailure(
+                f"request_checkpoint({position}) in ({s}, {e}] refused: {outcome[1]!r}"
+            )
+        else:
+            global CHECKPOINT_REQUESTS
+            CHECKPOINT_REQUESTS += 1
 
     @rule(i=st.integers(0, 5))
     def lookup(self, i: int) -> None:
@@ -2956,6 +3055,7 @@ class OverlapMachine(RuleBasedStateMachine):
         if not outcome[0]:
             raise FuzzFailure(f"build_plan below depth refused: {outcome[1]!r}")
         step = outcome[1] if into and not holds else obj.step_id
+        self.chunks.clear()
         self.check_resumes(obj)
         self.flights.append((step, obj))
 
@@ -2978,6 +3078,8 @@ class OverlapMachine(RuleBasedStateMachine):
         if obj is None or (obj in self.ring and (step, obj) not in self.flights):
             by_id = True  # (buffers reused since then hold another step)
         verb = mgr.commit_step if commit else mgr.abort_step
+        if not commit:
+            self.chunks.clear()  # (an abort drops the next-plan steps of what it touched)
         outcome = self.call(
             "commit/abort",
             (lambda: verb(step)) if by_id else (lambda: (mgr.commit if commit else mgr.abort)(obj)),
@@ -3042,6 +3144,7 @@ class OverlapMachine(RuleBasedStateMachine):
         global OPERATIONS
         OPERATIONS += 1
         before = self.observe()
+        self.chunks.clear()
         try:
             mgr.decode_step_overlapped(buffers, ids, rids, tokens, commit=oldest)
             ok = True
@@ -3089,22 +3192,26 @@ class OverlapMachine(RuleBasedStateMachine):
         ok, plan = self.call("build_plan", mgr.build_plan)
         if not ok:
             raise FuzzFailure(f"build_plan below depth refused: {plan!r}")
+        self.chunks.clear()
         self.check_resumes(plan)
         self.flights.append((plan.step_id, plan))
 
-    @rule(i=st.integers(0, 5), n=st.integers(2, 30), more=st.integers(1, 9))
-    def next_turn(self, i: int, n: int, more: int) -> None:
+    @rule(i=st.integers(0, 5), n=st.integers(2, 30), more=st.integers(1, 9), x=st.integers(0, 63))
+    def next_turn(self, i: int, n: int, more: int, x: int) -> None:
         """A conversation: a fresh prompt computed to its end in overlapped chunks and
         finished, then its next turn (the prompt and more) admitted under the same id while a
         plan of everyone else is in flight: with a state group it resumes from a checkpoint of
-        the first turn (the rows are checked as every plan's)."""
+        the first turn (the rows are checked as every plan's). Both turns carry the same extra
+        keys (from ``x``)."""
         mgr = self.mgr
         assert mgr is not None
         seq_id = OVERLAP_IDS[i]
         prompt = self.tokens(n)
-        if seq_id in self.live() or not self.call("add", lambda: mgr.add(seq_id, prompt))[0]:
+        extra = self.extra_keys(x, n)
+        if seq_id in self.live() or not self.call("add", lambda: mgr.add(seq_id, prompt, extra))[0]:
             return
         self.prompts[seq_id] = prompt
+        self.extras[seq_id] = extra
         self.admitted.pop(seq_id, None)
         for _ in range(2 * n):
             if mgr.num_computed(seq_id) >= n:
@@ -3123,7 +3230,7 @@ class OverlapMachine(RuleBasedStateMachine):
             self.admit(results)
         self.build_checked()
         turn = prompt + self.tokens(more)
-        if not self.call("add", lambda: mgr.add(seq_id, turn))[0]:
+        if not self.call("add", lambda: mgr.add(seq_id, turn, extra))[0]:
             return
         self.prompts[seq_id] = turn
         ok, r = self.call("schedule", lambda: mgr.schedule(seq_id, 64))
@@ -3138,6 +3245,7 @@ class OverlapMachine(RuleBasedStateMachine):
         seq_id = OVERLAP_IDS[i]
         if self.call("finish/preempt", lambda: (mgr.preempt if preempt else mgr.finish)(seq_id))[0]:
             self.admitted.pop(seq_id, None)
+            self.chunks.pop(seq_id, None)
 
     def teardown(self) -> None:
         mgr = self.mgr
@@ -3197,7 +3305,9 @@ def run_campaign(examples: int, seed: int, steps: int, rounds: int, shrink: bool
     print(f"\n{OPERATIONS} operations in {elapsed:.1f} s ({OPERATIONS / elapsed:.0f} per second)")
     print(
         f"overlapped: {CHECKPOINT_RESUMES} rows resumed from a checkpoint, "
-        f"{CHECKPOINT_RESUMES_IN_FLIGHT} of them with plans in flight"
+        f"{CHECKPOINT_RESUMES_IN_FLIGHT} of them with plans in flight, "
+        f"{CHECKPOINT_RESUMES_WITH_EXTRA_KEYS} with extra keys; "
+        f"{CHECKPOINT_REQUESTS} checkpoints requested"
     )
     print(f"{len(failures)} failing round(s)" + ("" if not failures else ":"))
     for f in failures:

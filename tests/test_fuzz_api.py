@@ -37,11 +37,18 @@ def test_random_valid_traffic_never_hits_beyond_what_was_computed() -> None:
 def test_random_overlapped_programs_keep_the_in_flight_rules() -> None:
     # Overlapped steps (D = 2..3): placeholders, resolve, plans at depth, ends of the oldest,
     # a later and a stale plan, cascading aborts, finish and preempt in flight, and first
-    # schedules resuming from checkpoints while plans are in flight (which the run must reach).
+    # schedules resuming from checkpoints while plans are in flight (which the run must reach),
+    # sequences with extra keys among them, and checkpoints requested for the next plan.
     before = fuzz_api.CHECKPOINT_RESUMES_IN_FLIGHT
+    extra = fuzz_api.CHECKPOINT_RESUMES_WITH_EXTRA_KEYS
+    requests = fuzz_api.CHECKPOINT_REQUESTS
     run_state_machine_as_test(
         fuzz_api.OverlapMachine,
         settings=fuzz_api.short_settings(150, 50, derandomize=True, database=None),
     )
     resumed = fuzz_api.CHECKPOINT_RESUMES_IN_FLIGHT - before
     assert resumed > 0, "no row resumed from a checkpoint while plans were in flight"
+    extra = fuzz_api.CHECKPOINT_RESUMES_WITH_EXTRA_KEYS - extra
+    requests = fuzz_api.CHECKPOINT_REQUESTS - requests
+    assert extra > 0, "no row of a sequence with extra keys resumed from a checkpoint"
+    assert requests > 0, "no checkpoint requested for a known chunk"

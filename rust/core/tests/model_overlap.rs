@@ -1287,6 +1287,11 @@ impl Model {
         let p = match chunk {
             // (a position whose prefix has a checkpoint already, when there is one: skipped)
             Some(_) if position < 200 && cached.is_some() => cached.unwrap_or_default(),
+            // (an interior one mostly: it competes with the retained positions for C)
+            Some((_, e)) if position < 200 && valid.len() > 1 && position % 4 != 0 => {
+                let interior: Vec<u32> = valid.iter().copied().filter(|&p| p < e).collect();
+                interior[usize::from(position) % interior.len()]
+            }
             Some(_) if position < 200 && !valid.is_empty() => {
                 valid[usize::from(position) % valid.len()]
             }
