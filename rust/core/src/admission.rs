@@ -232,6 +232,7 @@ pub(crate) fn take_blocks(
                         current: None,
                         resume: a.resume[i],
                         decode_tail: None,
+                        spare: NULL_BLOCK,
                     };
                 }
                 state_steps.push(StateStep::default());
@@ -269,6 +270,7 @@ pub(crate) fn assign_running(
             seq.state[i].extra.push(b);
             b
         };
+        seq.state[i].spare = NULL_BLOCK; // (see `StateSeq::spare`)
         (state_steps[i].write, state_steps[i].read) = (write, read);
     }
     Ok(())

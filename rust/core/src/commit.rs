@@ -80,12 +80,19 @@ impl CacheManager {
     /// `commit` by step id.
     pub fn commit_step(&mut self, step_id: u64) -> Result<()> {
         let slots = self.take_in_flight(step_id, "commit")?;
-        for &slot in &slots {
-            self.commit_slot(slot);
-        }
         if self.config.max_steps_in_flight > 1 {
+            let mut idle = false;
             for &slot in &slots {
-                self.after_step_ended(slot);
+                idle |= self.commit_slot::<true>(slot);
+            }
+            if idle {
+                for &slot in &slots {
+                    self.after_step_ended(slot);
+                }
+            }
+        } else {
+            for &slot in &slots {
+                self.commit_slot::<false>(slot);
             }
         }
         self.recycle_slot_list(slots);
@@ -175,16 +182,19 @@ impl CacheManager {
         Ok(())
     }
 
-    fn commit_slot(&mut self, slot: usize) {
-        if self.commit_quiet_step(slot) {
-            return;
+    /// Commits the oldest step of `slot`; `DEEP`: `max_steps_in_flight` > 1, where the
+    /// buffer that held the committed state is kept as the known spare (`StateSeq::spare`).
+    /// Returns whether the sequence is left without a step (`after_step_ended` has work).
+    fn commit_slot<const DEEP: bool>(&mut self, slot: usize) -> bool {
+        if let Some(idle) = self.commit_quiet_step::<DEEP>(slot) {
+            return idle;
         }
         let Some(mut seq) = self.table.take(slot) else {
-            return;
+            return false;
         };
         let Some(mut step) = seq.take_oldest() else {
             self.table.put(slot, seq);
-            return;
+            return false;
         };
         let (start, unit) = (step.start, self.unit);
         // Keys whose prefix holds a placeholder wait for `resolve` (`publish_known`).
@@ -239,7 +249,7 @@ impl CacheManager {
                 GroupSlot::State(i) => {
                     let (pool, state) = (self.layout.state[i].pool, &mut state_seqs[i]);
                     let StateStep { write, interior, snapshot, .. } = &step.state[i];
-                    advance_running_state(&mut self.store.pools[pool], state, *write);
+                    advance_running_state::<DEEP>(&mut self.store.pools[pool], state, *write);
                     for c in interior.iter().chain(snapshot.iter()) {
                         if c.decode_tail {
                             if let Some((old, _)) = state.decode_tail.replace((c.block, c.position))
@@ -262,7 +272,9 @@ impl CacheManager {
         self.store.events.seal();
         seq.num_computed = step.end;
         seq.recycle_step(&mut step);
+        let idle = seq.num_steps() == 0;
         self.table.put(slot, seq);
+        idle
     }
 
     /// Publishes what `resolve` made known of a sequence's committed steps: the paged keys
@@ -315,14 +327,13 @@ impl CacheManager {
 
     /// Commits a step that publishes nothing (most decode steps: no unit boundary crossed, no
     /// copy, no checkpoint, no sliding window) in place, without moving the sequence out of its
-    /// slot. Returns false, having changed nothing, for any other step.
-    fn commit_quiet_step(&mut self, slot: usize) -> bool {
+    /// slot; returns whether the sequence is left without a step. Returns `None`, having
+    /// changed nothing, for any other step.
+    fn commit_quiet_step<const DEEP: bool>(&mut self, slot: usize) -> Option<bool> {
         let unit = self.unit;
         let seq = self.table.get_mut(slot);
         // The step is committed where it is; its record stays for a later step.
-        let Some(step) = seq.ring.oldest_mut() else {
-            return false;
-        };
+        let step = seq.ring.oldest_mut()?;
         let boundary = (step.start / unit + 1) * unit <= step.end;
         let layout = &self.layout;
         let quiet = step
@@ -332,15 +343,15 @@ impl CacheManager {
             .all(|(s, group)| group.window.is_none() && s.cow.is_none() && !boundary)
             && step.state.iter().all(|s| s.interior.is_empty() && s.snapshot.is_none());
         if !quiet {
-            return false;
+            return None;
         }
         for ((state, group), s) in seq.state.iter_mut().zip(&layout.state).zip(&step.state) {
-            advance_running_state(&mut self.store.pools[group.pool], state, s.write);
+            advance_running_state::<DEEP>(&mut self.store.pools[group.pool], state, s.write);
         }
         seq.num_computed = step.end;
         // (its vectors stay in the record, for the step that reuses it)
         seq.ring.pop_oldest();
-        true
+        Some(seq.ring.len() == 0)
     }
 
     /// Publishes checkpoint `block` of state group `g` at `position` (counted when new).
@@ -421,8 +432,18 @@ impl CacheManager {
 /// publishes: the buffer the step wrote (`write`) becomes the current one, and the checkpoint
 /// the sequence resumed from (its first step only) is released. A buffer beyond the pair
 /// (a step deeper in flight wrote it) takes the current one's place in the pair, which
-/// becomes a spare.
-fn advance_running_state(pool: &mut BlockPool, state: &mut StateSeq, write: BlockId) {
+/// becomes a spare. `DEEP` (D > 1): the buffer that held the committed state is the known
+/// spare now (`StateSeq::spare`): no step in flight writes it.
+#[allow(clippy::inline_always)] // (measured: the decode step's instructions)
+#[inline(always)]
+fn advance_running_state<const DEEP: bool>(
+    pool: &mut BlockPool,
+    state: &mut StateSeq,
+    write: BlockId,
+) {
+    if DEEP {
+        state.spare = state.current.map_or(NULL_BLOCK, |c| state.running[c]);
+    }
     if let Some(i) = state.running.iter().position(|&b| b == write) {
         state.current = Some(i);
     } else {

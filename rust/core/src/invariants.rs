@@ -238,6 +238,24 @@ impl CacheManager {
                     }
                 }
             }
+            for (i, s) in seq.state.iter().enumerate() {
+                // The known spare: its own, not the committed state, written by no step but
+                // perhaps the newest (`StateSeq::spare`).
+                if s.spare == NULL_BLOCK {
+                    continue;
+                }
+                let own = s.running.iter().chain(&s.extra).any(|&b| b == s.spare);
+                let current = s.current.is_some_and(|c| s.running[c] == s.spare);
+                let older = seq.num_steps().saturating_sub(1);
+                let written = seq.steps().take(older).any(|st| st.state[i].write == s.spare);
+                if !own || current || written {
+                    return Err(CacheError::invariant(format!(
+                        "sequence {}: its known spare running block {} is not its own, holds \
+                         the committed state or is written by a step before its newest",
+                        seq.id, s.spare
+                    )));
+                }
+            }
             if seq.num_steps() > depth || seq.state.iter().any(|s| s.extra.len() + 1 > depth) {
                 return Err(CacheError::invariant(format!(
                     "sequence {}: {} steps and running buffers beyond max_steps_in_flight = \

@@ -675,7 +675,9 @@ impl CacheManager {
         }
         if seq.state.iter().any(|s| !s.extra.is_empty()) {
             for (i, group) in self.layout.state.iter().enumerate() {
-                let extra = std::mem::take(&mut self.table.get_mut(slot).state[i].extra);
+                let state = &mut self.table.get_mut(slot).state[i];
+                state.spare = NULL_BLOCK; // (it may be one of them)
+                let extra = std::mem::take(&mut state.extra);
                 for block in extra.into_iter().rev() {
                     self.store.pools[group.pool].decref(block, LruEnd::MostRecent);
                 }
@@ -952,8 +954,7 @@ impl CacheManager {
             seq.forget_hit();
             return Err(unresolvable());
         }
-        seq.unlog_resolved(1);
-        seq.log_placeholders(stamp, 1, || in_flight.iter().map(|f| f.step_id));
+        seq.unlog_one_log_one(stamp, || in_flight.iter().map(|f| f.step_id));
         seq.forget_hit();
         let before = seq.hashes.len();
         seq.tokens.push(token);

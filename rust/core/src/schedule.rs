@@ -50,7 +50,7 @@ impl CacheManager {
         self.refuse_in_flight_classic("schedule")?;
         let slot = self.slot(seq_id)?;
         self.check_schedulable(slot, lookahead)?;
-        self.schedule_slot(slot, max_tokens, lookahead, exact)
+        self.schedule_slot::<false>(slot, max_tokens, lookahead, exact)
     }
 
     /// `schedule` for many sequences (one crossing from Python). Every id is checked before
@@ -84,7 +84,7 @@ impl CacheManager {
             .into_iter()
             .zip(max_tokens)
             .map(|(slot, &budget)| {
-                self.schedule_slot(slot, budget, 0, exact).unwrap_or_else(|e| {
+                self.schedule_slot::<false>(slot, budget, 0, exact).unwrap_or_else(|e| {
                     failure.get_or_insert(e);
                     None
                 })
@@ -138,7 +138,7 @@ impl CacheManager {
         for (&slot, token) in slots.iter().zip(tokens) {
             self.append_slot(slot, std::slice::from_ref(token))?;
         }
-        self.schedule_each_and_plan(slots, plan, |_, _, _| Ok(()))
+        self.schedule_each_and_plan::<false>(slots, plan, |_, _, _| Ok(()))
     }
 
     /// An overlapped decode step in one call (D > 1): commits the oldest plan in flight when
@@ -206,11 +206,11 @@ impl CacheManager {
             slots
         };
         if fused {
-            return self.schedule_each_and_plan(slots, plan, |m, i, slot| {
+            return self.schedule_each_and_plan::<true>(slots, plan, |m, i, slot| {
                 m.resolve_one_add_one(slot, resolved[i])
             });
         }
-        self.schedule_each_and_plan(slots, plan, |m, _, slot| {
+        self.schedule_each_and_plan::<true>(slots, plan, |m, _, slot| {
             m.add_placeholder_one(slot);
             Ok(())
         })
@@ -235,8 +235,9 @@ impl CacheManager {
     /// schedules one token of it, and builds the plan of everything scheduled into `plan`.
     /// Results are in input order, collected from an exactly sized iterator; an error, a bug
     /// in the core (see `take_block`), is returned once the batch is through, before the plan.
+    /// `DEEP`: continuations are expected (the overlapped decode step; see `schedule_slot`).
     #[inline(always)]
-    fn schedule_each_and_plan(
+    fn schedule_each_and_plan<const DEEP: bool>(
         &mut self,
         slots: Vec<usize>,
         plan: &mut StepPlan,
@@ -250,7 +251,7 @@ impl CacheManager {
                 if let Err(e) = before(self, i, slot) {
                     failure.get_or_insert(e);
                 }
-                self.schedule_slot(slot, 1, 0, false).unwrap_or_else(|e| {
+                self.schedule_slot::<DEEP>(slot, 1, 0, false).unwrap_or_else(|e| {
                     failure.get_or_insert(e);
                     None
                 })
@@ -353,7 +354,11 @@ impl CacheManager {
         Ok(())
     }
 
-    fn schedule_slot(
+    /// Schedules a checked sequence. `DEEP`: the continuation's schedule is inlined (the
+    /// overlapped decode step, where every sequence continues a step in flight); otherwise it
+    /// is a call, which keeps the other paths as lean as they are without overlap (a
+    /// choice of code only: both schedule every sequence alike).
+    fn schedule_slot<const DEEP: bool>(
         &mut self,
         slot: usize,
         max_tokens: u32,
@@ -363,7 +368,7 @@ impl CacheManager {
         let seq = self.seq(slot);
         if seq.started() {
             let end = self.chunk_end(seq.planned(), max_tokens, seq.num_tokens(), exact);
-            return self.schedule_started(slot, end, lookahead);
+            return self.schedule_started::<DEEP>(slot, end, lookahead);
         }
         let generation = self.store.index.generation();
         let last_hit = match &mut self.seq_mut(slot).phase {
@@ -443,7 +448,7 @@ impl CacheManager {
     /// pin, and when its tables already cover the chunk (most decode steps) there is nothing
     /// to allocate or check. A sequence with a step in flight (D > 1) continues it
     /// (`schedule_continuation`).
-    fn schedule_started(
+    fn schedule_started<const DEEP: bool>(
         &mut self,
         slot: usize,
         end: u32,
@@ -451,6 +456,9 @@ impl CacheManager {
     ) -> Result<Option<Scheduled>> {
         let seq = self.seq(slot);
         if seq.step().is_some() {
+            if !DEEP {
+                return self.schedule_continuation_call(slot, end, lookahead);
+            }
             return self.schedule_continuation(slot, end, lookahead);
         }
         let (seq_id, start) = (seq.id, seq.num_computed);
@@ -478,6 +486,7 @@ impl CacheManager {
     /// `schedule_started` of a sequence whose newest step is in flight (D > 1): the chunk
     /// starts where that step ends, reads the running state it writes and writes a spare
     /// running buffer (allocated when there is none).
+    #[inline(always)]
     fn schedule_continuation(
         &mut self,
         slot: usize,
@@ -494,17 +503,23 @@ impl CacheManager {
         // groups and handed to `assign_running`.
         let mut spares = [NULL_BLOCK; MAX_INLINE_GROUPS];
         let groups = self.layout.state.len();
-        let buffers = groups == 0
-            || (groups <= MAX_INLINE_GROUPS
-                && (0..groups).all(|i| {
-                    spares[i] = seq.spare_buffer_inline(i).unwrap_or(NULL_BLOCK);
-                    spares[i] != NULL_BLOCK
-                }));
+        // (plain loops: an `all` here was left out of line, at 75 instructions a sequence)
+        let mut buffers = groups <= MAX_INLINE_GROUPS;
+        if buffers {
+            for (i, spare) in spares.iter_mut().enumerate().take(groups) {
+                *spare = seq.spare_buffer_inline(i).unwrap_or(NULL_BLOCK);
+                if *spare == NULL_BLOCK {
+                    buffers = false;
+                    break;
+                }
+            }
+        }
         if buffers && tables_cover(&self.layout, seq, reach) {
             self.seq_mut(slot).schedule_covered_continuation(start, end, &spares[..groups]);
             return Ok(Some(self.enqueued(slot, start, end)));
         }
-        if !blocks_available(&self.store, &self.layout, seq, reach, None, true) {
+        // (with a spare buffer found for every group, no further one is needed)
+        if !blocks_available(&self.store, &self.layout, seq, reach, None, !buffers) {
             self.stats.refused_schedules += 1;
             return Ok(None);
         }
@@ -516,6 +531,18 @@ impl CacheManager {
             assign_running(&mut self.store, &self.layout, seq, &mut state, true, found)?;
         }
         Ok(Some(self.enqueue_step(slot, StepRecord::later(start, end, paged, state))))
+    }
+
+    /// `schedule_continuation`, out of line (`schedule_slot` other than the overlapped
+    /// decode step's).
+    #[inline(never)]
+    fn schedule_continuation_call(
+        &mut self,
+        slot: usize,
+        end: u32,
+        lookahead: u32,
+    ) -> Result<Option<Scheduled>> {
+        self.schedule_continuation(slot, end, lookahead)
     }
 
     /// Makes `step` (not a first one) the newest step of `slot`, scheduled for the next plan.

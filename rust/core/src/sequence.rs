@@ -45,6 +45,12 @@ pub(crate) struct StateSeq {
     pub resume: BlockId,
     /// The latest decode-tail snapshot and its position, private until `finish`.
     pub decode_tail: Option<(BlockId, u32)>,
+    /// A spare buffer known without a search (D > 1): the committed state until the latest
+    /// commit, which no step in flight writes, unless the newest step does (scheduled since,
+    /// with none in flight). Set by every commit, cleared by every continuation and when the
+    /// extra buffers are given back; the null block: not known (`Sequence::spare_buffer`
+    /// searches).
+    pub spare: BlockId,
 }
 
 impl StateSeq {
@@ -305,12 +311,17 @@ pub(crate) const MAX_INLINE_GROUPS: usize = 4;
 fn fill_later(step: &mut StepRecord, start: u32, end: u32, paged: &[PagedSeq]) {
     (step.plan, step.start, step.end, step.first) = (0, start, end, false);
     step.requested.clear();
-    step.paged.clear();
-    step.paged.extend(paged.iter().map(|p| PagedStep {
-        table_len_before: p.table.len(),
-        cow: None,
-        reported_to: 0,
-    }));
+    let part =
+        |p: &PagedSeq| PagedStep { table_len_before: p.table.len(), cow: None, reported_to: 0 };
+    if step.paged.len() == paged.len() {
+        // (a record reused: its parts set in place, in a loop the compiler keeps inline)
+        for (s, p) in step.paged.iter_mut().zip(paged) {
+            *s = part(p);
+        }
+    } else {
+        step.paged.clear();
+        step.paged.extend(paged.iter().map(part));
+    }
 }
 
 /// Part `i` of a later step's state groups (the parts before it set): it writes `write` and
@@ -426,7 +437,9 @@ impl Sequence {
     }
 
     /// A private running buffer of state group `i` that neither holds the committed state
-    /// nor is written by one of its steps (the one its next step can write), if any.
+    /// nor is written by one of its steps (the one its next step can write), if any: the one
+    /// the last commit freed (`StateSeq::spare`) when known, else the first of the pair and
+    /// the extras.
     #[inline(never)]
     pub fn spare_buffer(&self, i: usize) -> Option<BlockId> {
         self.spare_buffer_inline(i)
@@ -436,21 +449,19 @@ impl Sequence {
     /// instructions more than the search).
     #[inline(always)]
     pub fn spare_buffer_inline(&self, i: usize) -> Option<BlockId> {
-        // Plain loops over at most D + 1 buffers and D steps: this runs for every
-        // continuation of an overlapped decode step.
         let state = &self.state[i];
+        let newest = self.ring.newest().map_or(NULL_BLOCK, |s| s.state[i].write);
+        if state.spare != NULL_BLOCK && state.spare != newest {
+            return Some(state.spare);
+        }
+        // Plain loops over at most D + 1 buffers and D steps.
         let current = state.current.map_or(NULL_BLOCK, |c| state.running[c]);
-        // With one step (the overlapped decode step's case) the buffers its steps write are
-        // that step's: no walk over the ring.
-        let only = match self.ring.newest() {
-            Some(step) if self.ring.len() == 1 => step.state[i].write,
-            _ => NULL_BLOCK,
-        };
+        // With one step the buffers its steps write are that step's: no walk over the ring.
         let one = self.ring.len() <= 1;
         let spare = |b: BlockId| {
             b != NULL_BLOCK
                 && b != current
-                && if one { b != only } else { !self.ring.iter().any(|s| s.state[i].write == b) }
+                && if one { b != newest } else { !self.ring.iter().any(|s| s.state[i].write == b) }
         };
         if spare(state.running[0]) {
             return Some(state.running[0]);
@@ -531,6 +542,17 @@ impl Sequence {
         self.placeholder_log.take_oldest(count);
     }
 
+    /// `unlog_resolved(1)` then `log_placeholders(stamp, 1, in_flight)`: one placeholder
+    /// resolved and one appended (the overlapped decode step); its count does not change.
+    #[inline(always)]
+    pub fn unlog_one_log_one<I>(&mut self, stamp: u64, in_flight: impl Fn() -> I)
+    where
+        I: Iterator<Item = u64>,
+    {
+        debug_assert!(self.placeholders >= 1);
+        self.placeholder_log.take_one_log_one(stamp, in_flight);
+    }
+
     /// Drops the placeholders appended since plan `plan` was built (an abort of that plan).
     pub fn drop_placeholders_since(&mut self, plan: u64) {
         self.placeholders -= self.placeholder_log.drop_since(plan);
@@ -568,6 +590,9 @@ impl Sequence {
         let mut reads = [-1i32; MAX_INLINE_GROUPS];
         for (i, r) in reads.iter_mut().enumerate().take(spares.len()) {
             *r = self.continuation_read(i);
+        }
+        for state in &mut self.state {
+            state.spare = NULL_BLOCK; // (taken, or the newest step's: see `StateSeq::spare`)
         }
         let paged = &self.paged;
         let step = self.ring.push_in_place();
@@ -691,6 +716,30 @@ impl PlaceholderLog {
         }
     }
 
+    /// `take_oldest(1)` then `log(stamp, 1, in_flight)`. When the oldest entry holds one
+    /// placeholder and the newest is stamped below `stamp` (the overlapped decode step's
+    /// case), the oldest leaves and a new entry joins behind the newest: no merge can be
+    /// needed, as the ring's length does not change.
+    #[inline(always)]
+    pub fn take_one_log_one<I>(&mut self, stamp: u64, in_flight: impl Fn() -> I)
+    where
+        I: Iterator<Item = u64>,
+    {
+        let (head, len) = (self.head as usize, self.len as usize);
+        if len > 0 && self.counts[head] == 1 {
+            let back = (head + len - 1) & (LOG_ENTRIES - 1);
+            if self.stamps[back] != stamp {
+                let at = (head + len) & (LOG_ENTRIES - 1);
+                self.stamps[at] = stamp;
+                self.counts[at] = 1;
+                self.head = ((head + 1) & (LOG_ENTRIES - 1)) as u8;
+                return;
+            }
+        }
+        self.take_oldest(1);
+        self.log(stamp, 1, in_flight);
+    }
+
     /// Drops the entries stamped `plan` or later; returns how many placeholders they held.
     pub fn drop_since(&mut self, plan: u64) -> u32 {
         let mut dropped = 0;
@@ -727,7 +776,7 @@ mod placeholder_log_tests {
             let mut next_plan = 1u64;
             for (pick, n) in ops {
                 // (weighted: builds and appends often, so the ring fills and merges)
-                let op = [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 3, 3, 3, 3, 3, 4, 4, 5][pick as usize];
+                let op = [0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 3, 3, 3, 3, 4, 4, 5, 6, 6][pick as usize];
                 match op {
                     0 if in_flight.len() < MAX_STEPS_IN_FLIGHT as usize => {
                         in_flight.push_back(next_plan);
@@ -750,6 +799,18 @@ mod placeholder_log_tests {
                             take -= used;
                         }
                         plain.retain(|e| e.1 > 0);
+                    }
+                    6 => {
+                        // One resolved and one appended (`take_one_log_one`), when there is
+                        // one to resolve.
+                        if plain.is_empty() {
+                            continue;
+                        }
+                        let stamp = next_plan - 1;
+                        log.take_one_log_one(stamp, || in_flight.iter().copied());
+                        plain[0].1 -= 1;
+                        plain.retain(|e| e.1 > 0);
+                        plain.push((stamp, 1));
                     }
                     _ => {
                         if let Some(&oldest) = in_flight.front() {
