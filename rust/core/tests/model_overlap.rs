@@ -40,7 +40,9 @@
 //! carries, a key leaving the index when no block carries it any more; the pool's owned and
 //! cached counts must be the model's (not checked while a scheduled step pins one of several
 //! copies of a key, which only the pool's recency decides). Which cached block an allocation
-//! evicts is not predicted (the LRU order of full-attention blocks is not mirrored).
+//! evicts is checked against when the model first saw each block cached: never one seen
+//! cached later than another cached block left in place (blocks released in one call are
+//! not ordered), and a schedule evicts exactly the blocks it needs beyond the free ones.
 //!
 //! With a state group, each step must read the running state the step before it writes, and
 //! write a buffer none of its other steps uses. Its checkpoints, stated on their own:
@@ -88,7 +90,7 @@
 //! (unpinned) ones, the blocks free or cached, and the checkpoint statistics; at the end
 //! everything is committed and finished and no block may stay owned.
 //!
-//! Cases: 96 (`PROPTEST_CASES` or `MODEL_CASES` for more); `MODEL_PATHS=1` prints how often the
+//! Cases: 256 (`PROPTEST_CASES` or `MODEL_CASES` for more); `MODEL_PATHS=1` prints how often the
 //! fixed sample of `overlapped_traffic_reaches_every_path` took each path.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -481,6 +483,10 @@ struct Model {
     /// Events drained before `check_events` (full-attention evictions checked at once).
     drained: Vec<CacheEvent>,
     fa_evictions: u64,
+    /// Cached full-attention blocks with the check (`checks`) at which the model first saw
+    /// them cached: an eviction takes none seen later than another still cached.
+    fa_since: BTreeMap<u32, u64>,
+    checks: u64,
     ended: Vec<u64>,
     /// Published checkpoint blocks, and the unpinned ones, least recently used first.
     ck: BTreeMap<u32, Ck>,
@@ -565,6 +571,8 @@ impl Model {
             carried: BTreeMap::new(),
             drained: Vec::new(),
             fa_evictions: 0,
+            fa_since: BTreeMap::new(),
+            checks: 0,
             ended: Vec::new(),
             ck: BTreeMap::new(),
             lru: VecDeque::new(),
@@ -809,7 +817,15 @@ impl Model {
 
     /// Drains the manager's events: full-attention evictions are checked against what is held
     /// now (before the call's own allocations are known), the rest kept for `check_events`.
-    fn take_removals(&mut self) -> Result<(), String> {
+    ///
+    /// Recency, stated here: a cached block is evicted only when no block is free, and never
+    /// one the model saw cached later than another cached block the call left in place; a
+    /// schedule (`allocates`: its new blocks) evicts exactly the blocks it needs beyond the
+    /// free ones. (Blocks released in the same call are not ordered against each other.)
+    fn take_removals(&mut self, allocates: Option<u32>) -> Result<(), String> {
+        let fuzzy = self.fuzzy();
+        let cached_before = self.fa_cached();
+        let mut victims = Vec::new();
         let held = self.owned_ids();
         let pinned: BTreeSet<Vec<u32>> = self.unbuilt_pins().map(|p| p.0.clone()).collect();
         for r in self.m.drain_events() {
@@ -849,8 +865,47 @@ impl Model {
             );
             self.fa_evictions += 1;
             self.saw("full-attention block evicted");
+            victims.push(block);
+        }
+        if fuzzy {
+            return Ok(());
+        }
+        let since = |b: &u32| self.fa_since.get(b).copied().unwrap_or(u64::MAX);
+        for v in &victims {
+            let newer = cached_before
+                .iter()
+                .filter(|u| !victims.contains(u) && !held.contains(u) && since(u) < since(v))
+                .min_by_key(|u| since(u));
+            if let Some(u) = newer {
+                return Err(format!(
+                    "evicted block {v} (cached since check {}) before block {u} (since {})",
+                    since(v),
+                    since(u)
+                ));
+            }
+        }
+        if let Some(new) = allocates {
+            // (the blocks of steps scheduled before it, ids not known yet, are not free)
+            let available = self.fa_available().ok_or("fuzzy")?;
+            let free = available - cached_before.len();
+            let expected = (new as usize).saturating_sub(free);
+            ensure!(
+                victims.len() == expected,
+                "a schedule of {new} new blocks with {free} free evicted {} blocks, expected \
+                 {expected}",
+                victims.len()
+            );
+            if expected > 0 && cached_before.len() > expected {
+                self.saw("a schedule evicted the least recently used of several cached blocks");
+            }
         }
         Ok(())
+    }
+
+    /// Full-attention blocks cached: carrying keys, not held or pinned (where the model knows).
+    fn fa_cached(&self) -> BTreeSet<u32> {
+        let owned = self.owned_ids();
+        self.carried.keys().copied().filter(|b| !owned.contains(b)).collect()
     }
 
     /// A row's full-attention table entries and copy against the model: the plan appends the
@@ -1449,7 +1504,7 @@ impl Model {
             .collect();
         let mut plan = prefixcache_core::StepPlan::default();
         let r = self.m.decode_step_overlapped(commit, &resolve, &tokens, &decoding, &mut plan);
-        self.take_removals()?;
+        self.take_removals(None)?;
         let r = r.map_err(|e| format!("decode_step_overlapped: {e}"))?;
         for (&id, &t) in resolve.iter().zip(&tokens) {
             self.note_resolve(id, &[t]);
@@ -1550,7 +1605,8 @@ impl Model {
         let end = (start + budget).min(seq.len());
         let (pins, extra, new_blocks) = self.fa_need(&seq, hit.as_ref().map(|h| h.tokens), end);
         let r = self.m.schedule(id, budget, 0, false);
-        self.take_removals()?;
+        let allocates = matches!(r, Ok(Some(_))).then_some(new_blocks);
+        self.take_removals(allocates)?;
         ensure!(kind(&r) == expect, "schedule {id}: {r:?}, expected {expect}");
         let Ok(r) = r else {
             self.saw("schedule refused");
@@ -2317,6 +2373,12 @@ impl Model {
             self.m.plans_in_flight()
         );
         self.check_events()?;
+        self.checks += 1;
+        let cached = self.fa_cached();
+        self.fa_since.retain(|b, _| cached.contains(b));
+        for b in cached {
+            self.fa_since.entry(b).or_insert(self.checks);
+        }
         let stats = self.m.stats();
         if let Some(st) = &self.s.state {
             let usage = self.m.pool_usage()[STATE as usize];
@@ -2374,7 +2436,7 @@ impl Model {
     fn check_events(&mut self) -> Result<(), String> {
         let mut stored: Vec<Stored> = Vec::new();
         let mut removed: Vec<(u32, Digest, bool)> = Vec::new();
-        self.take_removals()?;
+        self.take_removals(None)?;
         for event in std::mem::take(&mut self.drained) {
             match event {
                 CacheEvent::BlockStored { group, keys, blocks, checkpoint, .. } => {
@@ -2445,13 +2507,13 @@ fn run(setup: &Setup, ops: &[Op]) -> Result<BTreeMap<&'static str, u64>, String>
     Ok(model.seen)
 }
 
-/// Cases: 96 by default, or `PROPTEST_CASES` (`make fuzz` passes `MODEL_CASES` there), or
+/// Cases: 256 by default, or `PROPTEST_CASES` (`make fuzz` passes `MODEL_CASES` there), or
 /// `MODEL_CASES` itself.
 fn cases() -> u32 {
     ["PROPTEST_CASES", "MODEL_CASES"]
         .iter()
         .find_map(|v| std::env::var(v).ok().and_then(|v| v.parse().ok()))
-        .unwrap_or(96)
+        .unwrap_or(256)
 }
 
 proptest! {
@@ -2528,6 +2590,7 @@ fn overlapped_traffic_reaches_every_path() {
         "schedule refused: the full-attention pool is short",
         "copy on write",
         "first step shared cached blocks",
+        "a schedule evicted the least recently used of several cached blocks",
         "checkpoint requested",
         "checkpoint requested for a continuation",
         "checkpoint requested in a decode step",
