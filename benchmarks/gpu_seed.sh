@@ -75,8 +75,8 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_attention.py 2>&1 \
     | tail -3 | tee -a "$log"
 [[ ${PIPESTATUS[0]} == 0 ]] || { split=(--no-prefill-split); say "split tests failed: no split"; }
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 \
-    | tail -3 | tee -a "$log"
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 \
+    | tee -a "$out/tests.txt" | tail -3 | tee -a "$log"
 [[ ${PIPESTATUS[0]} == 0 ]] || { graphs=(--no-cuda-graphs); say "graph tests failed: eager"; }
 }
 common=(--device cuda --backend flashkda-op --model kimi-k3-tp8 --depth "$depth"

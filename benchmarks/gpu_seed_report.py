@@ -89,10 +89,13 @@ def spread(values: list[float]) -> str:
 
 
 def passes(document: dict[str, Any]) -> list[str]:
-    """Each repeated policy's passes (rounds 2 to 23) and the spread of each figure."""
+    """Each repeated policy's passes (rounds 2 to 23) and the spread of each figure; the decode
+    graphs each pass captured and its garbage collections (all rounds; "-" where a document
+    predates them)."""
     lines = [
-        "| policy | pass | ran | TTFT p50 ms | prefill s | KDA s | host s (all rounds) |",
-        "|---|---|---|---|---|---|---|",
+        "| policy | pass | ran | TTFT p50 ms | prefill s | KDA s | host s (all rounds) "
+        "| graphs captured | gc s (collections) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, policy in document["policies"].items():
         entries = policy.get("passes", [])
@@ -109,11 +112,18 @@ def passes(document: dict[str, Any]) -> list[str]:
             for column, value in zip(figures, row, strict=True):
                 column.append(value)
             star = "*" if entry["pass"] == policy.get("median_pass") else ""
+            times = entry.get("step_times") or {}
+            captures = times.get("graph_captures", "-")
+            collections = (
+                f"{times['gc_seconds']:.3f} ({times['gc_collections']})"
+                if "gc_seconds" in times
+                else "-"
+            )
             lines.append(
                 f"| {name}{star} | {entry['pass']} | {entry['position'] + 1} | {row[0]:.1f} | "
-                f"{row[1]:.3f} | {row[2]:.3f} | {row[3]:.2f} |"
+                f"{row[1]:.3f} | {row[2]:.3f} | {row[3]:.2f} | {captures} | {collections} |"
             )
-        lines.append(f"| {name} spread | | | " + " | ".join(map(spread, figures)) + " |")
+        lines.append(f"| {name} spread | | | " + " | ".join(map(spread, figures)) + " | | |")
     return lines
 
 
@@ -172,6 +182,11 @@ def main(argv: list[str]) -> int:
                     f"{times.get('prefill_tokens_p50', 0):,.0f} tokens, fit "
                     f"{times.get('prefill_fixed_ms', 0):.2f} ms + "
                     f"{times.get('prefill_per_token_us', 0):.2f} us a token"
+                    + (
+                        f"; {times['graph_captures']} graphs captured"
+                        if "graph_captures" in times
+                        else ""
+                    )
                 )
         if "block" in policies and "fine" in policies:
             print("\n".join(per_round(document)))

@@ -231,6 +231,90 @@ def test_graphs_belong_to_one_run_and_do_not_keep_its_caches(
     assert [ref() for ref in gone] == [None, None]
 
 
+def _tensors(caches: ModelCaches) -> list[torch.Tensor]:
+    return [t for c in caches.states for t in (c.conv, c.recurrent)] + [
+        t for c in caches.kv for t in (c.key, c.value)
+    ]
+
+
+def test_runs_of_one_geometry_share_zeroed_caches_while_reusing() -> None:
+    # The rule: inside reusing_caches an allocation of the geometry last allocated returns that
+    # same object with every entry zero and every tensor where it was (so graphs captured on it
+    # stay valid); another geometry gets a new set, which replaces it; outside, and after the
+    # context closes, every allocation is new and the held set is released.
+    import gc
+    import weakref
+
+    from prefixcache.kernels import TorchBackend
+
+    model = HybridModel(ModelConfig.tiny(), TorchBackend(chunk_size=32))
+    geometry = {"paged_blocks": 6, "block_size": 16, "state_blocks": 5}
+    apart = model.allocate_caches(**geometry)
+    assert model.allocate_caches(**geometry) is not apart
+    with model.reusing_caches():
+        first = model.allocate_caches(**geometry)
+        assert first is not apart
+        addresses = [t.data_ptr() for t in _tensors(first)]
+        for number, tensor in enumerate(_tensors(first), 1):
+            tensor.fill_(number)  # a run's writes
+        with model.reusing_caches():  # nested: the same set
+            again = model.allocate_caches(**geometry)
+        assert again is first
+        assert [t.data_ptr() for t in _tensors(again)] == addresses
+        assert all(not bool(t.any()) for t in _tensors(again))
+        fresh = model._new_caches(6, 16, 5, 0, 1)
+        assert [(t.shape, t.dtype) for t in _tensors(again)] == [
+            (t.shape, t.dtype) for t in _tensors(fresh)
+        ]
+        other = model.allocate_caches(**(geometry | {"state_blocks": 7}))
+        assert other is not first
+        assert model.allocate_caches(**(geometry | {"state_blocks": 7})) is other
+        assert model.allocate_caches(**geometry) not in (first, other)  # first was replaced
+        held = weakref.ref(other)
+        del first, again, other
+        gc.collect()
+        assert held() is None  # a replaced set is not kept
+        last = weakref.ref(model.allocate_caches(**geometry))
+        assert last() is not None  # held by the model while open
+    gc.collect()
+    assert last() is None  # released on exit
+    assert model.allocate_caches(**geometry) is not model.allocate_caches(**geometry)
+
+
+def test_every_run_of_a_simulation_gets_the_same_caches_and_outputs_still_match(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from prefixcache.engine import build_model, simulate
+    from prefixcache.engine.workloads import Geometry, GrowingPrefixSpec, PresetWorkload
+
+    pytest.importorskip("prefixcache._core")
+    spec = GrowingPrefixSpec(streams=2, first_prompt=150, growth=70, rounds=3, output_len=3)
+    workload = PresetWorkload(
+        "growing-prefix", "test", spec, Geometry(block_size=32, unit=8, token_budget=96,
+                                                 max_running=2)
+    )  # fmt: skip
+    model = build_model("cpu", "torch")
+    handed: list[ModelCaches] = []
+    original = HybridModel.allocate_caches
+
+    def recording(self: HybridModel, **kwargs: int) -> ModelCaches:
+        caches = original(self, **kwargs)
+        assert all(not bool(t.any()) for t in _tensors(caches))  # zeroed, every time
+        handed.append(caches)
+        return caches
+
+    monkeypatch.setattr(HybridModel, "allocate_caches", recording)
+    for warm_up in ("shapes", "full"):
+        handed.clear()
+        report = simulate(workload, ["block", "fine"], model, warm_up=warm_up, repeats=2)
+        assert len(handed) == 3 + 1 + 4  # warm none, block, fine; none; block, fine twice
+        assert all(caches is handed[0] for caches in handed), warm_up
+        for name in ("block", "fine"):
+            assert all(m is True for _, _, (m, _) in report.passes[name]), (warm_up, name)
+        assert not any("graph_captures" in t for _, t, _ in report.passes["block"])  # no graphs
+        assert all(t["gc_collections"] >= 0 for _, t, _ in report.passes["block"])
+
+
 # --- on the GPU -------------------------------------------------------------------------------
 
 BLOCK = 64
@@ -304,7 +388,6 @@ def test_replayed_decode_steps_equal_the_eager_ones_bit_for_bit() -> None:
     eager_caches, graph_caches = _prefilled(model, rows, length), _prefilled(model, rows, length)
     assert _same_caches(eager_caches, graph_caches)
     model.kda_timer.enabled = False  # a decode step runs untimed, as the engine runs it
-    generator = torch.Generator().manual_seed(2)
     # Three steps of one graph (same rows, same bucket) with different tokens, KV slots,
     # lengths and state slots (the running states double-buffered, as the core plans them).
     steps = [
@@ -312,14 +395,7 @@ def test_replayed_decode_steps_equal_the_eager_ones_bit_for_bit() -> None:
         _decode(rows, length + 2, list(range(rows, 2 * rows)), list(range(rows))),
         _decode(rows, length + 3, list(range(rows)), list(range(2 * rows, 3 * rows))),
     ]
-    for number, step in enumerate(steps):
-        tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=generator).cuda()
-        model.graphs = None
-        eager = model.execute(step, tokens, eager_caches)
-        model.graphs = graphs
-        replayed = model.execute(step, tokens, graph_caches)
-        assert torch.equal(replayed, eager), number
-        assert _same_caches(eager_caches, graph_caches), number
+    _check_replays(model, graphs, [(step, rows) for step in steps], eager_caches, graph_caches)
     assert (graphs.captures, graphs.replays, len(graphs)) == (1, 3, 1)
     # Fewer rows, then a context past the first bucket (256 tokens): two more graphs; then the
     # first graph again (what it reads outlived the later captures, which free cached memory).
@@ -328,7 +404,15 @@ def test_replayed_decode_steps_equal_the_eager_ones_bit_for_bit() -> None:
         (_decode(rows, 300, [3, 4, 8], [0, 1, 2]), rows),
         (_decode(rows, length + 4, [0, 1, 2], [3, 4, 5]), rows),
     ]
-    for number, (step, count) in enumerate(others):
+    _check_replays(model, graphs, others, eager_caches, graph_caches)
+    assert (graphs.captures, graphs.replays, len(graphs)) == (3, 6, 3)
+
+
+def _check_replays(model, graphs, cases, eager_caches, graph_caches, seed: int = 2) -> None:
+    """Each ``(step, rows)`` of ``cases`` eagerly on ``eager_caches`` and through ``graphs``
+    on ``graph_caches``, with the same random tokens: equal logits and caches after each."""
+    generator = torch.Generator().manual_seed(seed)
+    for number, (step, count) in enumerate(cases):
         tokens = torch.randint(0, model.config.vocab_size, (count,), generator=generator).cuda()
         model.graphs = None
         eager = model.execute(step, tokens, eager_caches)
@@ -336,4 +420,39 @@ def test_replayed_decode_steps_equal_the_eager_ones_bit_for_bit() -> None:
         replayed = model.execute(step, tokens, graph_caches)
         assert torch.equal(replayed, eager), number
         assert _same_caches(eager_caches, graph_caches), number
-    assert (graphs.captures, graphs.replays, len(graphs)) == (3, 6, 3)
+
+
+@pytest.mark.gpu
+def test_runs_sharing_caches_replay_the_first_runs_graphs_and_others_are_freed() -> None:
+    import gc
+    import weakref
+
+    model = _gpu_model()
+    graphs = model.graphs
+    assert graphs is not None
+    model.kda_timer.enabled = False
+    rows, length = 2, 100
+    cases = [
+        (_decode(rows, length + 1, [0, 1], [2, 3]), rows),
+        (_decode(rows, length + 2, [2, 3], [0, 1]), rows),
+    ]
+    # The eager references first, outside reusing_caches (inside, they would be the same set).
+    references = [_prefilled(model, rows, length) for _ in range(3)]
+    with model.reusing_caches():
+        held = None
+        for run in range(2):
+            caches = _prefilled(model, rows, length)  # the second run: the same set, zeroed
+            assert held is None or caches is held, run
+            held = caches
+            _check_replays(model, graphs, cases, references[run], caches)
+            # One capture in all: the second run replays the first run's graph.
+            assert (graphs.captures, graphs.replays) == (1, 2 * (run + 1)), run
+    # Apart from reusing_caches every run has caches of its own, and the graphs keep none alive.
+    del held, caches
+    caches = _prefilled(model, rows, length)
+    _check_replays(model, graphs, cases[:1], references[2], caches)
+    assert graphs.captures == 2
+    gone = weakref.ref(caches)
+    del caches
+    gc.collect()
+    assert gone() is None

@@ -2,7 +2,7 @@
 
 :func:`build_model` picks the device, dtype, kernel backend and model size;
 :func:`engine_config_for` sizes the pools for a workload preset; :func:`simulate` runs the
-``none`` policy (the reference) and every other requested policy on fresh caches over the same
+``none`` policy (the reference) and every other requested policy on zeroed caches over the same
 workload, checks each policy's outputs against the reference, and returns a
 :class:`SimulationReport` whose :meth:`SimulationReport.to_json` is the ``--json`` document.
 
@@ -18,6 +18,7 @@ roundoffs per layer across 4 layers and the final projection.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import statistics
 import time
@@ -381,11 +382,13 @@ class StepClock:
     A step whose rows all have one query token (a decode step) goes to :attr:`decode_ms`, any
     other to :attr:`prefill` as (tokens, ms). On CUDA the time is the GPU's between two events
     recorded around the forward (nothing waits for them, so an overlapped engine stays
-    overlapped; :meth:`summary` reads them), elsewhere the wall clock.
+    overlapped; :meth:`summary` reads them), elsewhere the wall clock. With decode graphs,
+    :meth:`summary` also counts the graphs captured since the clock was made.
     """
 
     def __init__(self, model: HybridModel) -> None:
         self.model = model
+        self._captures = None if model.graphs is None else model.graphs.captures
         self.decode_ms: list[float] = []
         self.prefill: list[tuple[int, float]] = []
         self._pending: list[tuple[int | None, Any, Any]] = []
@@ -426,6 +429,8 @@ class StepClock:
             "decode_steps": len(self.decode_ms),
             "prefill_steps": len(self.prefill),
         }
+        if self._captures is not None and self.model.graphs is not None:
+            out["graph_captures"] = self.model.graphs.captures - self._captures
         if self.decode_ms:
             out["decode_ms_p50"] = statistics.median(self.decode_ms)
             out["decode_ms_mean"] = statistics.fmean(self.decode_ms)
@@ -485,11 +490,17 @@ def simulate(
     engine overlapped (``EngineConfig.overlap``; ignored with an ``engine_config``, which says).
 
     ``repeats`` (1 to ``MAX_REPEATS``) measures the policies that many times after the warm
-    pass, interleaved in the order given (block, fine, block, fine, ...), each run on fresh
+    pass, interleaved in the order given (block, fine, block, fine, ...), each run on zeroed
     caches, to tell an effect of the order from run-to-run spread in one process; the ``none``
     reference runs once, first (it is repeated only when it is the only policy), and every
     pass is checked against it. The report keeps every pass and heads each policy with its
     median pass (:meth:`SimulationReport.median_pass`); ``on_policy`` is called after every run.
+
+    Every run, warm or measured, gets the same set of caches, zeroed
+    (:meth:`HybridModel.reusing_caches`; the ``"shapes"`` warm pass runs on the measured
+    pools): no measured run allocates caches, frees the previous run's or captures a decode
+    graph the warm pass captured (each pass's ``step_times`` count its ``graph_captures``, and
+    the time and count of Python's garbage collections inside it).
     """
     repeats = check_repeats(repeats)
     unknown = [name for name in policies if name not in POLICY_NAMES]
@@ -528,7 +539,28 @@ def simulate(
     else:
         raise ValueError(f"warm_up must be one of {', '.join(WARM_UPS)}, got {warm_up!r}")
     report.warm_up = mode
-    _warm_up(model, names, workload, geometry, config, mode)
+    with model.reusing_caches():
+        _warm_up(model, names, workload, geometry, config, mode)
+        _measure(
+            report, model, names, workload, geometry, config, repeats, progress, on_policy, observe
+        )
+    return report
+
+
+def _measure(
+    report: SimulationReport,
+    model: HybridModel,
+    names: list[str],
+    workload: PresetWorkload,
+    geometry: Geometry,
+    config: EngineConfig,
+    repeats: int,
+    progress: ProgressFactory | None,
+    on_policy: Callable[[SimulationReport], None] | None,
+    observe: Callable[[pc.CacheManager], Callable[[], object]] | None,
+) -> None:
+    """The measured runs of :func:`simulate`, recorded in ``report``."""
+    rtol = report.rtol
     repeated = [name for name in names if name != "none"] or names
     once = [name for name in names if name not in repeated]  # the reference, first
     for name in once + repeated * repeats:
@@ -536,7 +568,9 @@ def simulate(
         clock = StepClock(model)
         engine = Engine(model, policy, config, forward=clock, observe=observe)
         callback = None if progress is None else progress(name, workload.spec.num_requests)
-        run = engine.run(workload.build(model.config.vocab_size), on_finished=callback)
+        gc.collect()  # each run starts from the same heap: none collects the previous one's
+        with _GcClock() as collections:
+            run = engine.run(workload.build(model.config.vocab_size), on_finished=callback)
         report.policies[name] = policy
         match: tuple[bool | None, str] = (None, "not checked: run without the none reference")
         if name == "none" and "none" not in report.passes:
@@ -545,10 +579,35 @@ def simulate(
             match = outputs_match(
                 run, report.passes["none"][0][0], rtol, tie_aware=rtol > FLOAT32_RTOL
             )
-        report.add_pass(name, run, clock.summary(), match)
+        report.add_pass(name, run, clock.summary() | collections.summary(), match)
         if on_policy is not None:
             on_policy(report)
-    return report
+
+
+class _GcClock:
+    """Python's garbage collections while open: their count and their time in seconds."""
+
+    def __init__(self) -> None:
+        self.collections = 0
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.collections += 1
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> _GcClock:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        return {"gc_collections": self.collections, "gc_seconds": self.seconds}
 
 
 def warm_up_workload(workload: PresetWorkload, geometry: Geometry) -> PresetWorkload:
@@ -590,6 +649,15 @@ def _warm_up(
         warm_config = engine_config_for(
             warm, geometry, model.backend, check=config.check, overlap=config.overlap
         )
+        # On the measured pools when they hold the warm workload's (they do for the presets):
+        # the measured runs then get the warm pass's caches and its decode graphs.
+        if (
+            config.paged_blocks >= warm_config.paged_blocks
+            and config.state_blocks >= warm_config.state_blocks
+        ):
+            warm_config = dataclasses.replace(
+                warm_config, paged_blocks=config.paged_blocks, state_blocks=config.state_blocks
+            )
     timer = model.kda_timer
     backlog, underruns = timer.backlog_cycles, timer.underruns
     for name in names:

@@ -22,8 +22,10 @@ vLLM does, a step whose rows all have one query token is replayed from a CUDA gr
   stream (compiles kernels, sizes workspaces), the running states it wrote restored from a copy
   (so that the step's states advance once even where a row read a slot another row writes),
   then the capture, then the replay that computes the step. The graphs share one memory pool
-  and return a copy of their logits. They hold the addresses of one run's caches; a run with
-  other caches starts a new set.
+  and return a copy of their logits. They hold the addresses of one caches object (not the
+  object: a finished run's caches are freed with it); other caches start a new set. Runs that
+  share one set of caches (``HybridModel.reusing_caches``: the simulator's warm pass and
+  measured runs) share the graphs too, so a measured run captures nothing.
 
 Not captured: the step's copy-on-write copies (before) and snapshots (after) run eagerly around
 the replay; the KDA timer (a timed step runs eagerly). CUDA only, with the FlashKDA backends,
@@ -305,7 +307,7 @@ class DecodeGraphs:
             inputs=inputs,
             tokens=tokens,
             logits=graph[1],
-            keep=(positions, token_index, ones, plan, body),
+            keep=(positions, token_index, ones, plan),  # not body: it holds the caches
         )
 
 

@@ -13,12 +13,16 @@ slots, checkpoints and snapshots): copies, then the layers, then snapshots, and 
 float32 logits of the tokens the engine asked to sample from. The copies, the state plan (by the
 kernel backend) and the snapshots are all validated once per step, before anything is written.
 On CUDA a decode-only step replays a CUDA graph of the layers instead of launching them
-(:mod:`prefixcache.models.graphs`); nothing inside a step waits for the GPU.
+(:mod:`prefixcache.models.graphs`); nothing inside a step waits for the GPU. Inside
+:meth:`HybridModel.reusing_caches` the runs of one pool geometry share one set of caches, zeroed
+at every allocation, so the graphs captured in one run are replayed by the next.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +86,16 @@ class ModelCaches:
     def block_size(self) -> int:
         """Tokens per paged block."""
         return self.kv[0].block_size if self.kv else 0
+
+    def zero_(self) -> ModelCaches:
+        """Every entry set to zero in place (the tensors keep their addresses); returns self."""
+        for cache in self.states:
+            cache.conv.zero_()
+            cache.recurrent.zero_()
+        for kv in self.kv:
+            kv.key.zero_()
+            kv.value.zero_()
+        return self
 
 
 class HybridModel:
@@ -149,6 +163,9 @@ class HybridModel:
             raise ValueError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
         if cuda_graphs is not False and reason is None:
             self.graphs = DecodeGraphs(graph_rows)
+        # Inside reusing_caches: open, and the pool geometry and caches last handed out.
+        self._reusing = False
+        self._held: tuple[tuple[int, ...], ModelCaches] | None = None
 
     @staticmethod
     def check_decode_attention(name: str, device: torch.device) -> str:
@@ -182,9 +199,47 @@ class HybridModel:
         paged_group: int = 0,
         state_group: int = 1,
     ) -> ModelCaches:
-        """Fresh (zeroed) caches: ``paged_blocks`` blocks of ``block_size`` tokens per attention
+        """Zeroed caches: ``paged_blocks`` blocks of ``block_size`` tokens per attention
         layer, ``state_blocks`` state slots per KDA layer (the two pools' sizes), indexed by
-        the blocks of groups ``paged_group`` and ``state_group``."""
+        the blocks of groups ``paged_group`` and ``state_group``. New ones, except inside
+        :meth:`reusing_caches`, where the same geometry gets the same set again."""
+        geometry = (paged_blocks, block_size, state_blocks, paged_group, state_group)
+        if self._reusing:
+            if self._held is not None and self._held[0] == geometry:
+                return self._held[1].zero_()
+            self._held = None  # another geometry: the old set is freed first
+        caches = self._new_caches(*geometry)
+        if self._reusing:
+            self._held = (geometry, caches)
+        return caches
+
+    @contextmanager
+    def reusing_caches(self) -> Iterator[None]:
+        """Runs of one pool geometry share one set of caches while this is open.
+
+        Every :meth:`allocate_caches` of the geometry last allocated returns that same object,
+        zeroed (what a fresh set holds), so its tensors keep their addresses: the decode graphs
+        captured on it stay valid, and no run pays captures, allocator growth or the freeing of
+        the previous run's caches. Another geometry replaces the held set. Only for runs one
+        after the other (each set is handed to one run at a time); on exit the set is released.
+        """
+        if self._reusing:
+            yield  # already open: the outer one releases
+            return
+        self._reusing = True
+        try:
+            yield
+        finally:
+            self._reusing, self._held = False, None
+
+    def _new_caches(
+        self,
+        paged_blocks: int,
+        block_size: int,
+        state_blocks: int,
+        paged_group: int,
+        state_group: int,
+    ) -> ModelCaches:
         states = [
             StateCache.for_layer(layer.params, state_blocks, device=self.device)
             for layer in self.kda_layers
