@@ -306,8 +306,9 @@ struct Step {
     new_blocks: u32,
 }
 
-/// A key of a scheduled first step's hit, with the block it pins when only one carries it.
-type Pin = (Vec<u32>, Option<u32>);
+/// A key of a scheduled first step's hit, with the block it pins when only one carries it, and
+/// the copies of it in use when it was scheduled (`None`: another scheduled step pinned one).
+type Pin = (Vec<u32>, Option<u32>, Option<BTreeSet<u32>>);
 
 #[derive(Clone, Debug)]
 struct Seq {
@@ -807,10 +808,13 @@ impl Model {
         for q in needed {
             let k = seq.key(q);
             let copies = self.published.get(&k).cloned().unwrap_or_default();
-            let in_use = copies.iter().any(|x| owned.contains(x)) || pinned.contains(&k);
+            let used: BTreeSet<u32> =
+                copies.iter().copied().filter(|x| owned.contains(x)).collect();
+            let in_use = !used.is_empty() || pinned.contains(&k);
             extra += usize::from(!in_use);
             let only = (copies.len() == 1).then(|| copies.iter().next().copied()).flatten();
-            pins.push((k, only));
+            let used = (!pinned.contains(&k)).then_some(used);
+            pins.push((k, only, used));
         }
         (pins, extra, blocks - l / b)
     }
@@ -822,9 +826,15 @@ impl Model {
     /// one the model saw cached later than another cached block the call left in place; a
     /// schedule (`allocates`: its new blocks) evicts exactly the blocks it needs beyond the
     /// free ones. (Blocks released in the same call are not ordered against each other.)
-    fn take_removals(&mut self, allocates: Option<u32>) -> Result<(), String> {
-        let fuzzy = self.fuzzy();
-        let cached_before = self.fa_cached();
+    fn take_removals(&mut self, allocates: Option<(&[Pin], u32)>) -> Result<(), String> {
+        // (the schedule's own pins, taken before it allocates, are not candidates either)
+        let own = allocates.map_or(&[][..], |a| a.0);
+        let fuzzy = self.fuzzy() || own.iter().any(|p| p.1.is_none());
+        let mut cached_before = self.fa_cached();
+        let cached = cached_before.len();
+        for p in own {
+            cached_before.remove(&p.1.unwrap_or_default());
+        }
         let mut victims = Vec::new();
         let held = self.owned_ids();
         let pinned: BTreeSet<Vec<u32>> = self.unbuilt_pins().map(|p| p.0.clone()).collect();
@@ -884,10 +894,10 @@ impl Model {
                 ));
             }
         }
-        if let Some(new) = allocates {
+        if let Some((_, new)) = allocates {
             // (the blocks of steps scheduled before it, ids not known yet, are not free)
             let available = self.fa_available().ok_or("fuzzy")?;
-            let free = available - cached_before.len();
+            let free = available - cached;
             let expected = (new as usize).saturating_sub(free);
             ensure!(
                 victims.len() == expected,
@@ -921,10 +931,6 @@ impl Model {
     ) -> Result<(Vec<u32>, Option<u32>), String> {
         let b = self.s.block;
         let mut table = seq.table.clone();
-        let held = self.held_ids();
-        // (keys pinned by other scheduled steps: the copy they hold is not known)
-        let pinned: BTreeSet<Vec<u32>> =
-            self.unbuilt_pins().filter(|p| !step.pins.contains(p)).map(|p| p.0.clone()).collect();
         for e in plan.paged[0].appended.chunks(3).filter(|e| e[0] as usize == row) {
             ensure!(
                 e[1] as usize == table.len() && e[2] > 0 && (e[2] as u32) < self.s.fa_blocks,
@@ -947,7 +953,7 @@ impl Model {
         let mut cow_src = None;
         if step.first {
             let l = step.start;
-            // (state (`is_some_and`) of a key: some copy of it in use before this row)
+            // (a hit uses a copy in use at its schedule when there was one)
             let check = |this: &Self, q: u32, block: u32| -> Result<(), String> {
                 let k = seq.key(q);
                 let carries = this.carried.get(&block).is_some_and(|c| c.contains_key(&k));
@@ -955,11 +961,11 @@ impl Model {
                     carries,
                     "row {row}: block {block} of the hit does not carry the key at {q}"
                 );
-                let copies = &this.published[&k];
-                if copies.iter().any(|x| held.contains(x)) && !pinned.contains(&k) {
+                let used = step.pins.iter().find(|p| p.0 == k).and_then(|p| p.2.as_ref());
+                if let Some(used) = used.filter(|u| !u.is_empty()) {
                     ensure!(
-                        held.contains(&block),
-                        "row {row}: the hit at {q} uses block {block}, not the copy in use"
+                        used.contains(&block),
+                        "row {row}: the hit at {q} uses block {block}, not a copy in use {used:?}"
                     );
                 }
                 Ok(())
@@ -1605,7 +1611,7 @@ impl Model {
         let end = (start + budget).min(seq.len());
         let (pins, extra, new_blocks) = self.fa_need(&seq, hit.as_ref().map(|h| h.tokens), end);
         let r = self.m.schedule(id, budget, 0, false);
-        let allocates = matches!(r, Ok(Some(_))).then_some(new_blocks);
+        let allocates = matches!(r, Ok(Some(_))).then_some((&pins[..], new_blocks));
         self.take_removals(allocates)?;
         ensure!(kind(&r) == expect, "schedule {id}: {r:?}, expected {expect}");
         let Ok(r) = r else {
