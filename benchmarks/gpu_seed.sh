@@ -26,12 +26,12 @@
 #                                 # after the warm pass (simulate --repeats: the JSON keeps every
 #                                 # pass; gpu_seed_report.py prints them and pass 1 vs pass 2)
 # The seed runs share what is left of BUDGET seconds (default 585: one 600 s device call); with
-# 200 output tokens each order takes about 125 to 140 s with the decode graphs (240 s eager,
+# 200 output tokens each order takes about 125 to 155 s with the decode graphs (240 s eager,
 # 2026-12-02): a full warm pass and one measured pass of both policies (61 to 66 s of it), plus
-# the process's start. STAGES=45 fits one call with room for stage 1 or 3; with REPEATS=2 (an
-# estimated 190 to 210 s an order; stage 4 gets half of what is left, about 285 s) it fits
-# alone; REPEATS=3 with both orders does not fit safely, one order (STAGES=4) up to REPEATS=6
-# does. SEED_ARGS=--no-overlap measures one step at a time, as docs/BENCHMARKS.md's figures
+# the process's start. STAGES=45 fits one call with room for stage 1 or 3; with REPEATS=2 (191
+# to 194 s an order, 07:21 UTC; stage 4 gets half of what is left, about 285 s) it fits alone,
+# and STAGES=134 REPEATS=2 took 350 s; REPEATS=3 with both orders does not fit safely, one order
+# (STAGES=4) up to REPEATS=6 does. SEED_ARGS=--no-overlap measures one step at a time, as docs/BENCHMARKS.md's figures
 # are (the overlapped engine adds a step's wait to TTFT).
 set -uo pipefail
 budget=${BUDGET:-585}
