@@ -189,14 +189,14 @@ impl CacheManager {
         if let Some(idle) = self.commit_quiet_step::<DEEP>(slot) {
             return idle;
         }
-        let Some(mut seq) = self.table.take(slot) else {
-            return false;
-        };
+        // The sequence is worked on in its slot, beside the store (no move of it out and back).
+        let (unit, layout, store, counters) =
+            (self.unit, &self.layout, &mut self.store, &mut self.stats);
+        let seq = self.table.get_mut(slot);
         let Some(mut step) = seq.take_oldest() else {
-            self.table.put(slot, seq);
             return false;
         };
-        let (start, unit) = (step.start, self.unit);
+        let start = step.start;
         // Keys whose prefix holds a placeholder wait for `resolve` (`publish_known`).
         let known = seq.hashes.len() as u32 * unit;
         let end = step.end.min(known.max(start));
@@ -206,10 +206,10 @@ impl CacheManager {
         // The groups' blocks are taken out while the keys are computed from the sequence.
         let (mut paged_seqs, mut state_seqs) =
             (std::mem::take(&mut seq.paged), std::mem::take(&mut seq.state));
-        for g in 0..self.layout.len() {
-            match self.layout.slots[g] {
+        for g in 0..layout.len() {
+            match layout.slots[g] {
                 GroupSlot::Paged(i) => {
-                    let (group, paged) = (&self.layout.paged[i], &mut paged_seqs[i]);
+                    let (group, paged) = (&layout.paged[i], &mut paged_seqs[i]);
                     let (pool, block_size, cow) = (group.pool, group.block_size, step.paged[i].cow);
                     // A copy-on-write destination is keyed for the boundaries the copy gave it
                     // together with those this step adds (the next boundary is in the same
@@ -220,16 +220,16 @@ impl CacheManager {
                         let col = ((q - 1) / block_size) as usize;
                         let block_end = ((col as u32 + 1) * block_size).min(end);
                         let block = paged.table[col];
-                        self.store.publish_range(g, seq.content(), block, from, block_end);
+                        store.publish_range(g, seq.content(), block, from, block_end);
                         q = (block_end / unit + 1) * unit;
                         from = q - unit;
                     }
                     if let Some((src, dst, _)) = cow {
                         if from < start {
                             // The step ended before the next boundary: only the copied ones.
-                            self.store.publish_range(g, seq.content(), dst, from, start);
+                            store.publish_range(g, seq.content(), dst, from, start);
                         }
-                        self.store.pools[pool].decref(src, LruEnd::MostRecent);
+                        store.pools[pool].decref(src, LruEnd::MostRecent);
                     }
                     if let Some(window) = group.window {
                         // The plan reported the releases up to here; an aborted plan's
@@ -237,24 +237,18 @@ impl CacheManager {
                         paged.window_reported =
                             paged.window_reported.max(step.paged[i].reported_to);
                         let computed = step.end;
-                        release_window(
-                            &mut self.store.pools[pool],
-                            paged,
-                            computed,
-                            window,
-                            block_size,
-                        );
+                        release_window(&mut store.pools[pool], paged, computed, window, block_size);
                     }
                 }
                 GroupSlot::State(i) => {
-                    let (pool, state) = (self.layout.state[i].pool, &mut state_seqs[i]);
+                    let (pool, state) = (layout.state[i].pool, &mut state_seqs[i]);
                     let StateStep { write, interior, snapshot, .. } = &step.state[i];
-                    advance_running_state::<DEEP>(&mut self.store.pools[pool], state, *write);
+                    advance_running_state::<DEEP>(&mut store.pools[pool], state, *write);
                     for c in interior.iter().chain(snapshot.iter()) {
                         if c.decode_tail {
                             if let Some((old, _)) = state.decode_tail.replace((c.block, c.position))
                             {
-                                self.store.pools[pool].decref(old, LruEnd::MostRecent);
+                                store.pools[pool].decref(old, LruEnd::MostRecent);
                             }
                             continue;
                         }
@@ -262,19 +256,17 @@ impl CacheManager {
                             seq.pending_checkpoints.push((g, c.block, c.position));
                             continue;
                         }
-                        self.publish_checkpoint(g, &seq, c.block, c.position);
-                        self.store.pools[pool].decref(c.block, LruEnd::MostRecent);
+                        publish_checkpoint(store, counters, g, seq, c.block, c.position);
+                        store.pools[pool].decref(c.block, LruEnd::MostRecent);
                     }
                 }
             }
         }
         (seq.paged, seq.state) = (paged_seqs, state_seqs);
-        self.store.events.seal();
+        store.events.seal();
         seq.num_computed = step.end;
         seq.recycle_step(&mut step);
-        let idle = seq.num_steps() == 0;
-        self.table.put(slot, seq);
-        idle
+        seq.num_steps() == 0
     }
 
     /// Publishes what `resolve` made known of a sequence's committed steps: the paged keys
