@@ -127,6 +127,46 @@ def passes(document: dict[str, Any]) -> list[str]:
     return lines
 
 
+def pass_states(document: dict[str, Any]) -> list[str]:
+    """What each measured pass changed in the process and the CUDA allocator (``pass_state``
+    of its step times; none where a document predates them): CPU seconds, involuntary context
+    switches, minor page faults, Python's allocated blocks at its start and their change, and on
+    CUDA the reserved MiB at its start, the allocated peak, cudaMalloc / cudaFree calls and the
+    allocator's retries."""
+    rows = []
+    for name, policy in document["policies"].items():
+        for entry in policy.get("passes") or [policy]:
+            state = (entry.get("step_times") or {}).get("pass_state")
+            if state is None:
+                continue
+            start, delta = state["start"], state["change"]
+            row = (
+                f"| {name} | {entry.get('pass', 1)} | {entry.get('position', 0) + 1} | "
+                f"{delta['cpu_seconds']:.2f} | {delta['involuntary_switches']} | "
+                f"{delta['minor_faults']} | {start['python_blocks']:,} "
+                f"({delta['python_blocks']:+,}) |"
+            )
+            if "cuda_reserved_bytes" in start:
+                row += (
+                    f" {start['cuda_reserved_bytes'] / 2**20:,.0f} | "
+                    f"{state['end']['cuda_allocated_peak_bytes'] / 2**20:,.0f} | "
+                    f"{delta['cuda_device_allocs']} / {delta['cuda_device_frees']} | "
+                    f"{delta['cuda_alloc_retries']} |"
+                )
+            else:
+                row += " - | - | - | - |"
+            rows.append(row)
+    if not rows:
+        return []
+    return [
+        "| policy | pass | ran | CPU s | involuntary switches | minor faults "
+        "| Python blocks at start (change) | reserved MiB at start | allocated peak MiB "
+        "| cudaMalloc / cudaFree | allocator retries |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
 def pass_policies(document: dict[str, Any], number: int) -> dict[str, Any]:
     """The policies' entries of pass ``number`` (those repeated that often)."""
     out = {}
@@ -170,7 +210,8 @@ def main(argv: list[str]) -> int:
         print(
             f"model {document['model'].get('name')} {document['model']['layers']}, "
             f"conv {document.get('conv')}, KDA timing {document.get('kda_timing')}, "
-            f"warm-up {document.get('warm_up')}, {document.get('seconds', 0):.0f} s"
+            f"warm-up {document.get('warm_up')} (order {document.get('warm_order', '-')}), "
+            f"{document.get('seconds', 0):.0f} s"
         )
         for name, policy in policies.items():
             times = policy.get("step_times") or {}
@@ -200,6 +241,11 @@ def main(argv: list[str]) -> int:
             print("### order check: pass 1 against pass 2")
             checked = (pass_policies(document, 1), pass_policies(document, 2))
             print("\n".join(order_check(*checked, labels=("pass 1", "pass 2"))))
+            print()
+        states = pass_states(document)
+        if states:
+            print("### what each pass changed (pass_state)")
+            print("\n".join(states))
             print()
     if len(documents) == 2:
         print("## order check" + (" (median passes)" if documents[0].get("repeats", 1) > 1 else ""))

@@ -229,6 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the H200 not enough to make runs independent of the policies' order) or none",
     )
     simulate.add_argument(
+        "--warm-order",
+        type=_parse_policies,
+        default=None,
+        metavar="POLICIES",
+        help="the warm pass's policies in this order instead of --policies' (each measured "
+        "policy once, none optional): e.g. --warm-order block,fine --policies fine,block "
+        "tells an effect of the first warm policy from one of the first measured policy",
+    )
+    simulate.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -527,7 +536,15 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     from ..kernels import KernelError
-    from .simulate import SimulationReport, build_model, check_repeats, simulate
+    from .simulate import (
+        SimulationReport,
+        build_model,
+        check_repeats,
+        check_warm_order,
+        measured_names,
+        resolve_warm_up,
+        simulate,
+    )
     from .workloads import TraceError, workload_preset
 
     name, trace_path = _workload_arguments(parser, args.workload)
@@ -537,6 +554,12 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         torch.set_num_threads(1)
     try:
         check_repeats(args.repeats)
+        warm_up = None if args.warm_up == "auto" else args.warm_up
+        check_warm_order(
+            measured_names(args.policies, reference=not args.no_reference),
+            args.warm_order,
+            resolve_warm_up(warm_up, torch.device(args.device)),
+        )
         from ..models import ModelConfig
 
         config = None
@@ -622,10 +645,11 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             progress=_progress_factory(),
             on_policy=save_partial,
             reference=not args.no_reference,
-            warm_up=None if args.warm_up == "auto" else args.warm_up,
+            warm_up=warm_up,
             observe=observer.observe if observer.active else None,
             overlap=args.overlap,
             repeats=args.repeats,
+            warm_order=args.warm_order,
         )
         if observer.active and args.serve_for > 0:
             print(f"\nserving the final state for {args.serve_for:g} s")

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +53,11 @@ __all__ = [
     "StepClock",
     "build_model",
     "check_repeats",
+    "check_warm_order",
     "engine_config_for",
+    "measured_names",
+    "pass_state",
+    "resolve_warm_up",
     "simulate",
     "warm_up_workload",
 ]
@@ -215,6 +221,8 @@ class SimulationReport:
     split_prefill: bool = True
     cuda_graphs: bool = False
     warm_up: str = "none"
+    #: The policies of the warm pass in the order they ran (empty without one).
+    warm_order: list[str] = field(default_factory=list)
     runs: dict[str, RunResult] = field(default_factory=dict)
     step_times: dict[str, dict[str, Any]] = field(default_factory=dict)
     policies: dict[str, Policy] = field(default_factory=dict)
@@ -362,6 +370,7 @@ class SimulationReport:
             "split_prefill": self.split_prefill,
             "cuda_graphs": self.cuda_graphs,
             "warm_up": self.warm_up,
+            "warm_order": self.warm_order,
             "pools": None
             if self.engine_config is None
             else {
@@ -464,6 +473,7 @@ def simulate(
     observe: Callable[[pc.CacheManager], Callable[[], object]] | None = None,
     overlap: bool = True,
     repeats: int = 1,
+    warm_order: Sequence[str] | None = None,
 ) -> SimulationReport:
     """Run ``none`` (first: it is the reference) and the other ``policies``, in their order.
 
@@ -500,15 +510,19 @@ def simulate(
     (:meth:`HybridModel.reusing_caches`; the ``"shapes"`` warm pass runs on the measured
     pools): no measured run allocates caches, frees the previous run's or captures a decode
     graph the warm pass captured (each pass's ``step_times`` count its ``graph_captures``, and
-    the time and count of Python's garbage collections inside it).
+    the time and count of Python's garbage collections inside it, and its ``pass_state``:
+    :func:`pass_state` at its start and end).
+
+    ``warm_order`` runs the warm pass in another order than the measured runs (default: the
+    same order): it names each measured policy once, ``none`` optional (the measured ``none``
+    reference is then warmed first). It tells an effect of the first warm policy from one of the
+    first measured policy (``--warm-order block,fine --policies fine,block``). ``ValueError``
+    for another set of policies, or with no warm pass.
     """
     repeats = check_repeats(repeats)
-    unknown = [name for name in policies if name not in POLICY_NAMES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose among {', '.join(POLICY_NAMES)}")
-    # ``none`` first (the reference), then the others in the order asked for.
-    names = ["none"] if reference or "none" in policies else []
-    names += [name for name in dict.fromkeys(policies) if name != "none"]
+    names = measured_names(policies, reference=reference)
+    mode = resolve_warm_up(warm_up, model.device)
+    warm_names = check_warm_order(names, warm_order, mode)
     geometry = workload.geometry.aligned(model.backend.checkpoint_alignment)
     config = engine_config or engine_config_for(workload, geometry, model.backend, overlap=overlap)
     rtol = FLOAT32_RTOL if model.dtype in (torch.float32, torch.float64) else LOW_PRECISION_RTOL
@@ -529,22 +543,116 @@ def simulate(
         cuda_graphs=model.graphs is not None,
         repeats=repeats,
     )
-    mode: WarmUp
-    if warm_up is None:
-        mode = "full" if model.device.type == "cuda" else "none"
-    elif isinstance(warm_up, bool):
-        mode = "shapes" if warm_up else "none"
-    elif warm_up in WARM_UPS:
-        mode = warm_up
-    else:
-        raise ValueError(f"warm_up must be one of {', '.join(WARM_UPS)}, got {warm_up!r}")
     report.warm_up = mode
+    report.warm_order = warm_names
     with model.reusing_caches():
-        _warm_up(model, names, workload, geometry, config, mode)
+        _warm_up(model, warm_names, workload, geometry, config, mode)
         _measure(
             report, model, names, workload, geometry, config, repeats, progress, on_policy, observe
         )
     return report
+
+
+def measured_names(policies: Sequence[str], *, reference: bool = True) -> list[str]:
+    """The policies :func:`simulate` measures, in order: ``none`` first (the reference, unless
+    ``reference`` is false and ``policies`` does not name it), then the others as asked for.
+    ``ValueError`` for an unknown name."""
+    unknown = [name for name in policies if name not in POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose among {', '.join(POLICY_NAMES)}")
+    names = ["none"] if reference or "none" in policies else []
+    return names + [name for name in dict.fromkeys(policies) if name != "none"]
+
+
+def resolve_warm_up(warm_up: bool | WarmUp | None, device: torch.device) -> WarmUp:
+    """:func:`simulate`'s ``warm_up`` as a mode (``None``: ``"full"`` on CUDA, else ``"none"``;
+    ``True``: ``"shapes"``; ``False``: ``"none"``), ``ValueError`` for anything else."""
+    if warm_up is None:
+        return "full" if device.type == "cuda" else "none"
+    if isinstance(warm_up, bool):
+        return "shapes" if warm_up else "none"
+    if warm_up in WARM_UPS:
+        return warm_up
+    raise ValueError(f"warm_up must be one of {', '.join(WARM_UPS)}, got {warm_up!r}")
+
+
+def check_warm_order(
+    names: Sequence[str], warm_order: Sequence[str] | None, mode: WarmUp
+) -> list[str]:
+    """The warm pass's policies in order: ``names`` (the measured ones, :func:`measured_names`)
+    unless ``warm_order`` says otherwise (:func:`simulate`); empty for ``mode`` ``"none"``."""
+    if mode == "none":
+        if warm_order is not None:
+            raise ValueError("a warm order needs a warm pass (warm-up shapes or full)")
+        return []
+    if warm_order is None:
+        return list(names)
+    order = list(warm_order)
+    unknown = [name for name in order if name not in POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown} in the warm order")
+    if len(set(order)) != len(order):
+        raise ValueError(f"the warm order names a policy twice: {order}")
+    if "none" in names and "none" not in order:
+        order.insert(0, "none")  # the reference is warmed first, as it is measured first
+    if sorted(order) != sorted(names):
+        raise ValueError(
+            f"the warm order {list(warm_order)} must name the measured policies {list(names)} "
+            "once each (none optional)"
+        )
+    return order
+
+
+def pass_state(device: torch.device) -> dict[str, Any]:
+    """What a measured pass starts (or ends) with that could make it slower than another.
+
+    The process: CPU seconds, minor and major page faults, voluntary and involuntary context
+    switches, resident-set peak (KiB), Python's allocated blocks and its collector's three
+    generation counts. On CUDA also the caching allocator (``torch.cuda.memory_stats``):
+    reserved, allocated and active bytes, segments, its retries and OOMs, device allocations and
+    frees (cudaMalloc / cudaFree) and the allocated peak since the last reset (a pass resets
+    it at its start).
+    """
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    state: dict[str, Any] = {
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "minor_faults": usage.ru_minflt,
+        "major_faults": usage.ru_majflt,
+        "voluntary_switches": usage.ru_nvcsw,
+        "involuntary_switches": usage.ru_nivcsw,
+        "max_rss_kib": usage.ru_maxrss,
+        "python_blocks": sys.getallocatedblocks(),
+        "gc_counts": list(gc.get_count()),
+    }
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        for key, name in _CUDA_STATS:
+            state[name] = int(stats.get(key, -1))
+    return state
+
+
+#: ``torch.cuda.memory_stats`` keys kept by :func:`pass_state`, with their names there.
+_CUDA_STATS = (
+    ("reserved_bytes.all.current", "cuda_reserved_bytes"),
+    ("allocated_bytes.all.current", "cuda_allocated_bytes"),
+    ("active_bytes.all.current", "cuda_active_bytes"),
+    ("allocated_bytes.all.peak", "cuda_allocated_peak_bytes"),
+    ("segment.all.current", "cuda_segments"),
+    ("num_alloc_retries", "cuda_alloc_retries"),
+    ("num_ooms", "cuda_ooms"),
+    ("num_device_alloc", "cuda_device_allocs"),
+    ("num_device_free", "cuda_device_frees"),
+)
+
+
+def _pass_states(start: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
+    """A pass's ``pass_state``: its start, its end and the change of each count."""
+    change = {
+        key: end[key] - start[key]
+        for key in start
+        if isinstance(start[key], int | float) and key != "max_rss_kib"
+    }
+    return {"start": start, "end": end, "change": change}
 
 
 def _measure(
@@ -569,8 +677,13 @@ def _measure(
         engine = Engine(model, policy, config, forward=clock, observe=observe)
         callback = None if progress is None else progress(name, workload.spec.num_requests)
         gc.collect()  # each run starts from the same heap: none collects the previous one's
+        requests = workload.build(model.config.vocab_size)
+        if model.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(model.device)
+        started = pass_state(model.device)
         with _GcClock() as collections:
-            run = engine.run(workload.build(model.config.vocab_size), on_finished=callback)
+            run = engine.run(requests, on_finished=callback)
+        states = {"pass_state": _pass_states(started, pass_state(model.device))}
         report.policies[name] = policy
         match: tuple[bool | None, str] = (None, "not checked: run without the none reference")
         if name == "none" and "none" not in report.passes:
@@ -579,7 +692,7 @@ def _measure(
             match = outputs_match(
                 run, report.passes["none"][0][0], rtol, tie_aware=rtol > FLOAT32_RTOL
             )
-        report.add_pass(name, run, clock.summary() | collections.summary(), match)
+        report.add_pass(name, run, clock.summary() | collections.summary() | states, match)
         if on_policy is not None:
             on_policy(report)
 
