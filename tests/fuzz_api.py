@@ -2944,7 +2944,8 @@ class OverlapMachine(RuleBasedStateMachine):
     )
     def resend(self, i: int, j: int, n: int, x: int | None, extends: bool) -> None:
         """A conversation's next turn: the prompt sequence ``j`` was added with, and more,
-        with its extra keys (or others, from ``x``), naming ``j`` in ``extends`` or not."""
+        with its extra keys (or others, from ``x``; a quarter of those only another adapter),
+        naming ``j`` in ``extends`` or not."""
         mgr = self.mgr
         assert mgr is not None
         prompt = self.prompts.get(OVERLAP_IDS[j])
@@ -2952,11 +2953,23 @@ class OverlapMachine(RuleBasedStateMachine):
             return
         tokens = prompt + self.tokens(n)
         extra = self.extras.get(OVERLAP_IDS[j]) if x is None else self.extra_keys(x, len(tokens))
+        if x is not None and x % 4 == 0:
+            # (the same conversation under another adapter: nothing of j's may be reused)
+            was = self.extras.get(OVERLAP_IDS[j]) or pc.ExtraKeys()
+            lora = 1 if was.lora_id is None else None
+            extra = pc.ExtraKeys(cache_salt=was.cache_salt, lora_id=lora, multimodal=was.multimodal)
         source = OVERLAP_IDS[j] if extends else None
-        if self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens, extra, extends=source))[0]:
-            self.prompts[OVERLAP_IDS[i]] = tokens
-            self.extras[OVERLAP_IDS[i]] = extra
-            self.admitted.pop(OVERLAP_IDS[i], None)
+        if not self.call("add", lambda: mgr.add(OVERLAP_IDS[i], tokens, extra, extends=source))[0]:
+            return
+        self.prompts[OVERLAP_IDS[i]] = tokens
+        self.extras[OVERLAP_IDS[i]] = extra
+        self.admitted.pop(OVERLAP_IDS[i], None)
+        if x is not None and x % 4 == 0:
+            # (admitted at once: its first row is checked against its own keys)
+            ok, r = self.call("schedule", lambda: mgr.schedule(OVERLAP_IDS[i], 64))
+            if ok and r is not None:
+                self.admit([r])
+                self.build_checked()
 
     @rule(i=st.integers(0, 5), pick=st.integers(0, 40))
     def request(self, i: int, pick: int) -> None:
