@@ -245,15 +245,14 @@ pub(crate) fn take_blocks(
 /// Chooses the running buffers a scheduled step reads and writes, per state group. A step of
 /// a sequence with no step in flight reads the committed state (or its resume checkpoint, or
 /// the zero state) and writes the other buffer of its pair; a `continuation` reads what the
-/// step before it writes and writes a spare buffer (`spares[i]` when the caller found them),
-/// allocated when there is none (its capacity was checked by `blocks_available`).
+/// step before it writes and writes a spare buffer, allocated when there is none (its
+/// capacity was checked by `blocks_available`).
 pub(crate) fn assign_running(
     store: &mut BlockStore,
     layout: &GroupLayout,
     seq: &mut Sequence,
     state_steps: &mut [StateStep],
     continuation: bool,
-    spares: Option<&[BlockId]>,
 ) -> Result<()> {
     for (i, group) in layout.state.iter().enumerate() {
         if !continuation {
@@ -262,8 +261,7 @@ pub(crate) fn assign_running(
             continue;
         }
         let read = seq.continuation_read(i);
-        let spare = spares.map_or_else(|| seq.spare_buffer(i), |s| Some(s[i]));
-        let write = if let Some(b) = spare {
+        let write = if let Some(b) = seq.spare_buffer(i) {
             b
         } else {
             let b = take_block(store, group.pool, BlockKind::Running, group.index)?;

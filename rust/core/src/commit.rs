@@ -433,15 +433,21 @@ fn advance_running_state<const DEEP: bool>(
     state: &mut StateSeq,
     write: BlockId,
 ) {
-    if DEEP {
-        state.spare = state.current.map_or(NULL_BLOCK, |c| state.running[c]);
-    }
     if let Some(i) = state.running.iter().position(|&b| b == write) {
+        if DEEP {
+            // (the committed state was the pair's other buffer, as no step writes it)
+            let before = state.running[i ^ 1];
+            state.spare = if state.current.is_some() { before } else { NULL_BLOCK };
+        }
         state.current = Some(i);
     } else {
         let c = state.current.unwrap_or(0);
+        let before = state.running[c];
+        if DEEP {
+            state.spare = if state.current.is_some() { before } else { NULL_BLOCK };
+        }
         if let Some(e) = state.extra.iter().position(|&b| b == write) {
-            state.extra[e] = state.running[c];
+            state.extra[e] = before;
             state.running[c] = write;
         }
         state.current = Some(c);

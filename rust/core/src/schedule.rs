@@ -183,9 +183,7 @@ impl CacheManager {
         let fused = !resolve_ids.is_empty() && resolve_ids == seq_ids;
         let slots = if fused {
             let checked = self.batch_slots(seq_ids, "decode_step_overlapped", |m, slot| {
-                m.refuse_pending_step(slot)?;
-                m.check_length_one(slot)?;
-                m.check_resolve_one(slot)
+                m.check_overlapped_one(slot)
             });
             match checked {
                 Ok(slots) => slots,
@@ -262,6 +260,32 @@ impl CacheManager {
         }
         self.build_plan_into(plan)?;
         Ok(scheduled)
+    }
+
+    /// The fused overlapped decode step's checks of one sequence, `refuse_pending_step`,
+    /// `check_length_one` and `check_resolve_one`, in one look at it; those report a failure,
+    /// in that order.
+    #[inline(always)]
+    fn check_overlapped_one(&self, slot: usize) -> Result<()> {
+        let seq = self.seq(slot);
+        let depth = self.config.max_steps_in_flight as usize;
+        let free = match seq.step() {
+            None => true,
+            Some(step) => step.plan != 0 && seq.num_steps() < depth,
+        };
+        let fits = (seq.num_tokens() as usize) < MAX_SEQUENCE_TOKENS;
+        if free && seq.retiring.is_none() && fits && seq.placeholders >= 1 {
+            return Ok(());
+        }
+        self.check_overlapped_one_slow(slot)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn check_overlapped_one_slow(&self, slot: usize) -> Result<()> {
+        self.refuse_pending_step(slot)?;
+        self.check_length_one(slot)?;
+        self.check_resolve_one(slot)
     }
 
     /// `StepError` for a sequence already scheduled for the next plan, in as many in-flight
@@ -411,7 +435,7 @@ impl CacheManager {
         let (paged, mut state) =
             take_blocks(&mut self.store, &self.layout, seq, end + lookahead, Some(&admission))?;
         if !self.layout.state.is_empty() {
-            assign_running(&mut self.store, &self.layout, seq, &mut state, false, None)?;
+            assign_running(&mut self.store, &self.layout, seq, &mut state, false)?;
         }
         let seq = self.seq_mut(slot);
         seq.hint_chains = Vec::new();
@@ -493,29 +517,47 @@ impl CacheManager {
         end: u32,
         lookahead: u32,
     ) -> Result<Option<Scheduled>> {
+        let groups = self.layout.state.len();
+        if groups == 0 {
+            return self.schedule_paged_continuation(slot, end, lookahead);
+        }
         let seq = self.seq(slot);
-        let (seq_id, start) = (seq.id, seq.planned());
+        // Per state group (up to `MAX_INLINE_GROUPS`), from one look at its newest step: the
+        // state it reads (what that step writes) and the spare running buffer it writes (the
+        // known one unless that step writes it, `StateSeq::spare`; else a search).
+        let mut spares = [NULL_BLOCK; MAX_INLINE_GROUPS];
+        let mut reads = [-1i32; MAX_INLINE_GROUPS];
+        // (plain loops: an `all` here was left out of line, at 75 instructions a sequence)
+        let mut buffers = groups <= MAX_INLINE_GROUPS;
+        let start = match seq.step() {
+            Some(newest) => {
+                if buffers {
+                    for i in 0..groups {
+                        let (write, known) = (newest.state[i].write, seq.state[i].spare);
+                        reads[i] = write as i32;
+                        spares[i] = if known != NULL_BLOCK && known != write {
+                            known
+                        } else {
+                            seq.spare_buffer(i).unwrap_or(NULL_BLOCK)
+                        };
+                        if spares[i] == NULL_BLOCK {
+                            buffers = false;
+                            break;
+                        }
+                    }
+                }
+                newest.end
+            }
+            None => seq.num_computed, // (not a continuation: `schedule_started` checked)
+        };
+        let seq_id = seq.id;
         if end <= start {
             return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
         }
         let reach = end + lookahead;
-        // The spare running buffers, found once here for up to `MAX_INLINE_GROUPS` state
-        // groups and handed to `assign_running`.
-        let mut spares = [NULL_BLOCK; MAX_INLINE_GROUPS];
-        let groups = self.layout.state.len();
-        // (plain loops: an `all` here was left out of line, at 75 instructions a sequence)
-        let mut buffers = groups <= MAX_INLINE_GROUPS;
-        if buffers {
-            for (i, spare) in spares.iter_mut().enumerate().take(groups) {
-                *spare = seq.spare_buffer_inline(i).unwrap_or(NULL_BLOCK);
-                if *spare == NULL_BLOCK {
-                    buffers = false;
-                    break;
-                }
-            }
-        }
         if buffers && tables_cover(&self.layout, seq, reach) {
-            self.seq_mut(slot).schedule_covered_continuation(start, end, &spares[..groups]);
+            let (spares, reads) = (&spares[..groups], &reads[..groups]);
+            self.seq_mut(slot).schedule_covered_continuation(start, end, spares, reads);
             return Ok(Some(self.enqueued(slot, start, end)));
         }
         // (with a spare buffer found for every group, no further one is needed)
@@ -525,11 +567,43 @@ impl CacheManager {
         }
         let (paged, mut state) =
             take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?;
-        if groups > 0 {
-            let found = buffers.then_some(&spares[..groups]);
-            let seq = self.table.get_mut(slot);
-            assign_running(&mut self.store, &self.layout, seq, &mut state, true, found)?;
+        let seq = self.table.get_mut(slot);
+        if buffers {
+            // (`assign_running` of the buffers found, inlined)
+            for (i, st) in state.iter_mut().enumerate().take(groups) {
+                (st.write, st.read) = (spares[i], reads[i]);
+                seq.state[i].spare = NULL_BLOCK;
+            }
+        } else {
+            assign_running(&mut self.store, &self.layout, seq, &mut state, true)?;
         }
+        Ok(Some(self.enqueue_step(slot, StepRecord::later(start, end, paged, state))))
+    }
+
+    /// `schedule_continuation` without state groups: no running buffer to choose.
+    #[inline(always)]
+    fn schedule_paged_continuation(
+        &mut self,
+        slot: usize,
+        end: u32,
+        lookahead: u32,
+    ) -> Result<Option<Scheduled>> {
+        let seq = self.seq(slot);
+        let (seq_id, start) = (seq.id, seq.planned());
+        if end <= start {
+            return Ok(Some(Scheduled { seq_id, num_computed: start, num_tokens: 0, hit: None }));
+        }
+        let reach = end + lookahead;
+        if tables_cover(&self.layout, seq, reach) {
+            self.seq_mut(slot).schedule_covered(start, end); // (the same record)
+            return Ok(Some(self.enqueued(slot, start, end)));
+        }
+        if !blocks_available(&self.store, &self.layout, seq, reach, None, false) {
+            self.stats.refused_schedules += 1;
+            return Ok(None);
+        }
+        let (paged, state) =
+            take_blocks(&mut self.store, &self.layout, self.table.get_mut(slot), reach, None)?;
         Ok(Some(self.enqueue_step(slot, StepRecord::later(start, end, paged, state))))
     }
 

@@ -581,25 +581,25 @@ impl Sequence {
     }
 
     /// `schedule_covered` of a continuation (a step of it is in flight, D > 1): per state
-    /// group it reads what its newest step writes and writes `spares[i]`.
+    /// group it reads `reads[i]` (what its newest step writes) and writes `spares[i]`.
     #[inline(always)]
-    pub fn schedule_covered_continuation(&mut self, start: u32, end: u32, spares: &[BlockId]) {
+    pub fn schedule_covered_continuation(
+        &mut self,
+        start: u32,
+        end: u32,
+        spares: &[BlockId],
+        reads: &[i32],
+    ) {
         if spares.is_empty() {
             return self.schedule_covered(start, end); // (no state group: the same record)
         }
-        let mut reads = [-1i32; MAX_INLINE_GROUPS];
-        for (i, r) in reads.iter_mut().enumerate().take(spares.len()) {
-            *r = self.continuation_read(i);
-        }
-        for state in &mut self.state {
-            state.spare = NULL_BLOCK; // (taken, or the newest step's: see `StateSeq::spare`)
-        }
-        let paged = &self.paged;
+        let (paged, states) = (&self.paged, &mut self.state);
         let step = self.ring.push_in_place();
         fill_later(step, start, end, paged);
         step.state.truncate(spares.len());
-        for (i, (&write, &read)) in spares.iter().zip(&reads).enumerate() {
+        for (i, ((&write, &read), state)) in spares.iter().zip(reads).zip(states).enumerate() {
             set_state_step(&mut step.state, i, write, read);
+            state.spare = NULL_BLOCK; // (taken, or the newest step's: see `StateSeq::spare`)
         }
     }
 
