@@ -12,7 +12,17 @@
 #      attention (gathering torch path against the Triton kernel) and a layer group's decode step;
 #   3. the output check: growing-prefix at the default preset (the seed geometry / 16) with the
 #      Kimi-K3 proxy, none + block + fine, outputs compared with the no-cache run;
-#   4. the seed preset, block then fine, and 5. fine then block (--no-reference: the order check).
+#   4. the seed preset, block then fine, and 5. fine then block (--no-reference: the order check);
+#   6. benchmarks/gpu_step_compare.py: a block and a fine prefill step of round 4 profiled (what in
+#      a step is fixed: host before the first launch, GPU busy and idle, kernels by category);
+#   7. the warm order apart from the measured one, two processes with --warm-up full: warm
+#      block,fine and measure fine,block, then warm fine,block and measure block,fine (in a
+#      fine-first process fine was 2 to 6% slower: which of the two firsts sets it);
+#   8. KDA GPU work (--kda-timing gpu) with --warm-up full, block then fine (the shapes warm
+#      pass left 7 decode graph shapes to the first measured run).
+#
+# The next session's call (issue 19; 6 + 7 + 8 in one 600 s call, about 60 + 2 x 140 + 150 s):
+#   STAGES=678 SEED_ARGS=--no-overlap BUDGET=585 OUT=$OUT bash benchmarks/gpu_seed.sh
 #
 #   OUT=/tmp/out bash benchmarks/gpu_seed.sh            # DEPTH=2 layer groups by default
 #   STAGES=45 OUTPUT_LEN=16 ...                         # the seed runs only, 16 decode tokens
@@ -97,17 +107,46 @@ timeout 100 python3 -m prefixcache simulate --preset default "${common[@]}" \
 [[ ${PIPESTATUS[0]} == 0 ]] || { seed+=(--no-overlap); say "output check failed: --no-overlap"; }
 }
 
+# The seed processes after stage 5 (7 runs two, 8 one), which stages 4 and 5 leave their shares;
+# stage 6 (one process of about 60 s) takes at most 120 s.
+later_seed=0
+run 7 && later_seed=$((later_seed + 2))
+run 8 && later_seed=$((later_seed + 1))
+later=$later_seed
+run 6 && later=$((later + 1))
 run 4 && say "4. seed preset, block then fine"
-share=1
-run 5 && share=2  # stage 4 leaves stage 5 its half of what is left
+share=$((1 + later))
+run 5 && share=$((share + 1))  # stage 4 leaves stage 5 (and the later ones) their shares
 run 4 && timeout $(((budget - SECONDS) / share)) python3 -m prefixcache simulate "${seed[@]}" \
     --policies block,fine --no-reference --json "$out/seed_block_first.json" 2>>"$errors" \
     | tail -32 | tee -a "$log"
 
 run 5 && say "5. seed preset, fine then block"
-run 5 && timeout $((budget - SECONDS)) python3 -m prefixcache simulate "${seed[@]}" \
-    --policies fine,block --no-reference --json "$out/seed_fine_first.json" 2>>"$errors" \
-    | tail -4 | tee -a "$log"
+run 5 && timeout $(((budget - SECONDS) / (1 + later))) python3 -m prefixcache simulate \
+    "${seed[@]}" --policies fine,block --no-reference --json "$out/seed_fine_first.json" \
+    2>>"$errors" | tail -4 | tee -a "$log"
+
+run 6 && say "6. a block and a fine prefill step of one round, profiled"
+left=$((budget - SECONDS))
+run 6 && timeout $((left < 120 ? left : 120)) python3 benchmarks/gpu_step_compare.py \
+    --backend flashkda-op --depth "$depth" "${graphs[@]}" --json "$out/step_compare.json" \
+    --trace-dir "$out" 2>>"$errors" | tee -a "$log"
+
+# Stages 7 and 8: each process its share of what is left (two in 7, one in 8).
+warm_full=(--warm-up full --no-reference)
+run 7 && say "7a. warm block,fine; measured fine,block"
+run 7 && timeout $(((budget - SECONDS) / (later_seed))) python3 -m prefixcache simulate \
+    "${seed[@]}" "${warm_full[@]}" --warm-order block,fine --policies fine,block \
+    --json "$out/seed_warm_block_measured_fine.json" 2>>"$errors" | tail -4 | tee -a "$log"
+run 7 && say "7b. warm fine,block; measured block,fine"
+run 7 && timeout $(((budget - SECONDS) / (later_seed - 1))) python3 -m prefixcache simulate \
+    "${seed[@]}" "${warm_full[@]}" --warm-order fine,block --policies block,fine \
+    --json "$out/seed_warm_fine_measured_block.json" 2>>"$errors" | tail -4 | tee -a "$log"
+
+run 8 && say "8. KDA GPU work, warm-up full, block then fine"
+run 8 && timeout $((budget - SECONDS)) python3 -m prefixcache simulate "${seed[@]}" \
+    "${warm_full[@]}" --kda-timing gpu --policies block,fine \
+    --json "$out/seed_kda_gpu_full.json" 2>>"$errors" | tail -4 | tee -a "$log"
 say "done"
 tail -c 3000 "$errors" >"$out/stderr_tail.txt" 2>/dev/null
 rm -f "$errors"

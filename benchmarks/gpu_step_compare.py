@@ -158,6 +158,8 @@ class Span:
     end: float
     #: The profiler's correlation id, which ties a kernel to its launch (0: none).
     link: int = 0
+    #: A kernel's linked correlation: the id of the host operator that launched it (0: none).
+    op: int = 0
 
 
 def _union(intervals: Sequence[tuple[float, float]]) -> float:
@@ -223,12 +225,16 @@ def analyse(spans: Sequence[Span]) -> dict[str, Any]:
 
 def _by_range(inside: Sequence[Span], work: Sequence[Span]) -> dict[str, float]:
     """Device time by the innermost layer range (or, outside every layer, phase) whose host
-    time holds the work's launch (its ``link``); ``"unattributed"`` where no launch is known."""
+    time holds the work's launch (its ``link``), else the operator that launched it (its
+    ``op``); ``"unattributed"`` where neither is known."""
     ranges = [s for s in inside if s.kind == "range" and s.name != STEP]
     launched = {s.link: s.start for s in inside if s.kind == "launch" and s.link}
+    ops = {s.link: s.start for s in inside if s.kind == "op" and s.link}
     out: dict[str, float] = defaultdict(float)
     for item in work:
         at = launched.get(item.link) if item.link else None
+        if at is None and item.op:
+            at = ops.get(item.op)  # the operator that launched it, where the launch is unknown
         holders = [] if at is None else [r for r in ranges if r.start <= at <= r.end]
         # The innermost: the latest-starting range that holds the launch.
         name = max(holders, key=lambda r: r.start).name if holders else "unattributed"
@@ -245,15 +251,17 @@ def spans_from_profile(events: Any, device: str) -> list[Span]:
         start, end = float(event.time_range.start), float(event.time_range.end)
         name = event.name
         on_device = event.device_type != DeviceType.CPU
-        link = int(getattr(event, "linked_correlation_id", 0) or 0) if on_device else 0
         if on_device:
             if device == "cuda":
-                spans.append(Span(name, "work", start, end, link or int(event.id)))
+                op = int(getattr(event, "linked_correlation_id", 0) or 0)
+                spans.append(Span(name, "work", start, end, int(event.id), op))
             continue
         if name in ranges:
             spans.append(Span(name, "range", start, end))
         elif is_launch(name):
             spans.append(Span(name, "launch", start, end, int(event.id)))
+        elif device == "cuda" and name.startswith("aten::"):
+            spans.append(Span(name, "op", start, end, int(event.id)))
         elif device != "cuda" and name.startswith("aten::"):
             parent = event.cpu_parent
             if parent is not None and parent.name in (*LAYER_RANGES, "forward"):

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _step(scale: float = 1.0) -> list[Span]:
-    """A made-up step of 100 us: kernels at 30-40 (flash), 35-45 (gemm, overlapping it) and
-    60 to 60 + 10 * scale (an elementwise kernel), launched at 25, 30 and 50."""
+    """A made-up step of 100 us: kernels at 30-40 (flash), 35-45 (gemm, overlapping it),
+    60 to 60 + 10 * scale (an elementwise kernel), launched at 25, 30 and 50, 80-85 (a gemv
+    whose operator started at 55) and 86-87 (launched by nothing known)."""
     return [
         Span("step", "range", 0.0, 100.0),
         Span("schedule", "range", 1.0, 9.0),
@@ -48,6 +49,10 @@ def _step(scale: float = 1.0) -> list[Span]:
             60.0 + 10.0 * scale,
             3,
         ),
+        # Launched by an operator at 55 whose launch call is not among the spans.
+        Span("aten::mm", "op", 55.0, 58.0, 41),
+        Span("void gemv_kernel", "work", 80.0, 85.0, 40, 41),
+        Span("unknown kernel", "work", 86.0, 87.0, 42, 43),
         Span("before the step", "range", -50.0, -40.0),
         Span("cudaLaunchKernel", "launch", -45.0, -44.0, 9),  # outside: not counted
     ]
@@ -58,20 +63,24 @@ def test_one_step_is_analysed_by_the_stated_rule() -> None:
     assert out["wall_ms"] == pytest.approx(0.100)
     assert out["host_before_first_launch_ms"] == pytest.approx(0.025)
     assert out["launches"] == 3
-    assert out["kernels"] == 3
-    assert out["gpu_busy_ms"] == pytest.approx(0.025)  # [30, 45] and [60, 70]
-    assert out["gpu_span_ms"] == pytest.approx(0.040)
-    assert out["gpu_idle_inside_ms"] == pytest.approx(0.015)
+    assert out["kernels"] == 5
+    assert out["gpu_busy_ms"] == pytest.approx(0.031)  # [30, 45], [60, 70], [80, 85], [86, 87]
+    assert out["gpu_span_ms"] == pytest.approx(0.057)
+    assert out["gpu_idle_inside_ms"] == pytest.approx(0.026)
     assert out["gpu_idle_before_ms"] == pytest.approx(0.030)
-    assert out["gpu_idle_after_ms"] == pytest.approx(0.030)
+    assert out["gpu_idle_after_ms"] == pytest.approx(0.013)
     by_category = out["kernel_ms_by_category"]
     assert by_category["attention"] == pytest.approx(0.010)
-    assert by_category["matmul"] == pytest.approx(0.010)
+    assert by_category["matmul"] == pytest.approx(0.015)
     assert by_category["elementwise"] == pytest.approx(0.010)
-    assert sum(by_category.values()) == pytest.approx(0.030)  # own durations, not the union
-    assert out["kernels_by_category"]["other"] == 0
-    # Launched at 25 (forward), 30 (norm inside layer:kda: the innermost), 50 (forward).
-    assert out["kernel_ms_by_range"] == pytest.approx({"forward": 0.020, "norm": 0.010})
+    assert by_category["other"] == pytest.approx(0.001)
+    assert sum(by_category.values()) == pytest.approx(0.036)  # own durations, not the union
+    assert out["kernels_by_category"]["matmul"] == 2
+    # Launched at 25 (forward), 30 (norm inside layer:kda: the innermost), 50 and by the
+    # operator at 55 (forward); the last by nothing known.
+    assert out["kernel_ms_by_range"] == pytest.approx(
+        {"forward": 0.025, "norm": 0.010, "unattributed": 0.001}
+    )
     assert out["phases_ms"]["schedule"] == pytest.approx(0.008)
     assert out["phases_ms"]["forward"] == pytest.approx(0.070)
 
@@ -93,7 +102,7 @@ def test_block_minus_fine_per_token() -> None:
     assert diff["kernel_ms_by_category"]["elementwise"] == pytest.approx(0.020)
     assert diff["kernel_us_per_token"]["elementwise"] == pytest.approx(0.2)
     assert diff["kernel_us_per_token"]["attention"] == pytest.approx(0.0)
-    assert diff["gpu_busy_ms"] == pytest.approx(0.020)
+    assert diff["gpu_busy_ms"] == pytest.approx(0.014)  # 60-90 now covers 80-85 and 86-87
     same = sc.compare(fine, fine)
     assert same["kernel_us_per_token"]["matmul"] is None  # no token difference
 
