@@ -813,7 +813,9 @@ impl Model {
             let in_use = !used.is_empty() || pinned.contains(&k);
             extra += usize::from(!in_use);
             let only = (copies.len() == 1).then(|| copies.iter().next().copied()).flatten();
-            let used = (!pinned.contains(&k)).then_some(used);
+            // (unknown when a scheduled step pins a block the model cannot name: that block
+            // may carry this key too)
+            let used = (!pinned.contains(&k) && !self.fuzzy()).then_some(used);
             pins.push((k, only, used));
         }
         (pins, extra, blocks - l / b)
