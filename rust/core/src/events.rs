@@ -18,8 +18,6 @@
 //! when the caller drains through [`EventLog::drain_wire`], and a buffer kept for the wire
 //! bytes is written in place.
 
-use std::collections::VecDeque;
-
 use crate::hashing::{Digest, ExtraKeys, MultimodalInput};
 use crate::pool::{BlockId, BlockKey};
 
@@ -145,21 +143,28 @@ pub struct WireDrain {
     pub written: usize,
 }
 
-/// A bounded queue of events.
+/// A bounded queue of events, kept in a ring of records written in place: a drained record
+/// stays in its slot with its vectors, and the event written there next clears and refills
+/// them, so that recording and draining neither allocate, move nor drop an event once warm.
 #[derive(Clone, Debug)]
 pub struct EventLog {
     enabled: bool,
     capacity: usize,
     next_sequence: u64,
     dropped: u64,
-    pending: VecDeque<EventRecord>,
+    /// The ring: the pending events are the `len` records from `head` on (wrapping); the
+    /// other slots hold drained records whose vectors the next events reuse. `head` is below
+    /// the slot count (or 0), and at most `capacity` (at least 1) slots are pending.
+    slots: Vec<EventRecord>,
+    head: usize,
+    len: usize,
     format: WireFormat,
     /// Whether the last pending event is a run the next key may extend (until `seal`).
     open: bool,
     spare: Spare,
 }
 
-/// Vectors of drained events, cleared, for the next ones.
+/// Vectors of events whose slot now holds another kind of event, cleared, for the next ones.
 #[derive(Clone, Debug, Default)]
 struct Spare {
     digests: Vec<Vec<Digest>>,
@@ -168,14 +173,13 @@ struct Spare {
 }
 
 impl Spare {
-    /// Spare vectors kept of each kind (enough for a step's events).
+    /// Spare vectors kept of each kind.
     const KEEP: usize = 1024;
 
-    /// Takes `event`'s vectors (leaving them empty and unallocated in it).
-    fn take(&mut self, event: &mut CacheEvent) {
-        fn give<T>(v: &mut Vec<T>, spare: &mut Vec<Vec<T>>) {
+    /// Takes `event`'s vectors.
+    fn take(&mut self, event: CacheEvent) {
+        fn give<T>(mut v: Vec<T>, spare: &mut Vec<Vec<T>>) {
             if spare.len() < Spare::KEEP && v.capacity() > 0 {
-                let mut v = std::mem::take(v);
                 v.clear();
                 spare.push(v);
             }
@@ -193,9 +197,43 @@ impl Spare {
             CacheEvent::AllBlocksCleared => {}
         }
     }
+
+    /// An empty run, its vectors from the spares.
+    fn stored(&mut self) -> CacheEvent {
+        CacheEvent::BlockStored {
+            group: 0,
+            block: 0,
+            blocks: self.blocks.pop().unwrap_or_default(),
+            keys: self.digests.pop().unwrap_or_default(),
+            parent: None,
+            token_start: 0,
+            token_end: 0,
+            checkpoint: false,
+            tokens: self.tokens.pop().unwrap_or_default(),
+            tokens_start: 0,
+            wire_parent: None,
+            lora_id: None,
+            cache_salt: None,
+            multimodal: Vec::new(),
+        }
+    }
+
+    /// An empty removal, its vectors from the spares.
+    fn removed(&mut self) -> CacheEvent {
+        CacheEvent::BlockRemoved {
+            group: 0,
+            block: 0,
+            keys: self.digests.pop().unwrap_or_default(),
+            gone: self.digests.pop().unwrap_or_default(),
+        }
+    }
 }
 
 impl EventLog {
+    /// Slots kept when the events are drained to the wire (enough for a step's events); the
+    /// others are freed.
+    const KEEP: usize = 1024;
+
     #[must_use]
     pub fn new(enabled: bool, capacity: usize, format: WireFormat) -> Self {
         Self {
@@ -203,7 +241,9 @@ impl EventLog {
             capacity,
             next_sequence: 0,
             dropped: 0,
-            pending: VecDeque::new(),
+            slots: Vec::new(),
+            head: 0,
+            len: 0,
             format,
             open: false,
             spare: Spare::default(),
@@ -221,20 +261,53 @@ impl EventLog {
         &self.format
     }
 
+    /// The pending records, oldest first: the ring's two parts.
+    fn pending(&self) -> (&[EventRecord], &[EventRecord]) {
+        let n = self.slots.len();
+        if self.head + self.len <= n {
+            (&self.slots[self.head..self.head + self.len], &[])
+        } else {
+            (&self.slots[self.head..], &self.slots[..self.head + self.len - n])
+        }
+    }
+
+    /// Numbers a new event and gives the index of its slot: a drained one, a new one, or, when
+    /// `capacity` are pending, the oldest pending event's (dropped and counted). The slot
+    /// still holds its earlier record, for its vectors.
+    fn next_slot(&mut self) -> usize {
+        self.open = false;
+        let sequence = self.next_sequence;
+        self.next_sequence += 1;
+        let n = self.slots.len();
+        let index = if self.len >= self.capacity.max(1) {
+            // Every slot is pending (slots are added only below the capacity): the oldest
+            // makes room for the newest.
+            self.dropped += 1;
+            let oldest = self.head;
+            self.head = (self.head + 1) % n;
+            oldest
+        } else if self.len < n {
+            let index = (self.head + self.len) % n;
+            self.len += 1;
+            index
+        } else {
+            self.slots.rotate_left(self.head);
+            self.head = 0;
+            self.slots.push(EventRecord { sequence, event: CacheEvent::AllBlocksCleared });
+            self.len += 1;
+            n
+        };
+        self.slots[index].sequence = sequence;
+        index
+    }
+
     pub fn push(&mut self, event: CacheEvent) {
         if !self.enabled {
             return;
         }
-        self.open = false;
-        let sequence = self.next_sequence;
-        self.next_sequence += 1;
-        if self.pending.len() >= self.capacity.max(1) {
-            if let Some(mut old) = self.pending.pop_front() {
-                self.spare.take(&mut old.event);
-            }
-            self.dropped += 1;
-        }
-        self.pending.push_back(EventRecord { sequence, event });
+        let index = self.next_slot();
+        let old = std::mem::replace(&mut self.slots[index].event, event);
+        self.spare.take(old);
     }
 
     /// Records that `block` of `group` now carries the key at unit boundary `position` of the
@@ -258,21 +331,18 @@ impl EventLog {
         let digest = hashes[(position / unit - 1) as usize];
         let token_start = position - unit;
         let digest_at = |p: u32| (p > 0).then(|| hashes[(p / unit - 1) as usize]);
-        if !checkpoint && self.open {
-            if let Some(EventRecord {
-                event:
-                    CacheEvent::BlockStored {
-                        group: g,
-                        blocks,
-                        keys,
-                        token_end,
-                        checkpoint: false,
-                        tokens: run_tokens,
-                        multimodal,
-                        ..
-                    },
+        if !checkpoint && self.open && self.len > 0 {
+            let last = (self.head + self.len - 1) % self.slots.len();
+            if let CacheEvent::BlockStored {
+                group: g,
+                blocks,
+                keys,
+                token_end,
+                checkpoint: false,
+                tokens: run_tokens,
+                multimodal,
                 ..
-            }) = self.pending.back_mut()
+            } = &mut self.slots[last].event
             {
                 if *g == group
                     && *token_end == token_start
@@ -296,39 +366,60 @@ impl EventLog {
             }
         }
         let run_from = token_start / self.format.block_size * self.format.block_size;
-        let mut keys = self.spare.digests.pop().unwrap_or_default();
-        keys.push(digest);
-        let mut blocks = self.spare.blocks.pop().unwrap_or_default();
-        blocks.push(block);
-        let mut run_tokens = self.spare.tokens.pop().unwrap_or_default();
-        run_tokens.extend_from_slice(&tokens[run_from as usize..position as usize]);
-        let cache_salt = if token_start == 0 { extra.cache_salt.clone() } else { None };
-        let multimodal = if extra.multimodal.is_empty() {
-            Vec::new()
-        } else {
-            extra
-                .multimodal
-                .iter()
-                .filter(|m| m.start < position && m.end > run_from)
-                .cloned()
-                .collect()
-        };
-        self.push(CacheEvent::BlockStored {
-            group,
-            block,
+        let index = self.next_slot();
+        let event = &mut self.slots[index].event;
+        if !matches!(event, CacheEvent::BlockStored { .. }) {
+            let old = std::mem::replace(event, self.spare.stored());
+            self.spare.take(old);
+        }
+        if let CacheEvent::BlockStored {
+            group: g,
+            block: b,
             blocks,
             keys,
-            parent: digest_at(token_start),
-            token_start,
-            token_end: position,
-            checkpoint,
+            parent,
+            token_start: start,
+            token_end,
+            checkpoint: c,
             tokens: run_tokens,
-            tokens_start: run_from,
-            wire_parent: digest_at(run_from),
-            lora_id: extra.lora_id,
+            tokens_start,
+            wire_parent,
+            lora_id,
             cache_salt,
             multimodal,
-        });
+        } = event
+        {
+            *g = group;
+            *b = block;
+            blocks.clear();
+            blocks.push(block);
+            keys.clear();
+            keys.push(digest);
+            *parent = digest_at(token_start);
+            *start = token_start;
+            *token_end = position;
+            *c = checkpoint;
+            run_tokens.clear();
+            run_tokens.extend_from_slice(&tokens[run_from as usize..position as usize]);
+            *tokens_start = run_from;
+            *wire_parent = digest_at(run_from);
+            *lora_id = extra.lora_id;
+            if token_start == 0 {
+                cache_salt.clone_from(&extra.cache_salt);
+            } else {
+                *cache_salt = None;
+            }
+            multimodal.clear();
+            if !extra.multimodal.is_empty() {
+                multimodal.extend(
+                    extra
+                        .multimodal
+                        .iter()
+                        .filter(|m| m.start < position && m.end > run_from)
+                        .cloned(),
+                );
+            }
+        }
         self.open = !checkpoint;
     }
 
@@ -351,38 +442,48 @@ impl EventLog {
         if !self.enabled {
             return;
         }
-        let mut keys = self.spare.digests.pop().unwrap_or_default();
-        keys.extend(lost.iter().map(|k| k.key.digest));
-        let mut gone = self.spare.digests.pop().unwrap_or_default();
         let w = self.format.block_size;
-        gone.extend(
-            lost.iter().filter(|k| k.position % w == 0 && !still_held(k)).map(|k| k.key.digest),
-        );
-        self.push(CacheEvent::BlockRemoved { group, block, keys, gone });
+        let index = self.next_slot();
+        let event = &mut self.slots[index].event;
+        if !matches!(event, CacheEvent::BlockRemoved { .. }) {
+            let old = std::mem::replace(event, self.spare.removed());
+            self.spare.take(old);
+        }
+        if let CacheEvent::BlockRemoved { group: g, block: b, keys, gone } = event {
+            *g = group;
+            *b = block;
+            keys.clear();
+            keys.extend(lost.iter().map(|k| k.key.digest));
+            gone.clear();
+            gone.extend(
+                lost.iter().filter(|k| k.position % w == 0 && !still_held(k)).map(|k| k.key.digest),
+            );
+        }
     }
 
     /// Takes every pending event, oldest first.
     pub fn drain(&mut self) -> Vec<EventRecord> {
         self.open = false;
-        self.pending.drain(..).collect()
+        self.slots.rotate_left(self.head);
+        self.slots.truncate(self.len);
+        (self.head, self.len) = (0, 0);
+        std::mem::take(&mut self.slots)
     }
 
     /// Takes every pending event and writes them as one vLLM `KVEventBatch` (msgpack, see
     /// [`encode_batch`]) at the start of `buf`, in place (see [`encode_batch_into`]: a buffer
     /// kept from one drain to the next is not cleared, reallocated or copied); writes nothing
-    /// when none is pending.
+    /// when none is pending. The drained records stay in their slots for the next events.
     pub fn drain_wire(&mut self, ts: f64, rank: Option<i64>, buf: &mut Vec<u8>) -> WireDrain {
-        if self.pending.is_empty() {
+        if self.len == 0 {
             return WireDrain::default();
         }
         self.open = false;
-        let taken = self.pending.len();
-        let (bytes, written) =
-            encode_batch_into(self.pending.make_contiguous(), &self.format, ts, rank, buf);
-        for record in &mut self.pending {
-            self.spare.take(&mut record.event);
-        }
-        self.pending.clear();
+        let taken = self.len;
+        let (older, newer) = self.pending();
+        let (bytes, written) = encode_into(older.iter().chain(newer), &self.format, ts, rank, buf);
+        (self.head, self.len) = (0, 0);
+        self.slots.truncate(Self::KEEP);
         WireDrain { bytes, taken, written }
     }
 
@@ -456,8 +557,19 @@ pub fn encode_batch_into(
     rank: Option<i64>,
     buf: &mut Vec<u8>,
 ) -> (usize, usize) {
+    encode_into(records.iter(), format, ts, rank, buf)
+}
+
+/// [`encode_batch_into`] of the records `records` gives, in order.
+fn encode_into<'r>(
+    records: impl Iterator<Item = &'r EventRecord> + Clone,
+    format: &WireFormat,
+    ts: f64,
+    rank: Option<i64>,
+    buf: &mut Vec<u8>,
+) -> (usize, usize) {
     let (mut count, mut hint) = (0, 32);
-    for record in records {
+    for record in records.clone() {
         if on_wire(&record.event, format) {
             count += 1;
             hint += size_hint(&record.event);
@@ -466,7 +578,7 @@ pub fn encode_batch_into(
     if buf.len() < hint {
         buf.resize(hint, 0);
     }
-    let size = write_batch(records, count, format, ts, rank, buf);
+    let size = write_batch(records.clone(), count, format, ts, rank, buf);
     if size + Writer::SLACK > buf.len() {
         // Past the expected size: the first pass measured the batch, the second fits.
         buf.resize(size + Writer::SLACK, 0);
@@ -478,8 +590,8 @@ pub fn encode_batch_into(
 /// Writes the batch of `records`, `count` of which have a wire form, at the start of `buf` as
 /// far as it fits; returns its full size (every byte is in `buf` when the size plus
 /// [`Writer::SLACK`] is within it).
-fn write_batch(
-    records: &[EventRecord],
+fn write_batch<'r>(
+    records: impl Iterator<Item = &'r EventRecord>,
     count: usize,
     format: &WireFormat,
     ts: f64,
@@ -900,6 +1012,139 @@ mod tests {
                 encode_batch_into(&records, log.format(), -2.5, Some(-40_000), &mut buf);
             assert_eq!((&buf[..size], n), (want, 41), "buffer of {len}");
             assert!(buf.len() >= len && buf[size..].iter().all(|&b| b == 0xaa || b == 0), "{len}");
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Store { group: u32, units: u32, block: u32, checkpoint: bool, extra: u8 },
+        Remove { group: u32, from: u32, keys: u32, held: u8 },
+        Clear,
+        Seal,
+        DrainWire,
+        Drain,
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            6 => (0u32..2, 1u32..=12, 1u32..6, proptest::bool::weighted(0.2), 0u8..4).prop_map(
+                |(group, units, block, checkpoint, extra)| Op::Store {
+                    group,
+                    units,
+                    block,
+                    checkpoint,
+                    extra
+                }
+            ),
+            2 => (0u32..2, 1u32..=12, 0u32..4, any::<u8>())
+                .prop_map(|(group, from, keys, held)| Op::Remove { group, from, keys, held }),
+            1 => Just(Op::Clear),
+            2 => Just(Op::Seal),
+            2 => Just(Op::DrainWire),
+            1 => Just(Op::Drain),
+        ]
+    }
+
+    proptest::proptest! {
+        /// A log of bounded capacity drained to the wire, whose slots the next events reuse in
+        /// place (a slot of another kind of event, a ring wrapped by drops at capacity), holds
+        /// and encodes the last `capacity` events an unbounded log drained to records (every
+        /// event new) holds, and counts the others as dropped.
+        #[test]
+        fn a_reused_ring_holds_what_a_fresh_log_holds(
+            capacity in 1usize..7,
+            wide in proptest::bool::ANY,
+            ops in proptest::collection::vec(op(), 1..80),
+        ) {
+            let unit = 2;
+            let format = WireFormat {
+                block_size: if wide { 4 } else { 2 },
+                unit,
+                digest_len: 16,
+                kinds: vec![WireKind::FullAttention, WireKind::Mamba],
+            };
+            let tokens: Vec<u32> = (0..24u32).map(|i| i * 40_000 + 3).collect();
+            let hashes: Vec<Digest> = (0..12u8)
+                .map(|i| {
+                    let mut d = Digest([0; 32]);
+                    d.0[15] = i + 1;
+                    d
+                })
+                .collect();
+            let extras = [
+                ExtraKeys::default(),
+                ExtraKeys { cache_salt: Some(b"salt".to_vec()), ..ExtraKeys::default() },
+                ExtraKeys { lora_id: Some(300), ..ExtraKeys::default() },
+                ExtraKeys {
+                    multimodal: vec![MultimodalInput { start: 3, end: 9, hash: b"img".to_vec() }],
+                    ..ExtraKeys::default()
+                },
+            ];
+            let mut fresh = EventLog::new(true, usize::MAX, format.clone());
+            let mut dropped = 0;
+            let last = |fresh: &mut EventLog, dropped: &mut u64| {
+                let mut all = fresh.drain();
+                let keep = all.len().min(capacity);
+                *dropped += (all.len() - keep) as u64;
+                all.drain(..all.len() - keep);
+                all
+            };
+            let mut reused = EventLog::new(true, capacity, format);
+            let mut buf = vec![0x11; 5];
+            for op in ops {
+                for log in [&mut fresh, &mut reused] {
+                    match &op {
+                        Op::Store { group, units, block, checkpoint, extra } => log.stored_key(
+                            *group,
+                            *block,
+                            units * unit,
+                            *checkpoint,
+                            &tokens,
+                            &hashes,
+                            &extras[*extra as usize],
+                        ),
+                        Op::Remove { group, from, keys, held } => {
+                            let lost: Vec<BlockKey> = (0..*keys)
+                                .map(|k| BlockKey {
+                                    key: crate::pool::Key {
+                                        group: *group,
+                                        digest: hashes[((from + k) % 12) as usize],
+                                    },
+                                    position: ((from + k) % 12 + 1) * unit,
+                                })
+                                .collect();
+                            log.removed(*group, 1, &lost, |k| {
+                                held >> (k.position / unit % 8) & 1 == 1
+                            });
+                        }
+                        Op::Clear => log.push(CacheEvent::AllBlocksCleared),
+                        Op::Seal => log.seal(),
+                        Op::DrainWire | Op::Drain => {}
+                    }
+                }
+                match op {
+                    Op::DrainWire => {
+                        let records = last(&mut fresh, &mut dropped);
+                        let mut want = Vec::new();
+                        let written = encode_batch(&records, fresh.format(), 0.5, Some(3), &mut want);
+                        let got = reused.drain_wire(0.5, Some(3), &mut buf);
+                        proptest::prop_assert_eq!((got.taken, got.written), (records.len(), written));
+                        if records.is_empty() {
+                            proptest::prop_assert_eq!(got.bytes, 0);
+                        } else {
+                            proptest::prop_assert_eq!(&buf[..got.bytes], want.as_slice());
+                        }
+                    }
+                    Op::Drain => {
+                        proptest::prop_assert_eq!(last(&mut fresh, &mut dropped), reused.drain());
+                        proptest::prop_assert_eq!(reused.dropped(), dropped);
+                    }
+                    _ => {}
+                }
+            }
+            proptest::prop_assert_eq!(last(&mut fresh, &mut dropped), reused.drain());
+            proptest::prop_assert_eq!(reused.dropped(), dropped);
         }
     }
 
