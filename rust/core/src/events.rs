@@ -112,22 +112,20 @@ pub struct WireFormat {
 impl WireFormat {
     /// The wire id of a digest: the low 64 bits of its meaningful bytes read big-endian (what
     /// vLLM sends), or, when those are 0 (which routers read as "no parent"), the 64 bits above
-    /// them, or 1.
+    /// them, or 1. (`digest_len` is read as 16 to 32: every algorithm's is 16 or 32.)
     #[must_use]
+    #[inline]
     pub fn id(&self, digest: &Digest) -> u64 {
-        let bytes = &digest.0[..self.digest_len];
+        let end = self.digest_len.clamp(16, 32);
         let word = |end: usize| {
             let mut w = [0u8; 8];
-            w.copy_from_slice(&bytes[end - 8..end]);
+            w.copy_from_slice(&digest.0[end - 8..end]);
             u64::from_be_bytes(w)
         };
-        let low = word(bytes.len());
-        if low != 0 {
-            return low;
-        }
-        match word(bytes.len() - 8) {
-            0 => 1,
-            high => high,
+        match (word(end), word(end - 8)) {
+            (0, 0) => 1,
+            (0, high) => high,
+            (low, _) => low,
         }
     }
 }
@@ -598,7 +596,8 @@ fn write_batch<'r>(
     rank: Option<i64>,
     buf: &mut [u8],
 ) -> usize {
-    let mut w = Writer { buf, at: 0 };
+    let len = buf.len();
+    let mut w = Writer { rest: buf, missing: 0 };
     let mut head = [0u8; 10];
     head[0] = 0x93;
     head[1] = 0xcb;
@@ -614,7 +613,7 @@ fn write_batch<'r>(
         Some(r) => w.int(r),
         None => w.put([NIL]),
     }
-    w.at
+    len - w.rest.len() + w.missing
 }
 
 const NIL: u8 = 0xc0;
@@ -657,6 +656,8 @@ const MEDIUM_GPU_GROUP_IDX: [u8; 21] = fixstrs(&["medium", "GPU", "group_idx"]);
 const CLEARED: [u8; 22] = fixstrs(&["type", "AllBlocksCleared"]);
 
 /// A store's map: the run's wire blocks (those ending at a multiple of W in the run).
+#[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+#[inline(always)]
 fn encode_stored(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
     let (size, unit) = (format.block_size, format.unit);
     let CacheEvent::BlockStored {
@@ -763,6 +764,8 @@ fn encode_stored(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
     }
 }
 
+#[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+#[inline(always)]
 fn encode_event(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
     match event {
         CacheEvent::BlockStored { .. } => encode_stored(event, format, w),
@@ -783,53 +786,89 @@ fn encode_event(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
     }
 }
 
-/// Writes msgpack into a byte slice from its start. Every store is of a fixed size (a token
-/// of any width is one 8-byte store, and the cursor moves by its width); one that would pass
-/// the slice's end is skipped, but the cursor always moves, so it ends at the batch's full
-/// size, and every store was made when that size plus [`Writer::SLACK`] is within the slice.
+/// Writes msgpack into a byte slice from its start, keeping the part not written yet. Every
+/// store is of a fixed size (a token of any width is one 8-byte store, then the slice moves on
+/// by the token's width), so each costs one comparison of the slice's length; a store that does
+/// not fit is counted as missing instead of made, so the batch's full size is what was written
+/// plus what is missing, and every byte is written when nothing is missing.
 struct Writer<'a> {
-    buf: &'a mut [u8],
-    at: usize,
+    rest: &'a mut [u8],
+    missing: usize,
 }
 
 impl Writer<'_> {
-    /// The most a store writes past where it leaves the cursor, plus one.
-    const SLACK: usize = 8;
+    /// Room a buffer needs past a batch for every store of it to fit (a token pair's 16
+    /// bytes, stored where the pair starts, take at least 2).
+    const SLACK: usize = 16;
 
-    /// Stores `bytes` at the cursor and moves past them.
-    #[inline]
+    /// Stores `bytes` and moves past them.
+    #[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+    #[inline(always)]
     fn put<const N: usize>(&mut self, bytes: [u8; N]) {
-        if let Some(dst) = self.buf.get_mut(self.at..).and_then(<[u8]>::first_chunk_mut) {
-            *dst = bytes;
+        match std::mem::take(&mut self.rest).split_first_chunk_mut::<N>() {
+            Some((dst, rest)) => {
+                *dst = bytes;
+                self.rest = rest;
+            }
+            None => self.missing += N,
         }
-        self.at += N;
     }
 
-    /// Stores the 8 bytes of `word` at the cursor and moves past its first `len` (<= 8).
-    #[inline]
+    /// Stores the 8 bytes of `word` and moves past its first `len` (at most 8).
+    #[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+    #[inline(always)]
     fn put_word(&mut self, word: u64, len: usize) {
-        if let Some(dst) = self.buf.get_mut(self.at..).and_then(<[u8]>::first_chunk_mut) {
+        let rest = std::mem::take(&mut self.rest);
+        if let Some(dst) = rest.first_chunk_mut::<8>() {
             *dst = word.to_le_bytes();
+            self.rest = &mut rest[len.min(8)..];
+        } else {
+            self.missing += len;
+            self.rest = rest;
         }
-        self.at += len;
     }
 
     fn slice(&mut self, bytes: &[u8]) {
-        if let Some(dst) = self.buf.get_mut(self.at..self.at + bytes.len()) {
+        let rest = std::mem::take(&mut self.rest);
+        if bytes.len() <= rest.len() {
+            let (dst, rest) = rest.split_at_mut(bytes.len());
             dst.copy_from_slice(bytes);
+            self.rest = rest;
+        } else {
+            self.missing += bytes.len();
+            self.rest = rest;
         }
-        self.at += bytes.len();
     }
 
     /// Token ids, each in its shortest msgpack form (as msgspec writes them).
-    #[inline]
+    #[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+    #[inline(always)]
     fn tokens(&mut self, tokens: &[u32]) {
-        for &t in tokens {
+        // Two at a time: one 16-byte room for both words, the second stored after the first's
+        // width (at most 5 bytes in).
+        let mut pairs = tokens.chunks_exact(2);
+        for pair in &mut pairs {
+            let (first, first_len) = uint32_word(pair[0]);
+            let (second, second_len) = uint32_word(pair[1]);
+            let first_len = first_len.min(8);
+            let rest = std::mem::take(&mut self.rest);
+            if let Some(dst) = rest.first_chunk_mut::<16>() {
+                dst[..8].copy_from_slice(&first.to_le_bytes());
+                dst[first_len..first_len + 8].copy_from_slice(&second.to_le_bytes());
+                self.rest = &mut rest[(first_len + second_len).min(16)..];
+            } else {
+                self.missing += first_len + second_len;
+                self.rest = rest;
+            }
+        }
+        for &t in pairs.remainder() {
             let (word, len) = uint32_word(t);
             self.put_word(word, len);
         }
     }
 
+    #[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+    #[inline(always)]
     fn array_header(&mut self, n: usize) {
         if n < 16 {
             self.put([0x90 | n as u8]);
@@ -843,7 +882,8 @@ impl Writer<'_> {
     }
 
     /// An unsigned integer in its shortest msgpack form (as msgspec writes it).
-    #[inline]
+    #[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+    #[inline(always)]
     fn uint(&mut self, v: u64) {
         if let Ok(v) = u32::try_from(v) {
             let (word, len) = uint32_word(v);
@@ -917,7 +957,8 @@ impl Writer<'_> {
 
 /// A u32's shortest msgpack form as the low bytes of a little-endian word, and its length:
 /// a positive fixint below 128, else the uint 8 / 16 / 32 tag and the value big-endian.
-#[inline]
+#[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+#[inline(always)]
 fn uint32_word(v: u32) -> (u64, usize) {
     if v < 0x80 {
         (u64::from(v), 1)
@@ -1006,7 +1047,17 @@ mod tests {
         let written = encode_batch(&records, log.format(), -2.5, Some(-40_000), &mut fresh);
         assert_eq!((fresh[0], written), (0x55, 41), "appended after what was there");
         let want = &fresh[1..];
-        for len in [0, 1, 9, want.len() - 1, want.len(), want.len() + 7, want.len() + 8, 9000] {
+        for len in [
+            0,
+            1,
+            9,
+            want.len() - 1,
+            want.len(),
+            want.len() + 7,
+            want.len() + 15,
+            want.len() + 16,
+            9000,
+        ] {
             let mut buf = vec![0xaa; len];
             let (size, n) =
                 encode_batch_into(&records, log.format(), -2.5, Some(-40_000), &mut buf);
