@@ -272,6 +272,7 @@ impl EventLog {
     /// Numbers a new event and gives the index of its slot: a drained one, a new one, or, when
     /// `capacity` are pending, the oldest pending event's (dropped and counted). The slot
     /// still holds its earlier record, for its vectors.
+    #[inline]
     fn next_slot(&mut self) -> usize {
         self.open = false;
         let sequence = self.next_sequence;
@@ -364,6 +365,9 @@ impl EventLog {
             }
         }
         let run_from = token_start / self.format.block_size * self.format.block_size;
+        let first_parent = digest_at(token_start);
+        let first_wire_parent =
+            if run_from == token_start { first_parent } else { digest_at(run_from) };
         let index = self.next_slot();
         let event = &mut self.slots[index].event;
         if !matches!(event, CacheEvent::BlockStored { .. }) {
@@ -393,14 +397,14 @@ impl EventLog {
             blocks.push(block);
             keys.clear();
             keys.push(digest);
-            *parent = digest_at(token_start);
+            *parent = first_parent;
             *start = token_start;
             *token_end = position;
             *c = checkpoint;
             run_tokens.clear();
             run_tokens.extend_from_slice(&tokens[run_from as usize..position as usize]);
             *tokens_start = run_from;
-            *wire_parent = digest_at(run_from);
+            *wire_parent = first_wire_parent;
             *lora_id = extra.lora_id;
             if token_start == 0 {
                 cache_salt.clone_from(&extra.cache_salt);
@@ -604,9 +608,10 @@ fn write_batch<'r>(
     head[2..].copy_from_slice(&ts.to_bits().to_be_bytes());
     w.put(head);
     w.array_header(count);
+    let mut tail = Tail::NONE;
     for record in records {
         if on_wire(&record.event, format) {
-            encode_event(&record.event, format, &mut w);
+            encode_event(&record.event, format, &mut tail, &mut w);
         }
     }
     match rank {
@@ -640,6 +645,50 @@ const fn fixstrs<const N: usize>(parts: &[&str]) -> [u8; N] {
 }
 
 const STORED_HEAD: [u8; 30] = fixstrs(&["type", "BlockStored", "block_hashes"]);
+/// A map16 header (its field count at byte 2), [`STORED_HEAD`] and a fixarray header (its
+/// length at byte 33).
+const STORED_PREFIX: [u8; 34] = {
+    let mut out = [0u8; 34];
+    out[0] = 0xde;
+    let mut i = 0;
+    while i < 30 {
+        out[3 + i] = STORED_HEAD[i];
+        i += 1;
+    }
+    out[33] = 0x90;
+    out
+};
+/// `parent_block_hash`: nil, then the `token_ids` key.
+const NO_PARENT: [u8; 29] = {
+    let mut out = [0u8; 29];
+    let (parent, tokens) = (fixstrs::<18>(&["parent_block_hash"]), fixstrs::<10>(&["token_ids"]));
+    let mut i = 0;
+    while i < 18 {
+        out[i] = parent[i];
+        i += 1;
+    }
+    out[18] = NIL;
+    while i < 28 {
+        out[i + 1] = tokens[i - 18];
+        i += 1;
+    }
+    out
+};
+/// `parent_block_hash`: a uint 64 (its 8 bytes at 19..27), then the `token_ids` key.
+const WIDE_PARENT: [u8; 37] = {
+    let mut out = [0u8; 37];
+    let mut i = 0;
+    while i < 18 {
+        out[i] = NO_PARENT[i];
+        i += 1;
+    }
+    out[18] = 0xcf;
+    while i < 28 {
+        out[i + 9] = NO_PARENT[i + 1];
+        i += 1;
+    }
+    out
+};
 const PARENT: [u8; 18] = fixstrs(&["parent_block_hash"]);
 const TOKEN_IDS: [u8; 10] = fixstrs(&["token_ids"]);
 const BLOCK_SIZE: [u8; 11] = fixstrs(&["block_size"]);
@@ -655,10 +704,39 @@ const REMOVED_HEAD: [u8; 31] = fixstrs(&["type", "BlockRemoved", "block_hashes"]
 const MEDIUM_GPU_GROUP_IDX: [u8; 21] = fixstrs(&["medium", "GPU", "group_idx"]);
 const CLEARED: [u8; 22] = fixstrs(&["type", "AllBlocksCleared"]);
 
+/// A store's map after its token ids, when it has no extra keys: `block_size`, `lora_id`,
+/// `medium`, `lora_name`, `group_idx` and the kind's keys (up to a `mamba` kind's `position`
+/// key, whose value is the store's own), the same for every store of one group and `LoRA` id;
+/// a batch builds it again when the pair changes from one store to the next.
+struct Tail {
+    key: Option<(u32, Option<u64>)>,
+    bytes: [u8; Tail::MAX],
+    /// Bytes used (0: longer than `MAX`, which a sliding window's tail with wide numbers can
+    /// be: such stores take the general path).
+    len: usize,
+}
+
+impl Tail {
+    /// At most 128 bytes, copied inline (a full-attention or mamba tail takes at most 108, a
+    /// sliding window's at most 136).
+    const MAX: usize = 128;
+
+    const NONE: Self = Self { key: None, bytes: [0; Self::MAX], len: 0 };
+
+    fn new(format: &WireFormat, group: u32, kind: WireKind, lora_id: Option<u64>) -> Self {
+        let mut bytes = [0; Self::MAX];
+        let mut w = Writer { rest: &mut bytes, missing: 0 };
+        stored_fields_after_tokens(&mut w, format, lora_id);
+        stored_group_and_kind(&mut w, group, kind);
+        let len = if w.missing == 0 { Self::MAX - w.rest.len() } else { 0 };
+        Self { key: Some((group, lora_id)), bytes, len }
+    }
+}
+
 /// A store's map: the run's wire blocks (those ending at a multiple of W in the run).
 #[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
 #[inline(always)]
-fn encode_stored(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
+fn encode_stored(event: &CacheEvent, format: &WireFormat, tail: &mut Tail, w: &mut Writer<'_>) {
     let (size, unit) = (format.block_size, format.unit);
     let CacheEvent::BlockStored {
         group,
@@ -693,10 +771,17 @@ fn encode_stored(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
         + u16::from(with_extra)
         + u16::from(matches!(kind, WireKind::SlidingWindow(_)))
         + u16::from(kind == WireKind::Mamba);
-    let [hi, lo] = fields.to_be_bytes();
-    w.put([0xde, hi, lo]);
-    w.put(STORED_HEAD);
-    w.array_header(n);
+    // The map header (a map16 of at most 13 fields), the keys up to `block_hashes` and, below
+    // 16 blocks, the array header of their ids: one store.
+    let mut head = STORED_PREFIX;
+    head[2] = fields as u8;
+    if n < 16 {
+        head[33] = 0x90 | n as u8;
+        w.put(head);
+    } else {
+        w.put_prefix(&head, 33);
+        w.array_header(n);
+    }
     if n == 1 {
         w.uint(format.id(&keys[((first_end - token_start) / unit - 1) as usize]));
     } else {
@@ -706,69 +791,120 @@ fn encode_stored(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
             w.uint(format.id(key));
         }
     }
-    w.put(PARENT);
-    match wire_parent {
-        Some(p) => w.uint(format.id(p)),
-        None => w.put([NIL]),
+    // `parent_block_hash`, its value and the `token_ids` key: one store when the parent is
+    // nil or a 64-bit id (almost always: an id below 2^32 has odds 2^-32).
+    match wire_parent.as_ref().map(|p| format.id(p)) {
+        None => w.put(NO_PARENT),
+        Some(id) if id > u64::from(u32::MAX) => {
+            let mut bytes = WIDE_PARENT;
+            bytes[19..27].copy_from_slice(&id.to_be_bytes());
+            w.put(bytes);
+        }
+        Some(id) => {
+            w.put(PARENT);
+            w.uint(id);
+            w.put(TOKEN_IDS);
+        }
     }
-    w.put(TOKEN_IDS);
     let from = (first_end - size - tokens_start) as usize;
     let to = (last_end - tokens_start) as usize;
     w.array_header(to - from);
     w.tokens(&tokens[from..to]);
+    if !with_extra {
+        if tail.key != Some((*group, *lora_id)) {
+            *tail = Tail::new(format, *group, kind, *lora_id);
+        }
+        if tail.len > 0 {
+            w.put_prefix(&tail.bytes, tail.len);
+            if kind == WireKind::Mamba {
+                w.uint(u64::from(*token_end));
+            }
+            return;
+        }
+    }
+    stored_fields_after_tokens(w, format, *lora_id);
+    if with_extra {
+        extra_keys(first_end, n, size, cache_salt.as_deref().filter(|_| salted), multimodal, w);
+    }
+    stored_group_and_kind(w, *group, kind);
+    if kind == WireKind::Mamba {
+        // Where the checkpoint's state resumes (a key current routers ignore).
+        w.uint(u64::from(*token_end));
+    }
+}
+
+/// A store's `block_size`, `lora_id`, `medium` and `lora_name` (what follows its token ids).
+#[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+#[inline(always)]
+fn stored_fields_after_tokens(w: &mut Writer<'_>, format: &WireFormat, lora_id: Option<u64>) {
     w.put(BLOCK_SIZE);
-    w.uint(u64::from(size));
+    w.uint(u64::from(format.block_size));
     w.put(LORA_ID);
     match lora_id {
-        Some(id) => w.uint(*id),
+        Some(id) => w.uint(id),
         None => w.put([NIL]),
     }
     w.put(MEDIUM_LORA_NAME);
     w.put([NIL]);
-    if with_extra {
-        // One entry per block (nil for a block without any), as vLLM does.
-        w.put(EXTRA_KEYS);
-        w.array_header(n);
-        for i in 0..n {
-            let end = first_end + i as u32 * size;
-            let salt = cache_salt.as_deref().filter(|_| salted && i == 0);
-            let count = overlapping(end).count() + usize::from(salt.is_some());
-            if count == 0 {
-                w.put([NIL]);
-                continue;
-            }
-            w.array_header(count);
-            for m in overlapping(end) {
-                w.put([0x92]);
-                w.text_or_bin(&m.hash);
-                w.int(i64::from(m.start) - i64::from(end - size));
-            }
-            if let Some(salt) = salt {
-                w.text_or_bin(salt);
-            }
-        }
-    }
+}
+
+/// A store's `group_idx` and kind keys (a sliding window's with its window; a `mamba` kind's
+/// up to the `position` key, whose value is the store's).
+#[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+#[inline(always)]
+fn stored_group_and_kind(w: &mut Writer<'_>, group: u32, kind: WireKind) {
     w.put(GROUP_IDX);
-    w.uint(u64::from(*group));
+    w.uint(u64::from(group));
     match kind {
         WireKind::FullAttention => w.put(KIND_FULL),
         WireKind::SlidingWindow(window) => {
             w.put(KIND_SLIDING);
             w.uint(u64::from(window));
         }
-        WireKind::Mamba => {
-            // Where the checkpoint's state resumes (a key current routers ignore).
-            w.put(KIND_MAMBA);
-            w.uint(u64::from(*token_end));
+        WireKind::Mamba => w.put(KIND_MAMBA),
+    }
+}
+
+/// A store's `extra_keys`: per wire block (`n`, the first ending at `first_end`), each
+/// multimodal input overlapping it as (its hash, its start less the block's), then the salt
+/// on the sequence's first block; nil for a block without any, as vLLM does.
+fn extra_keys(
+    first_end: u32,
+    n: usize,
+    size: u32,
+    salt: Option<&[u8]>,
+    multimodal: &[MultimodalInput],
+    w: &mut Writer<'_>,
+) {
+    let overlapping =
+        |end: u32| multimodal.iter().filter(move |m| m.start < end && m.end > end - size);
+    w.put(EXTRA_KEYS);
+    w.array_header(n);
+    for i in 0..n {
+        let end = first_end + i as u32 * size;
+        let salt = salt.filter(|_| i == 0);
+        let count = overlapping(end).count() + usize::from(salt.is_some());
+        if count == 0 {
+            w.put([NIL]);
+            continue;
+        }
+        w.array_header(count);
+        for m in overlapping(end) {
+            w.put([0x92]);
+            w.text_or_bin(&m.hash);
+            w.int(i64::from(m.start) - i64::from(end - size));
+        }
+        if let Some(salt) = salt {
+            w.text_or_bin(salt);
         }
     }
 }
 
 #[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
 #[inline(always)]
-fn encode_event(event: &CacheEvent, format: &WireFormat, w: &mut Writer<'_>) {
+fn encode_event(event: &CacheEvent, format: &WireFormat, tail: &mut Tail, w: &mut Writer<'_>) {
     match event {
-        CacheEvent::BlockStored { .. } => encode_stored(event, format, w),
+        CacheEvent::BlockStored { .. } => encode_stored(event, format, tail, w),
         CacheEvent::BlockRemoved { group, gone, .. } => {
             w.put([0x84]);
             w.put(REMOVED_HEAD);
@@ -825,6 +961,22 @@ impl Writer<'_> {
         } else {
             self.missing += len;
             self.rest = rest;
+        }
+    }
+
+    /// Stores the first `len` of `bytes` (at most `N`), as one `N`-byte store when that much
+    /// room is left.
+    #[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
+    #[inline(always)]
+    fn put_prefix<const N: usize>(&mut self, bytes: &[u8; N], len: usize) {
+        let len = len.min(N);
+        let rest = std::mem::take(&mut self.rest);
+        if let Some(dst) = rest.first_chunk_mut::<N>() {
+            *dst = *bytes;
+            self.rest = &mut rest[len..];
+        } else {
+            self.rest = rest;
+            self.slice(&bytes[..len]);
         }
     }
 
