@@ -14,9 +14,10 @@
 //!   (a duplicate copy evicted while another still serves the key changes nothing a router can
 //!   route on).
 //!
-//! Vectors of drained events are kept for reuse, so recording allocates nothing once warm
-//! when the caller drains through [`EventLog::drain_wire`], and a buffer kept for the wire
-//! bytes is written in place.
+//! Pending events are a ring of records written in place: drained through
+//! [`EventLog::drain_wire`], a record stays in its slot for the next event, so recording
+//! allocates nothing once warm, and the wire bytes are written in place into a buffer the
+//! caller keeps.
 
 use crate::hashing::{Digest, ExtraKeys, MultimodalInput};
 use crate::pool::{BlockId, BlockKey};
