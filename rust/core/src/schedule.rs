@@ -268,13 +268,8 @@ impl CacheManager {
     #[inline(always)]
     fn check_overlapped_one(&self, slot: usize) -> Result<()> {
         let seq = self.seq(slot);
-        let depth = self.config.max_steps_in_flight as usize;
-        let free = match seq.step() {
-            None => true,
-            Some(step) => step.plan != 0 && seq.num_steps() < depth,
-        };
         let fits = (seq.num_tokens() as usize) < MAX_SEQUENCE_TOKENS;
-        if free && seq.retiring.is_none() && fits && seq.placeholders >= 1 {
+        if self.free_for_next_step(seq) && fits && seq.placeholders >= 1 {
             return Ok(());
         }
         self.check_overlapped_one_slow(slot)
@@ -288,19 +283,25 @@ impl CacheManager {
         self.check_resolve_one(slot)
     }
 
-    /// `StepError` for a sequence already scheduled for the next plan, in as many in-flight
-    /// steps as `max_steps_in_flight` allows, or preempted with steps in flight.
-    #[inline]
-    fn refuse_pending_step(&self, slot: usize) -> Result<()> {
-        let seq = self.seq(slot);
-        // The decode steps' cases, inlined: not retiring, with no step (D = 1) or with steps
-        // in flight below the depth (D > 1).
+    /// Whether a sequence may be scheduled for the next plan (the decode steps' cases, inlined):
+    /// not retiring, with no step (D = 1) or with every step in flight and fewer than
+    /// `max_steps_in_flight` of them (D > 1). `refuse_pending_step_slow` says why not.
+    #[inline(always)]
+    fn free_for_next_step(&self, seq: &Sequence) -> bool {
         let depth = self.config.max_steps_in_flight as usize;
         let free = match seq.step() {
             None => true,
             Some(step) => step.plan != 0 && seq.num_steps() < depth,
         };
-        if free && seq.retiring.is_none() {
+        free && seq.retiring.is_none()
+    }
+
+    /// `StepError` for a sequence already scheduled for the next plan, in as many in-flight
+    /// steps as `max_steps_in_flight` allows, or preempted with steps in flight.
+    #[inline]
+    fn refuse_pending_step(&self, slot: usize) -> Result<()> {
+        let seq = self.seq(slot);
+        if self.free_for_next_step(seq) {
             return Ok(());
         }
         self.refuse_pending_step_slow(seq)
