@@ -581,11 +581,13 @@ fn encode_into<'r>(
     if buf.len() < hint {
         buf.resize(hint, 0);
     }
-    let size = write_batch(records.clone(), count, format, ts, rank, buf);
+    let mut size = write_batch(records.clone(), count, format, ts, rank, buf);
     if size + Writer::SLACK > buf.len() {
         // Past the expected size: the first pass measured the batch, the second fits.
         buf.resize(size + Writer::SLACK, 0);
-        write_batch(records, count, format, ts, rank, buf);
+        let measured = size;
+        size = write_batch(records, count, format, ts, rank, buf);
+        debug_assert_eq!(size, measured, "the first pass measures the batch exactly");
     }
     (size, count)
 }
@@ -942,12 +944,15 @@ impl Writer<'_> {
     #[allow(clippy::inline_always)] // the writer's cursor stays in registers only when inlined
     #[inline(always)]
     fn put<const N: usize>(&mut self, bytes: [u8; N]) {
-        match std::mem::take(&mut self.rest).split_first_chunk_mut::<N>() {
-            Some((dst, rest)) => {
-                *dst = bytes;
-                self.rest = rest;
-            }
-            None => self.missing += N,
+        let rest = std::mem::take(&mut self.rest);
+        if let Some(dst) = rest.first_chunk_mut::<N>() {
+            *dst = bytes;
+            self.rest = &mut rest[N..];
+        } else {
+            // The room left stays: a later, smaller store may still fit in it, and the
+            // batch's size is what was written plus what is missing.
+            self.missing += N;
+            self.rest = rest;
         }
     }
 
@@ -1217,6 +1222,74 @@ mod tests {
             assert_eq!((&buf[..size], n), (want, 41), "buffer of {len}");
             assert!(buf.len() >= len && buf[size..].iter().all(|&b| b == 0xaa || b == 0), "{len}");
         }
+    }
+
+    /// A batch past its size hint (extra keys, which the hint leaves out) measures exactly
+    /// what a buffer large enough from the start holds: a store that did not fit in the first
+    /// pass must not drop the room left, or the size counts that room as written and the
+    /// batch carries trailing bytes (`fuzz_core`, seed 1796206065607800160). The reference is a
+    /// single pass into a buffer that needs no second one; the image counts and hash lengths
+    /// move the end of the hint across every store of the map.
+    #[test]
+    fn a_batch_past_its_size_hint_is_measured_exactly() {
+        let digests: Vec<Digest> = (1..=4u8)
+            .map(|i| {
+                let mut d = Digest([0; 32]);
+                d.0[8] = i;
+                d
+            })
+            .collect();
+        let format = WireFormat {
+            block_size: 1,
+            unit: 1,
+            digest_len: 16,
+            kinds: vec![WireKind::FullAttention],
+        };
+        let mut outgrown = 0;
+        for (images, hash_len) in (0..12u32).flat_map(|n| (1..12usize).map(move |h| (n, h))) {
+            let multimodal = (0..images)
+                .map(|i| MultimodalInput { start: i % 4, end: 4, hash: vec![b'a'; hash_len] })
+                .collect();
+            // A run of four one-token blocks, as the manager records it.
+            let records = vec![EventRecord {
+                sequence: 8,
+                event: CacheEvent::BlockStored {
+                    group: 0,
+                    block: 17,
+                    blocks: vec![17, 18, 19, 20],
+                    keys: digests.clone(),
+                    parent: None,
+                    token_start: 0,
+                    token_end: 4,
+                    checkpoint: false,
+                    tokens: vec![0, 1, 2, 3],
+                    tokens_start: 0,
+                    wire_parent: None,
+                    lora_id: None,
+                    cache_salt: None,
+                    multimodal,
+                },
+            }];
+            let hint = 32 + records.iter().map(|r| size_hint(&r.event)).sum::<usize>();
+            let mut roomy = vec![0xaa; 1 << 16];
+            let (size, n) = encode_batch_into(&records, &format, 1.0, Some(0), &mut roomy);
+            outgrown += usize::from(size > hint);
+            assert_eq!((roomy[size - 1], n), (0, 1), "{images} x {hash_len}: the rank ends it");
+            let want = hex(&roomy[..size]);
+            let mut fresh = Vec::new();
+            assert_eq!(encode_batch(&records, &format, 1.0, Some(0), &mut fresh), n);
+            assert_eq!(hex(&fresh), want, "{images} x {hash_len}, appended");
+            for len in [0, hint, size - 1] {
+                let mut buf = vec![0x55; len];
+                let (got, m) = encode_batch_into(&records, &format, 1.0, Some(0), &mut buf);
+                assert_eq!(
+                    (hex(&buf[..got]), m),
+                    (want.clone(), n),
+                    "{images} x {hash_len}, {len}"
+                );
+            }
+        }
+        assert!(outgrown > 60, "only {outgrown} batches outgrew their hint");
     }
 
     #[derive(Clone, Debug)]
