@@ -19,7 +19,9 @@
 #      block,fine and measure fine,block, then warm fine,block and measure block,fine (in a
 #      fine-first process fine was 2 to 6% slower: which of the two firsts sets it);
 #   8. KDA GPU work (--kda-timing gpu) with --warm-up full, block then fine (the shapes warm
-#      pass left 7 decode graph shapes to the first measured run).
+#      pass left 7 decode graph shapes to the first measured run);
+#   9. benchmarks/gpu_uploads.py: the host time of a step's index uploads (through pinned
+#      memory, as to_device makes them, against a pageable non-blocking copy), GPU idle and busy.
 #
 # The next session's call (issue 19; 6 + 7 + 8 in one 600 s call, about 60 + 2 x 140 + 150 s):
 #   STAGES=678 SEED_ARGS=--no-overlap BUDGET=585 OUT=$OUT bash benchmarks/gpu_seed.sh
@@ -32,7 +34,7 @@
 #                                 # unless its GPU tests fail in stage 1)
 #   CUDA_GRAPHS=0 ...             # every step eager (default: decode-only steps replay CUDA
 #                                 # graphs, unless their GPU tests fail in stage 1)
-#   REPEATS=2 ...                 # stages 4 and 5 measure each policy twice, interleaved,
+#   REPEATS=2 ...                 # stages 4 and 5 measure each policy twice, counterbalanced,
 #                                 # after the warm pass (simulate --repeats: the JSON keeps every
 #                                 # pass; gpu_seed_report.py prints them and pass 1 vs pass 2)
 # The seed runs share what is left of BUDGET seconds (default 585: one 600 s device call); with
@@ -95,6 +97,9 @@ seed=(--preset seed "${common[@]}" ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${W
     ${REPEATS:+--repeats "$REPEATS"})
 # shellcheck disable=SC2206  # SEED_ARGS="--no-overlap ...": more options of the seed runs
 seed+=(${SEED_ARGS:-})
+run 9 && say "9. host-to-device uploads"
+run 9 && timeout 60 python3 benchmarks/gpu_uploads.py --json "$out/uploads.json" 2>>"$errors" \
+    | tee -a "$log"
 run 2 && say "2. layer timing"
 run 2 && timeout 90 python3 benchmarks/gpu_layers.py --backend flashkda-op \
     --json "$out/layers.json" 2>>"$errors" | tee -a "$log"

@@ -1,17 +1,19 @@
 """Measured passes (``simulate(..., repeats=N)``, ``prefixcache simulate --repeats N``).
 
 The rule, stated here independently of the code: after the warm pass every policy but the
-``none`` reference runs N times, interleaved in the order asked for (block, fine, block, fine),
-each on fresh caches; the reference runs once, first, and every pass is checked against it. Every
-pass is kept; per policy the document gives the median over the passes and the spread (largest
-over smallest, less 1) of TTFT p50, prefill time, KDA time and host time, and its headline
-entry is its median pass by TTFT p50 (the faster middle one of an even count). Passes of one
-policy compute the same tokens and generate the same outputs. One pass (the default) leaves the
-document as it was; counts outside 1 to 16 are refused before anything runs.
+``none`` reference runs N times, counterbalanced: odd passes in the order asked for, even passes
+in the reverse order (block, fine, fine, block, block, fine), each on fresh caches; the
+reference runs once, first, and every pass is checked against it. Every pass is kept; per
+policy the document gives the median over the passes and the spread (largest over smallest,
+less 1) of TTFT p50, prefill time, KDA time and host time, and its headline entry is its median
+pass by TTFT p50 (the faster middle one of an even count). Passes of one policy compute the
+same tokens and generate the same outputs. One pass (the default) leaves the document as it
+was; counts outside 1 to 16 are refused before anything runs.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -23,7 +25,7 @@ pytest.importorskip("prefixcache._core")
 
 from prefixcache.engine import Engine, RunResult, build_model, simulate
 from prefixcache.engine.cli import build_parser, main
-from prefixcache.engine.simulate import MAX_REPEATS
+from prefixcache.engine.simulate import MAX_REPEATS, measured_order
 from prefixcache.engine.workloads import Geometry, GrowingPrefixSpec, PresetWorkload, Workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -60,17 +62,18 @@ def test_two_passes_interleave_agree_and_give_medians(
     model = build_model("cpu", "torch")
     runs = _recording(monkeypatch)
     report = simulate(workload, ["block", "fine"], model, repeats=2)
-    assert runs == ["none", "block", "fine", "block", "fine"]
+    assert runs == ["none", "block", "fine", "fine", "block"]
     document = report.to_json()
     assert document["repeats"] == 2
     assert document["pass_order"] == [
         [1, "none"],
         [1, "block"],
         [1, "fine"],
-        [2, "block"],
         [2, "fine"],
+        [2, "block"],
     ]
-    for name, positions in (("block", [1, 3]), ("fine", [2, 4])):
+    # Counterbalanced: each policy's mean position is the same (2.5).
+    for name, positions in (("block", [1, 4]), ("fine", [2, 3])):
         entry = document["policies"][name]
         passes = entry["passes"]
         assert [p["pass"] for p in passes] == [1, 2]
@@ -101,6 +104,53 @@ def test_two_passes_interleave_agree_and_give_medians(
     assert "### order check: pass 1 against pass 2" in lines
     assert any(line.startswith("| block spread |") for line in lines)
     assert sum(line.startswith("| fine | TTFT p50 ms |") for line in lines) == 1
+
+
+@pytest.mark.parametrize(
+    ("names", "repeats", "expected"),
+    [
+        (["none", "block", "fine"], 1, ["none", "block", "fine"]),
+        (["none", "fine", "block"], 2, ["none", "fine", "block", "block", "fine"]),
+        (["block", "fine"], 3, ["block", "fine", "fine", "block", "block", "fine"]),
+        (["block", "fine"], 4, ["block", "fine", "fine", "block"] * 2),
+        (["fine"], 3, ["fine"] * 3),
+        (["none"], 2, ["none", "none"]),  # the reference alone is the repeated policy
+    ],
+)
+def test_the_measured_order_is_counterbalanced(
+    names: list[str], repeats: int, expected: list[str]
+) -> None:
+    order = measured_order(names, repeats)
+    assert order == expected
+    repeated = [name for name in names if name != "none"] or names
+    if repeats % 2 == 0 and len(repeated) > 1:
+        # Over an even number of passes every repeated policy sits, on average, at the same
+        # place in the process.
+        positions = {
+            name: statistics.mean(k for k, ran in enumerate(order) if ran == name)
+            for name in repeated
+        }
+        assert len(set(positions.values())) == 1, positions
+
+
+def test_each_run_starts_on_a_frozen_heap_and_the_heap_is_thawed_after(
+    workload: PresetWorkload,
+) -> None:
+    assert gc.get_freeze_count() == 0
+    report = simulate(workload, ["block", "fine"], build_model("cpu", "torch"), repeats=2)
+    for name in ("block", "fine"):
+        starts = []
+        for entry in report.to_json()["policies"][name]["passes"]:
+            state = entry["step_times"]["pass_state"]
+            # What the earlier runs left (the model, their results) is out of the collector's
+            # sight before the run starts, and stays so through it (a frozen object that the
+            # run lets go of is freed by its reference count, so the count may only fall).
+            start, end = state["start"]["python_frozen"], state["end"]["python_frozen"]
+            assert 0 < end <= start, name
+            starts.append(start)
+        # The second pass also has the first pass's kept results frozen.
+        assert starts[1] > starts[0], name
+    assert gc.get_freeze_count() == 0
 
 
 def test_three_passes_head_with_the_median_pass(

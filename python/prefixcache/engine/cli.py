@@ -76,7 +76,8 @@ timing:
   among its prefill rows by tokens; KDA prefill s is the KDA kernels' time (--kda-timing).
   On a GPU each policy first runs the whole workload once, unmeasured (--warm-up full), so
   that no measured run pays first-call costs and the policies' order does not matter.
-  --repeats N then measures the policies N times, interleaved (block, fine, block, fine, ...),
+  --repeats N then measures the policies N times, counterbalanced (block, fine, fine, block,
+  ...: every second pass reversed, so a drift over the process charges every policy alike),
   each on fresh caches: every pass is kept in the JSON, with each policy's median and spread
   (max/min - 1) over the passes, and the tables show each policy's median pass (by TTFT p50).
 """
@@ -242,9 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="N",
-        help="measure the policies N times (1 to 16, default 1), interleaved in the order "
-        "given, each on fresh caches; the none reference runs once, first. The JSON keeps "
-        "every pass and gives each policy's median and spread over them",
+        help="measure the policies N times (1 to 16, default 1), counterbalanced (the "
+        "order given, then reversed: block,fine,fine,block,...), each on fresh caches; the "
+        "none reference runs once, first. The JSON keeps every pass and gives each policy's "
+        "median and spread over them",
     )
     simulate.add_argument(
         "--overlap",

@@ -56,6 +56,7 @@ __all__ = [
     "check_warm_order",
     "engine_config_for",
     "measured_names",
+    "measured_order",
     "pass_state",
     "resolve_warm_up",
     "simulate",
@@ -500,9 +501,9 @@ def simulate(
     engine overlapped (``EngineConfig.overlap``; ignored with an ``engine_config``, which says).
 
     ``repeats`` (1 to ``MAX_REPEATS``) measures the policies that many times after the warm
-    pass, interleaved in the order given (block, fine, block, fine, ...), each run on zeroed
-    caches, to tell an effect of the order from run-to-run spread in one process; the ``none``
-    reference runs once, first (it is repeated only when it is the only policy), and every
+    pass, counterbalanced (:func:`measured_order`: block, fine, fine, block, ...), each run on
+    zeroed caches, to tell an effect of the order from run-to-run spread in one process; the
+    ``none`` reference runs once, first (it is repeated only when it is the only policy), and every
     pass is checked against it. The report keeps every pass and heads each policy with its
     median pass (:meth:`SimulationReport.median_pass`); ``on_policy`` is called after every run.
 
@@ -545,11 +546,23 @@ def simulate(
     )
     report.warm_up = mode
     report.warm_order = warm_names
-    with model.reusing_caches():
-        _warm_up(model, warm_names, workload, geometry, config, mode)
-        _measure(
-            report, model, names, workload, geometry, config, repeats, progress, on_policy, observe
-        )
+    try:
+        with model.reusing_caches():
+            _warm_up(model, warm_names, workload, geometry, config, mode)
+            _measure(
+                report,
+                model,
+                names,
+                workload,
+                geometry,
+                config,
+                repeats,
+                progress,
+                on_policy,
+                observe,
+            )
+    finally:
+        gc.unfreeze()
     return report
 
 
@@ -622,6 +635,7 @@ def pass_state(device: torch.device) -> dict[str, Any]:
         "involuntary_switches": usage.ru_nivcsw,
         "max_rss_kib": usage.ru_maxrss,
         "python_blocks": sys.getallocatedblocks(),
+        "python_frozen": gc.get_freeze_count(),
         "gc_counts": list(gc.get_count()),
     }
     if device.type == "cuda":
@@ -669,14 +683,12 @@ def _measure(
 ) -> None:
     """The measured runs of :func:`simulate`, recorded in ``report``."""
     rtol = report.rtol
-    repeated = [name for name in names if name != "none"] or names
-    once = [name for name in names if name not in repeated]  # the reference, first
-    for name in once + repeated * repeats:
+    for name in measured_order(names, repeats):
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
         clock = StepClock(model)
         engine = Engine(model, policy, config, forward=clock, observe=observe)
         callback = None if progress is None else progress(name, workload.spec.num_requests)
-        gc.collect()  # each run starts from the same heap: none collects the previous one's
+        _settle_heap()
         requests = workload.build(model.config.vocab_size)
         if model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(model.device)
@@ -695,6 +707,32 @@ def _measure(
         report.add_pass(name, run, clock.summary() | collections.summary() | states, match)
         if on_policy is not None:
             on_policy(report)
+
+
+def measured_order(names: Sequence[str], repeats: int) -> list[str]:
+    """The measured runs of :func:`simulate` in the order they run: ``none`` once, first (the
+    reference, when ``names`` holds it with other policies), then ``repeats`` passes of the
+    others, counterbalanced: every second pass runs them in the reverse order (block, fine, fine,
+    block, block, fine, ...), so that over an even number of passes each policy's mean position
+    in the process is the same, whichever it runs first. A process whose runs slow down (or
+    speed up) steadily over its life, as the H200's did by 4 to 8% a run (docs/BENCHMARKS.md),
+    then charges the drift to every policy alike instead of to the one measured last."""
+    repeated = [name for name in names if name != "none"] or list(names)
+    once = [name for name in names if name not in repeated]
+    order = list(once)
+    for k in range(repeats):
+        order += repeated if k % 2 == 0 else repeated[::-1]
+    return order
+
+
+def _settle_heap() -> None:
+    """Before a run: collect the previous runs' garbage, then freeze what is left (their
+    results, the model, the caches) out of the collector's sight (``gc.freeze``), so that the
+    run's collections scan its own objects only and none of them grows with the runs before it.
+    Serving engines do the same after start-up (vLLM freezes its heap once warm). The heap is
+    unfrozen when :func:`simulate` returns."""
+    gc.collect()
+    gc.freeze()
 
 
 class _GcClock:
@@ -775,6 +813,7 @@ def _warm_up(
     backlog, underruns = timer.backlog_cycles, timer.underruns
     for name in names:
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
+        _settle_heap()
         Engine(model, policy, warm_config).run(warm.build(model.config.vocab_size))
     timer.take()
     timer.backlog_cycles, timer.underruns = backlog, underruns
