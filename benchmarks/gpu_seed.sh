@@ -64,6 +64,12 @@ errors="$out/stderr.txt"
 say() { echo "== $(date -u +%T) $*" | tee -a "$log"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
+# The GPU's clocks, power and temperature every 250 ms while the stages run (a run that slows
+# down over a process, or a step that starts at lower clocks, shows here): $out/gpu_clocks.csv.
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
+    --format=csv,noheader,nounits -lms 250 >"$out/gpu_clocks.csv" 2>/dev/null &
+clocks=$!
+trap 'kill $clocks 2>/dev/null' EXIT
 python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "triton", triton.__version__)' | tee -a "$log"
 
