@@ -20,8 +20,9 @@
 #      fine-first process fine was 2 to 6% slower: which of the two firsts sets it);
 #   8. KDA GPU work (--kda-timing gpu) with --warm-up full, block then fine (the shapes warm
 #      pass left 7 decode graph shapes to the first measured run);
-#   9. benchmarks/gpu_uploads.py: the host time of a step's index uploads (through pinned
-#      memory, as to_device makes them, against a pageable non-blocking copy), GPU idle and busy.
+#   9. benchmarks/gpu_uploads.py: the host time of a step's index uploads (a pageable
+#      non-blocking copy, as to_device makes them, against one through pinned memory), GPU idle
+#      and busy.
 #
 # The next session's call (issue 19; 6 + 7 + 8 in one 600 s call, about 60 + 2 x 140 + 150 s):
 #   STAGES=678 SEED_ARGS=--no-overlap BUDGET=585 OUT=$OUT bash benchmarks/gpu_seed.sh

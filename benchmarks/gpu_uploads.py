@@ -2,13 +2,14 @@
 """Host time of one host-to-device upload of a step's index array, the way each step makes them.
 
 Every step uploads its plan's index arrays (token ids, KV slots, block tables, state slots, the
-convolution's positions) with ``prefixcache.kernels._convert.to_device``: a copy into pinned
-memory (``Tensor.pin_memory``, the caching host allocator) and a non-blocking copy from there.
-This measures, per call and per size, the host time of that path against a non-blocking copy
-from the pageable array itself (which the driver stages before it returns), with the GPU idle and
-with it busy behind a backlog (``torch.cuda._sleep``, as a step's launches run behind its
-kernels): a path whose host time grows behind a backlog waits for the GPU, which a step's
-launches must not. Each upload's values are checked on the device.
+convolution's positions) with ``prefixcache.kernels._convert.to_device``: a non-blocking copy from
+the pageable array itself, which the driver stages before it returns. This measures, per call
+and per size, the host time of that path against a copy through pinned memory
+(``Tensor.pin_memory``, the caching host allocator, then a non-blocking copy: what ``to_device``
+did until 2026-12-02), with the GPU idle and with it busy behind a backlog
+(``torch.cuda._sleep``, as a step's launches run behind its kernels): a path whose host time
+grows behind a backlog waits for the GPU, which a step's launches must not. Each upload's values
+are checked on the device.
 
     PYTHONPATH=<site with the wheel> python3 benchmarks/gpu_uploads.py --json "$OUT/uploads.json"
 """
@@ -32,13 +33,13 @@ SIZES = (8, 64, 512, 4096, 32768)
 BACKLOG_CYCLES = 20_000_000
 
 
-def _pageable(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor.to(device, non_blocking=True)
+def _pinned(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 PATHS: dict[str, Callable[[torch.Tensor, torch.device], torch.Tensor]] = {
-    "pinned (to_device)": to_device,
-    "pageable, non-blocking": _pageable,
+    "pinned, non-blocking": _pinned,
+    "pageable, non-blocking (to_device)": to_device,
 }
 
 
