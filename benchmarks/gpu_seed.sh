@@ -24,8 +24,10 @@
 #      non-blocking copy, as to_device makes them, against one through pinned memory), GPU idle
 #      and busy.
 #
-# The next session's call (issue 19; 6 + 7 + 8 in one 600 s call, about 60 + 2 x 140 + 150 s):
-#   STAGES=678 SEED_ARGS=--no-overlap BUDGET=585 OUT=$OUT bash benchmarks/gpu_seed.sh
+# The figures of docs/BENCHMARKS.md (2026-12-02 12:54: both orders, counterbalanced passes,
+# 2 x 190 to 205 s, with stage 9; KDA GPU work is stage 8, about 175 s, a call of its own):
+#   STAGES=945 REPEATS=2 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=575 OUT=$OUT \
+#       bash benchmarks/gpu_seed.sh
 #
 #   OUT=/tmp/out bash benchmarks/gpu_seed.sh            # DEPTH=2 layer groups by default
 #   STAGES=45 OUTPUT_LEN=16 ...                         # the seed runs only, 16 decode tokens
