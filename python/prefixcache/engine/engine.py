@@ -153,12 +153,53 @@ class EngineConfig:
             raise ValueError("max_step_retries must be >= 0")
 
 
+class _Tokens:
+    """A live sequence's token ids: its prompt, then each token it samples, in one int64 array
+    that grows by doubling.
+
+    The prompt is copied as an array (0.1 ms for 164K tokens), never turned into a Python list:
+    ``ndarray.tolist`` of a 164K-token prompt took 22 ms on the VM, and it ran between a
+    request's arrival and its first step, so every request's TTFT carried it whatever its new
+    tokens. A slice is a view of the array (the ids it covers never change: appending only
+    writes past them, and growing copies to a new array)."""
+
+    __slots__ = ("_ids", "_len")
+
+    def __init__(self, prompt: np.ndarray, spare: int) -> None:
+        count = len(prompt)
+        self._ids = np.empty(count + max(16, spare), dtype=np.int64)
+        self._ids[:count] = prompt
+        self._len = count
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, token: int) -> None:
+        if self._len == len(self._ids):
+            grown = np.empty(2 * len(self._ids), dtype=np.int64)
+            grown[: self._len] = self._ids[: self._len]
+            self._ids = grown
+        self._ids[self._len] = token
+        self._len += 1
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        """The ids at positions ``start .. end - 1`` that exist (none before 0 or from
+        ``len``), a view."""
+        return self._ids[max(0, start) : max(0, min(end, self._len))]
+
+    def last(self) -> int:
+        """The newest id."""
+        if not self._len:
+            raise IndexError("no tokens")
+        return int(self._ids[self._len - 1])
+
+
 @dataclass(eq=False)
 class _Sequence:
     """The engine's view of one request while it is live (its progress is the manager's)."""
 
     request: Request
-    tokens: list[int]
+    tokens: _Tokens
     arrival: float
     outputs: list[int] = field(default_factory=list)
     prefilling: bool = True  # no token sampled since the sequence was (re)started
@@ -331,7 +372,7 @@ class _Loop:
             self.manager.add(
                 request.request_id, request.prompt.astype(np.uint32), extends=request.extends
             )
-            tokens: list[int] = request.prompt.tolist()
+            tokens = _Tokens(request.prompt, request.output_len)
             seq = _Sequence(request=request, tokens=tokens, arrival=arrival)
             self.live[seq.seq_id] = seq
             self.waiting.append(seq)
@@ -515,14 +556,15 @@ class _Loop:
         starts = buffers.num_computed[:count].tolist()
         ends = (buffers.num_computed[:count] + buffers.num_scheduled[:count]).tolist()
         query_end = buffers.query_start_loc[1 : count + 1].tolist()
-        token_ids: list[int] = []
+        pieces: list[np.ndarray] = []
         logits_indices: list[int] = []
         for seq, start, end, last in zip(rows, starts, ends, query_end, strict=True):
-            token_ids.extend(seq.tokens[start:end])
+            pieces.append(seq.tokens.span(start, end))
             if end == len(seq.tokens):
                 logits_indices.append(last - 1)
+        token_ids = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
         return (
-            to_device(torch.tensor(token_ids, dtype=torch.int64), self.model.device),
+            to_device(torch.from_numpy(token_ids), self.model.device),
             np.asarray(logits_indices, dtype=np.int64),
         )
 
@@ -863,7 +905,7 @@ class _OverlapLoop(_Loop):
         num_computed = buffers.num_computed[:count].tolist()
         num_scheduled = buffers.num_scheduled[:count].tolist()
         query_end = buffers.query_start_loc[1 : count + 1].tolist()
-        token_ids: list[int] = []
+        pieces: list[np.ndarray] = []
         holes: dict[int, tuple[list[int], list[int]]] = {}  # step id -> positions, samples
         logits_indices: list[int] = []
         samples: list[_Sequence] = []
@@ -874,7 +916,7 @@ class _OverlapLoop(_Loop):
         ):
             end = start + scheduled_
             known = len(seq.tokens)
-            token_ids.extend(seq.tokens[start:end])
+            pieces.append(seq.tokens.span(start, end))
             if end > known:
                 # The tokens past the known ones are placeholders: each is the sample of the
                 # step in flight that holds the sequence's oldest unresolved sample.
@@ -885,7 +927,7 @@ class _OverlapLoop(_Loop):
                     positions, indices = holes.setdefault(source_step, ([], []))
                     positions.append(last - end + position)
                     indices.append(index)
-                    token_ids.append(0)
+                pieces.append(np.zeros(end - max(start, known), dtype=np.int64))
             prefill.append(seq.prefilling and not seq.samples_in_flight)
             seq.in_flight += 1
             if end == known + seq.placeholders:
@@ -900,7 +942,7 @@ class _OverlapLoop(_Loop):
             job = ForwardJob(
                 step_id=step_id,
                 step=step,
-                token_ids=torch.tensor(token_ids, dtype=torch.int64),
+                token_ids=torch.from_numpy(np.concatenate(pieces)),
                 fills=[
                     (
                         source_step,
@@ -1074,12 +1116,12 @@ class _OverlapLoop(_Loop):
             if not resolved:
                 self.manager.resolve_batch(
                     np.fromiter((seq.seq_id for seq in resolve), dtype=np.uint64),
-                    np.fromiter((seq.tokens[-1] for seq in resolve), dtype=np.uint32),
+                    np.fromiter((seq.tokens.last() for seq in resolve), dtype=np.uint32),
                 )
         elif resolve:
             self.manager.append_batch(
                 np.fromiter((seq.seq_id for seq in resolve), dtype=np.uint64),
-                np.fromiter((seq.tokens[-1] for seq in resolve), dtype=np.uint32),
+                np.fromiter((seq.tokens.last() for seq in resolve), dtype=np.uint32),
             )
         return finished
 
