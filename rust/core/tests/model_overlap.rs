@@ -39,11 +39,26 @@
 //! last step its whole table. Only a block not in use may be evicted, with exactly the keys it
 //! carries, a key leaving the index when no block carries it any more; the pool's owned and
 //! cached counts must be the model's (not checked while a scheduled step pins one of several
-//! copies of a key, which only the pool's recency decides). Which cached block an allocation
-//! evicts is not predicted (the LRU order of full-attention blocks is not mirrored: a check
-//! against when the model first saw each block cached gave false failures, from pins that a
-//! dropped or refused schedule gives back); a schedule evicts exactly the blocks it needs
-//! beyond the free ones.
+//! copies of a key that the model cannot name). A schedule evicts exactly the blocks it needs
+//! beyond the free ones, and the least recently used first. The LRU order, stated on its own
+//! (`sync_fa_lru`): a published block enters the LRU as its most recent entry when its last
+//! holder lets go (a table released, a copy-on-write source at its plan's end, the hit pins
+//! of a schedule dropped by finish or preempt or undone by an abort), a pin takes it out; a
+//! sequence releases its table tail first; blocks released in one call in an order no rule
+//! states are ties (neither may be evicted before the other is checked). Which copy of a key a
+//! first schedule pins follows from it: the only one, else the one in use, else the most
+//! recently used (checked against the plan's table).
+//!
+//! A sliding-window group (W tokens; `prop_overlapped_sliding_windows_follow_the_model`, in a
+//! pool of its own that never runs short), stated on its own: resuming at L needs the blocks
+//! covering `[max(0, L - W), L)`, so the hit is the largest candidate within the
+//! full-attention bound that the window and the state group both allow, the window's own
+//! hit stops `not_cached` when its key at the largest candidate is missing or full attention
+//! bounds it, else `window_gap`; a first step's window table is nulls before
+//! `max(0, L - W) / B`, the hit's blocks, a copy on write inside a block, then its own; at each
+//! commit the blocks whose tokens all lie before the last W computed ones are released; an
+//! engine applying every plan's appended and replaced entries holds the table; a key waiting
+//! for its tokens whose window block was released meanwhile is never published.
 //!
 //! With a state group, each step must read the running state the step before it writes, and
 //! write a buffer none of its other steps uses. Its checkpoints, stated on their own:
@@ -91,8 +106,9 @@
 //! (unpinned) ones, the blocks free or cached, and the checkpoint statistics; at the end
 //! everything is committed and finished and no block may stay owned.
 //!
-//! Cases: 256 (`PROPTEST_CASES` or `MODEL_CASES` for more); `MODEL_PATHS=1` prints how often the
-//! fixed sample of `overlapped_traffic_reaches_every_path` took each path.
+//! Cases: 256, and half as many with a sliding window (`PROPTEST_CASES` or `MODEL_CASES` for
+//! more); `MODEL_PATHS=1` prints how often the fixed sample of
+//! `overlapped_traffic_reaches_every_path` took each path.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -121,6 +137,9 @@ struct Setup {
     state: Option<StateSetup>,
     /// Whether every waiting sequence is looked up after every call (else only by `Lookup`).
     watch: bool,
+    /// A sliding-window group (block size, window W), in a pool of its own that never runs
+    /// short (`prop_overlapped_sliding_windows_follow_the_model`).
+    window: Option<(u32, u32)>,
 }
 
 /// The state group's retention, cap and C (alignment 1: every interior offset is exportable).
@@ -213,6 +232,21 @@ enum Op {
         pick: u8,
         position: u8,
     },
+    /// Windowed traffic only: `count` placeholders appended to a sequence and scheduled in one
+    /// chunk, planned and committed, the tokens still unknown (keys wait for them while the
+    /// window may release their blocks).
+    Ahead {
+        pick: u8,
+        count: u8,
+    },
+}
+
+/// `op()`, and in the sliding-window property runs of placeholders computed ahead.
+fn windowed_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        12 => op(),
+        1 => (any::<u8>(), 4u8..12).prop_map(|(pick, count)| Op::Ahead { pick, count }),
+    ]
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -277,7 +311,18 @@ fn setup() -> impl Strategy<Value = Setup> {
             fa_blocks,
             state,
             watch,
+            window: None,
         })
+}
+
+/// `setup()` with a sliding-window group: blocks of one or two units, windows from one block
+/// to two blocks and three tokens.
+fn windowed_setup() -> impl Strategy<Value = Setup> {
+    let window = prop::sample::select(vec![U, 2 * U]).prop_flat_map(|block| {
+        prop::sample::select(vec![block, block + 2, 2 * block, 2 * block + 3])
+            .prop_map(move |w| (block, w))
+    });
+    (setup(), window).prop_map(|(s, window)| Setup { window: Some(window), ..s })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -305,6 +350,10 @@ struct Step {
     cow_src: Option<u32>,
     pins: Vec<Pin>,
     new_blocks: u32,
+    /// The sliding-window group: its table's length before the step, and the copy-on-write
+    /// source its plan pins.
+    sw_before: usize,
+    sw_cow: Option<u32>,
 }
 
 /// A key of a scheduled first step's hit, with the block it pins when only one carries it, and
@@ -319,6 +368,10 @@ struct Seq {
     x: Extras,
     /// Its full-attention block table, as the engine keeps it from the plans' appended entries.
     table: Vec<u32>,
+    /// Its sliding-window table (0: outside the window, released), and the same table as an
+    /// engine keeps it from the plans' appended and replaced entries.
+    sw: Vec<u32>,
+    sw_view: Vec<u32>,
     placeholders: u32,
     log: Vec<(u64, u32)>,
     committed: u32,
@@ -448,6 +501,29 @@ struct Ck {
     decode_tail: bool,
 }
 
+/// When a full-attention block entered the pool's LRU: the model's sync that saw it cached
+/// (`call`; one per core call or fewer), and within that sync its place in a release whose
+/// order the rules state (`batch`, 0 for none; `rank`, oldest first: a sequence releases its
+/// table tail first). Blocks of the same sync are otherwise released in an order no rule
+/// states, so neither counts as older.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Since {
+    call: u64,
+    batch: u64,
+    rank: u32,
+}
+
+impl Since {
+    /// Whether `self` entered the LRU strictly before `other`, by the stated rules.
+    fn older(self, other: Self) -> bool {
+        self.call < other.call
+            || (self.call == other.call
+                && self.batch != 0
+                && self.batch == other.batch
+                && self.rank < other.rank)
+    }
+}
+
 /// The checkpoint statistics the manager must report.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct CkStats {
@@ -460,6 +536,9 @@ struct CkStats {
 
 /// Checkpoints over placeholders: (block, position).
 type Waiting = Vec<(u32, u32)>;
+
+/// A plan row's sliding-window table, the engine's view of it, and its copy source.
+type WindowRow = (Vec<u32>, Vec<u32>, Option<u32>);
 
 /// A stored key: (group, digest, the block for a checkpoint).
 type Stored = (u32, Digest, Option<u32>);
@@ -482,9 +561,20 @@ struct Model {
     /// per block the keys it carries with their digests.
     published: BTreeMap<Vec<u32>, BTreeSet<u32>>,
     carried: BTreeMap<u32, BTreeMap<Vec<u32>, Digest>>,
+    /// The same for the sliding-window group (whose pool never evicts).
+    sw_published: BTreeMap<Vec<u32>, BTreeSet<u32>>,
+    sw_carried: BTreeMap<u32, BTreeSet<Vec<u32>>>,
     /// Events drained before `check_events` (full-attention evictions checked at once).
     drained: Vec<CacheEvent>,
     fa_evictions: u64,
+    /// The full-attention blocks the model holds cached (carrying keys, in use by nothing),
+    /// with when each entered the LRU (`None`: unknown, a pin the model cannot name may hold
+    /// it), the release orders the model's calls stated since the last sync (oldest first),
+    /// and the clocks of both.
+    fa_lru: BTreeMap<u32, Option<Since>>,
+    fa_released: Vec<Vec<u32>>,
+    fa_clock: u64,
+    fa_batches: u64,
 
     ended: Vec<u64>,
     /// Published checkpoint blocks, and the unpinned ones, least recently used first.
@@ -496,7 +586,7 @@ struct Model {
     /// evicted with (digest, gone) (drained per call).
     expect_stored: Vec<Stored>,
     expect_removed: Vec<(u32, Digest, bool)>,
-    seen: BTreeMap<&'static str, u64>,
+    seen: std::cell::RefCell<BTreeMap<&'static str, u64>>,
 }
 
 fn config(s: &Setup) -> CacheConfig {
@@ -521,6 +611,13 @@ fn config(s: &Setup) -> CacheConfig {
             pool: 1,
         });
         pools.push(PoolConfig { num_blocks: st.blocks });
+    }
+    if let Some((block_size, window)) = s.window {
+        groups.push(GroupConfig {
+            kind: GroupKind::SlidingWindow { block_size, window },
+            pool: pools.len(),
+        });
+        pools.push(PoolConfig { num_blocks: 1024 });
     }
     CacheConfig {
         hash: HashConfig { unit: U, ..HashConfig::default() },
@@ -568,8 +665,14 @@ impl Model {
             unbuilt: Vec::new(),
             published: BTreeMap::new(),
             carried: BTreeMap::new(),
+            sw_published: BTreeMap::new(),
+            sw_carried: BTreeMap::new(),
             drained: Vec::new(),
             fa_evictions: 0,
+            fa_lru: BTreeMap::new(),
+            fa_released: Vec::new(),
+            fa_clock: 0,
+            fa_batches: 0,
 
             ended: Vec::new(),
             ck: BTreeMap::new(),
@@ -578,12 +681,12 @@ impl Model {
             want: CkStats::default(),
             expect_stored: Vec::new(),
             expect_removed: Vec::new(),
-            seen: BTreeMap::new(),
+            seen: std::cell::RefCell::new(BTreeMap::new()),
         }
     }
 
-    fn saw(&mut self, path: &'static str) {
-        *self.seen.entry(path).or_default() += 1;
+    fn saw(&self, path: &'static str) {
+        *self.seen.borrow_mut().entry(path).or_default() += 1;
     }
 
     fn classic_busy(&self) -> bool {
@@ -809,11 +912,30 @@ impl Model {
                 copies.iter().copied().filter(|x| owned.contains(x)).collect();
             let in_use = !used.is_empty() || pinned.contains(&k);
             extra += usize::from(!in_use);
-            let only = (copies.len() == 1).then(|| copies.iter().next().copied()).flatten();
+            // The copy it pins: the only one; else one in use (when the model knows the only
+            // one); else the most recently used, where the LRU order tells it.
+            let chosen = if copies.len() == 1 {
+                copies.first().copied()
+            } else if self.fuzzy() {
+                None
+            } else if used.len() == 1 {
+                used.first().copied()
+            } else if used.is_empty() {
+                self.most_recent_copy(&copies)
+            } else {
+                None
+            };
+            if copies.len() > 1 && chosen.is_some() {
+                self.saw(if used.is_empty() {
+                    "a hit pinned the most recent of several cached copies"
+                } else {
+                    "a hit pinned the copy in use of several"
+                });
+            }
             // (unknown when a scheduled step pins a block the model cannot name: that block
             // may carry this key too)
             let used = (!pinned.contains(&k) && !self.fuzzy()).then_some(used);
-            pins.push((k, only, used));
+            pins.push((k, chosen, used));
         }
         (pins, extra, blocks - l / b)
     }
@@ -822,12 +944,18 @@ impl Model {
     /// now (before the call's own allocations are known), the rest kept for `check_events`.
     ///
     /// A cached block is evicted only when no block is free: a schedule (`allocates`: its own
-    /// pins and new blocks) evicts exactly the blocks it needs beyond the free ones. Which of
-    /// the cached blocks (the pool's LRU order) is not checked: see the module doc.
+    /// pins and new blocks) evicts exactly the blocks it needs beyond the free ones, each the
+    /// least recently used of those cached (no block left in place entered the LRU before it,
+    /// by `Since::older`).
     fn take_removals(&mut self, allocates: Option<(&[Pin], u32)>) -> Result<(), String> {
+        self.sync_fa_lru();
         // (the schedule's own pins, taken before it allocates, are not candidates either)
         let own = allocates.map_or(&[][..], |a| a.0);
         let fuzzy = self.fuzzy() || own.iter().any(|p| p.1.is_none());
+        let mut not_candidates: BTreeSet<u32> = own.iter().filter_map(|p| p.1).collect();
+        for p in own.iter().filter(|p| p.1.is_none()) {
+            not_candidates.extend(self.published.get(&p.0).into_iter().flatten());
+        }
         let mut cached_before = self.fa_cached();
         let cached = cached_before.len();
         for p in own {
@@ -842,6 +970,30 @@ impl Model {
                 continue;
             };
             ensure!(!held.contains(&block), "evicted full-attention block {block} is in use");
+            // The least recently used cached block goes first.
+            let since = self.fa_lru.remove(&block);
+            ensure!(since.is_some(), "evicted full-attention block {block} is not cached");
+            if let Some(Some(since)) = since {
+                let candidates: Vec<(u32, Since)> = self
+                    .fa_lru
+                    .iter()
+                    .filter(|(b, _)| !not_candidates.contains(b))
+                    .filter_map(|(b, t)| t.map(|t| (*b, t)))
+                    .collect();
+                let older: Vec<&(u32, Since)> =
+                    candidates.iter().filter(|(_, t)| t.older(since)).collect();
+                ensure!(
+                    older.is_empty(),
+                    "evicted block {block} (cached at {since:?}) before less recently used \
+                     ones {older:?}"
+                );
+                if candidates.iter().any(|(_, t)| since.older(*t)) {
+                    self.saw("an eviction took the least recently used of several");
+                }
+                if candidates.iter().any(|(_, t)| t.call == since.call && since.older(*t)) {
+                    self.saw("an eviction took the tail of a released table first");
+                }
+            }
             let carried = self
                 .carried
                 .remove(&block)
@@ -902,6 +1054,59 @@ impl Model {
         self.carried.keys().copied().filter(|b| !owned.contains(b)).collect()
     }
 
+    // The LRU order of the full-attention pool, stated here (sections 2 and 3): a published
+    // block enters the LRU, as its most recently used entry, when the last holder lets go of
+    // it (a table released, a copy-on-write source at its plan's end, a hit pin given back by
+    // a schedule that was dropped or undone); a pin takes it out again, whatever pinned it.
+    // A sequence releases its table tail first. An allocation takes a free block first, else
+    // evicts the least recently used cached one. Which copy of a key a first schedule pins:
+    // one in use if there is one, else the most recently used.
+
+    /// Brings the model's LRU up to date with who holds what now: blocks no longer cached
+    /// leave it, newly cached ones enter it as the most recent (ranked within a stated
+    /// release order), and the copies of a key that a scheduled step pinned without the model
+    /// knowing which lose their place (`None`).
+    fn sync_fa_lru(&mut self) {
+        let cached = self.fa_cached();
+        self.fa_lru.retain(|b, _| cached.contains(b));
+        self.fa_clock += 1;
+        let call = self.fa_clock;
+        let mut order: BTreeMap<u32, (u64, u32)> = BTreeMap::new();
+        for release in std::mem::take(&mut self.fa_released) {
+            self.fa_batches += 1;
+            for (rank, &b) in release.iter().enumerate() {
+                order.entry(b).or_insert((self.fa_batches, rank as u32));
+            }
+        }
+        for b in cached {
+            if let std::collections::btree_map::Entry::Vacant(e) = self.fa_lru.entry(b) {
+                let (batch, rank) = order.get(&b).copied().unwrap_or((0, 0));
+                e.insert(Some(Since { call, batch, rank }));
+            }
+        }
+        let unknown: Vec<Vec<u32>> =
+            self.unbuilt_pins().filter(|p| p.1.is_none()).map(|p| p.0.clone()).collect();
+        for k in unknown {
+            for b in self.published.get(&k).into_iter().flatten() {
+                if let Some(since) = self.fa_lru.get_mut(b) {
+                    *since = None;
+                }
+            }
+        }
+    }
+
+    /// The most recently used of several cached copies, when the rules tell it.
+    fn most_recent_copy(&self, copies: &BTreeSet<u32>) -> Option<u32> {
+        let since: Vec<(u32, Since)> = copies
+            .iter()
+            .map(|b| self.fa_lru.get(b).copied().flatten().map(|s| (*b, s)))
+            .collect::<Option<_>>()?;
+        since
+            .iter()
+            .find(|(b, s)| since.iter().all(|(c, t)| c == b || t.older(*s)))
+            .map(|&(b, _)| b)
+    }
+
     /// A row's full-attention table entries and copy against the model: the plan appends the
     /// entries from the table's length up to `ceil(end / B)` (a first step's hit blocks first,
     /// each carrying its key), and a first step resuming inside a block copies from a block
@@ -945,7 +1150,15 @@ impl Model {
                     carries,
                     "row {row}: block {block} of the hit does not carry the key at {q}"
                 );
-                let used = step.pins.iter().find(|p| p.0 == k).and_then(|p| p.2.as_ref());
+                let pin = step.pins.iter().find(|p| p.0 == k);
+                if let Some(chosen) = pin.and_then(|p| p.1) {
+                    ensure!(
+                        chosen == block,
+                        "row {row}: the hit at {q} uses block {block}, expected {chosen} (the \
+                         copy in use, else the most recently used)"
+                    );
+                }
+                let used = pin.and_then(|p| p.2.as_ref());
                 if let Some(used) = used.filter(|u| !u.is_empty()) {
                     ensure!(
                         used.contains(&block),
@@ -980,6 +1193,154 @@ impl Model {
             );
         }
         Ok((table, cow_src))
+    }
+
+    /// A row's sliding-window entries and copy against the model: the plan appends the
+    /// entries from the table's length up to `ceil(end / B)` (a first step's: nulls outside
+    /// the window, its hit's blocks, each carrying its key, then its own), replaces only
+    /// entries the window released, and an engine applying both holds the model's table; a
+    /// first step resuming inside a block copies from a block carrying the key at its hit.
+    /// Returns the table, the engine's view and the copy source.
+    fn check_sw_row(
+        &self,
+        plan: &prefixcache_core::StepPlan,
+        row: usize,
+        seq: &Seq,
+        step: &Step,
+    ) -> Result<WindowRow, String> {
+        let (b, window) = self.s.window.ok_or("no window")?;
+        let g = self.sw_group();
+        let gp = plan.paged.iter().find(|p| p.group == g).ok_or("no sliding-window plan")?;
+        let mut table = if step.first { Vec::new() } else { seq.sw.clone() };
+        let mut view = seq.sw_view.clone();
+        for e in gp.appended.chunks(3).filter(|e| e[0] as usize == row) {
+            let col = e[1] as usize;
+            ensure!(
+                col == table.len() && e[2] >= 0 && e[2] < 1024,
+                "row {row}: appended {e:?} to a window table of {}",
+                table.len()
+            );
+            table.push(e[2] as u32);
+            if view.len() <= col {
+                view.resize(col + 1, 0);
+            }
+            view[col] = e[2] as u32;
+        }
+        for e in gp.replaced.chunks(3).filter(|e| e[0] as usize == row) {
+            let col = e[1] as usize;
+            ensure!(
+                e[2] == 0 && table.get(col) == Some(&0) && !step.first,
+                "row {row}: replaced {e:?}, not an entry the window released ({table:?})"
+            );
+            view[col] = 0;
+            self.saw("a plan reported a window release");
+        }
+        ensure!(
+            table.len() as u32 == step.end.div_ceil(b),
+            "row {row}: a window table of {} blocks for [0, {})",
+            table.len(),
+            step.end
+        );
+        ensure!(
+            view[..table.len()] == table[..],
+            "row {row}: the engine's window table {view:?} after the plan, the model's {table:?}"
+        );
+        // (this row's: the copy's destination is its table's entry at its start)
+        let dst = table.get((step.start / b) as usize).map(|&d| i64::from(d));
+        let copies: Vec<&[i64]> =
+            plan.copies.chunks(4).filter(|c| c[0] == i64::from(g) && Some(c[2]) == dst).collect();
+        let carries = |block: u32, q: u32| {
+            self.sw_carried.get(&block).is_some_and(|keys| keys.contains(&seq.key(q)))
+        };
+        let (l, first_col) =
+            if step.first { (step.start, step.start.saturating_sub(window) / b) } else { (0, 0) };
+        for (c, &block) in table.iter().enumerate().skip(if step.first { 0 } else { seq.sw.len() })
+        {
+            let c = c as u32;
+            if c < first_col {
+                ensure!(block == 0, "row {row}: window entry {c} is {block}, outside the window");
+                self.saw("a first step's window table starts with nulls");
+            } else if c < l / b {
+                ensure!(
+                    carries(block, (c + 1) * b),
+                    "row {row}: window block {block} of the hit does not carry the key at {}",
+                    (c + 1) * b
+                );
+            } else {
+                ensure!(block > 0, "row {row}: a null window entry {c} for its own tokens");
+            }
+        }
+        let mut cow = None;
+        if step.first && l % b != 0 {
+            ensure!(
+                copies.len() == 1
+                    && copies[0][3] == i64::from(l % b)
+                    && copies[0][2] == i64::from(table[(l / b) as usize]),
+                "row {row}: window copies {copies:?} for a hit at {l}"
+            );
+            let src = copies[0][1] as u32;
+            ensure!(carries(src, l), "row {row}: window copy from {src}, not the key at {l}");
+            cow = Some(src);
+            self.saw("window copy on write");
+        } else {
+            ensure!(copies.is_empty(), "row {row}: window copies {copies:?} without a hit inside");
+        }
+        Ok((table, view, cow))
+    }
+
+    /// Publishes boundary `q` of a sequence (known) in the window block holding token q - 1,
+    /// unless the window released it (false).
+    fn publish_sw(&mut self, who: (&[u32], &Extras), sw: &[u32], q: u32) -> bool {
+        let Some((b, _)) = self.s.window else { return false };
+        let (tokens, x) = who;
+        let block = sw[((q - 1) / b) as usize];
+        if block == 0 {
+            return false;
+        }
+        let digest = self.digest(tokens, x, q);
+        self.expect_stored.push((self.sw_group(), digest, Some(block)));
+        let k = key(tokens, x, q);
+        self.sw_published.entry(k.clone()).or_default().insert(block);
+        self.sw_carried.entry(block).or_default().insert(k);
+        true
+    }
+
+    /// The window blocks a sequence no longer reads once `computed` tokens are committed are
+    /// released (their entries null).
+    fn release_window(&mut self, key: (bool, u64)) {
+        let Some((b, w)) = self.s.window else { return };
+        let seq = self.seq_mut(key);
+        let keep_from = (seq.committed.saturating_sub(w) / b) as usize;
+        let mut released = false;
+        for entry in seq.sw.iter_mut().take(keep_from) {
+            released |= *entry != 0;
+            *entry = 0;
+        }
+        if released {
+            self.saw("window blocks released at commit");
+        }
+    }
+
+    /// The sliding-window pool's owned and cached blocks (when no step waits for the next plan,
+    /// whose blocks the model does not name): the entries of started sequences' tables and the
+    /// copy sources of built steps, and the blocks carrying keys besides.
+    fn check_sw_pool(&self) -> Result<(), String> {
+        if self.s.window.is_none() || !self.unbuilt.is_empty() {
+            return Ok(());
+        }
+        let mut owned = BTreeSet::new();
+        for seq in self.seqs.values().chain(self.retired.values()).filter(|s| s.started) {
+            owned.extend(seq.sw.iter().copied().filter(|&b| b != 0));
+            owned.extend(seq.steps.iter().filter_map(|st| st.sw_cow));
+        }
+        let cached = self.sw_carried.keys().filter(|b| !owned.contains(b)).count();
+        let usage = self.m.pool_usage()[self.sw_group() as usize];
+        ensure!(
+            usage.owned as usize == owned.len() && usage.cached as usize == cached,
+            "sliding-window pool {usage:?}: the model holds {} blocks, {cached} cached",
+            owned.len()
+        );
+        Ok(())
     }
 
     // --- the hit rule ----------------------------------------------------------------------
@@ -1046,57 +1407,124 @@ impl Model {
         let none = BTreeMap::new();
         let bound = self.fa_bound(seq, max, &none);
         let state = self.s.state.is_some();
-        let own = if state { self.state_own(seq, bound, &none) } else { bound };
+        let candidates = |top: u32| (0..=top / U).rev().map(|i| i * U);
+        // Every group but full attention resumes at L on its own (not downward closed): the
+        // hit is the largest candidate within the bound that all of them allow.
+        let state_at = |l: u32, ck: &Overlay| {
+            let p = seq.key(l);
+            !state || l == 0 || self.has_ck(&p) || ck.contains_key(&p)
+        };
+        let hit_within = |top: u32, fa: &Overlay, ck: &Overlay| {
+            candidates(top).find(|&l| state_at(l, ck) && self.sw_allows(seq, l, fa)).unwrap_or(0)
+        };
+        let hit_tokens = hit_within(bound, &none, &none);
         let mut groups = vec![GroupHit {
             group: 0,
             tokens: bound,
             stop: (bound < max).then_some(MissReason::NotCached),
         }];
         if state {
+            let own = self.state_own(seq, bound, &none);
             groups.push(GroupHit {
                 group: STATE,
                 tokens: own,
                 stop: (own < max).then_some(MissReason::NoStateAtPosition),
             });
         }
-        let junction_at = |top: u32| (top >= own + 2 * U).then_some(top);
+        if self.s.window.is_some() {
+            let own = candidates(bound).find(|&l| self.sw_allows(seq, l, &none)).unwrap_or(0);
+            // (a window explains its largest candidate: its last key missing is not cached,
+            // so is a candidate it allows but full attention bounds; else a gap)
+            let stop = (own < max).then(|| {
+                if !self.sw_published.contains_key(&seq.key(max)) || self.sw_allows(seq, max, &none)
+                {
+                    MissReason::NotCached
+                } else {
+                    MissReason::WindowGap
+                }
+            });
+            if stop == Some(MissReason::WindowGap) {
+                self.saw("a window gap stops the sliding-window group");
+            }
+            groups.push(GroupHit { group: self.sw_group(), tokens: own, stop });
+        }
+        let junction_at = |top: u32| (top >= hit_tokens + 2 * U).then_some(top);
         let mut hit = Hit {
-            tokens: own,
+            tokens: hit_tokens,
             max_tokens: max,
             groups,
             junction: junction_at(bound),
-            pending_tokens: own,
+            pending_tokens: hit_tokens,
             pending_plan: None,
         };
         let Some((fa, ck)) = pending else { return hit };
         let bound_p = self.fa_bound(seq, max, fa);
-        let own_p = if state { self.state_own(seq, bound_p, ck) } else { bound_p };
+        let own_p = hit_within(bound_p, fa, ck);
         if self.s.depth > 1 {
             hit.junction = junction_at(bound_p);
         }
-        if own_p > own {
+        if own_p > hit_tokens {
             let b = self.s.block;
-            // (state group?, position) of every key the pending hit needs.
-            let mut needed: Vec<(bool, u32)> = (1..=own_p / b).map(|j| (false, j * b)).collect();
-            needed.push((false, own_p));
+            // (group kind: 0 full attention, 1 state, 2 window; position) of every key the
+            // pending hit needs.
+            let mut needed: Vec<(u8, u32)> = (1..=own_p / b).map(|j| (0, j * b)).collect();
+            needed.push((0, own_p));
             if state {
-                needed.push((true, own_p));
+                needed.push((1, own_p));
             }
+            needed.extend(self.sw_required(own_p).into_iter().map(|q| (2, q)));
             let plan = needed
                 .into_iter()
-                .filter_map(|(in_state, q)| {
+                .filter_map(|(kind, q)| {
                     let p = seq.key(q);
-                    if in_state {
-                        (!self.has_ck(&p)).then(|| ck.get(&p).copied()).flatten()
-                    } else {
-                        (!self.published.contains_key(&p)).then(|| fa.get(&p).copied()).flatten()
-                    }
+                    let (cached, overlay) = match kind {
+                        0 => (self.published.contains_key(&p), fa),
+                        1 => (self.has_ck(&p), ck),
+                        _ => (self.sw_published.contains_key(&p), fa),
+                    };
+                    (!cached).then(|| overlay.get(&p).copied()).flatten()
                 })
                 .max();
             hit.pending_tokens = own_p;
             hit.pending_plan = plan;
         }
         hit
+    }
+
+    // --- the sliding-window group -----------------------------------------------------------
+    //
+    // Stated here (sections 2 and 3): a window of W tokens needs, to resume at L, the blocks
+    // covering `[max(0, L - W), L)` (their keys: each block's end, or L inside the last), so a
+    // first step's table holds nulls before `max(0, L - W) / B`, then its hit's blocks (a copy
+    // on write when L ends inside a block), then its own. A block is released once all its
+    // tokens lie before the last W computed ones (`(j + 1) * B <= computed - W`, at each
+    // commit), its entry becoming null; the next plan of the sequence reports the released
+    // entries, so an engine applying the plans' appended and replaced entries holds the table.
+    // Keys are published as for full attention, into the block holding token q - 1; a key
+    // waiting for its tokens whose block was released meanwhile is never published (the
+    // block may have been reused). Its pool is large enough never to evict.
+
+    /// The sliding-window group's index (and its pool's): after the state group, if any.
+    fn sw_group(&self) -> u32 {
+        1 + u32::from(self.s.state.is_some())
+    }
+
+    /// The key positions the window needs to resume at `l`.
+    fn sw_required(&self, l: u32) -> Vec<u32> {
+        let Some((b, w)) = self.s.window else { return Vec::new() };
+        if l == 0 {
+            return Vec::new();
+        }
+        (l.saturating_sub(w) / b..=(l - 1) / b).map(|c| ((c + 1) * b).min(l)).collect()
+    }
+
+    /// Whether the window allows resuming at `l` (every key it needs published, or in
+    /// `extra`); always without a window.
+    fn sw_allows(&self, seq: &Seq, l: u32, extra: &Overlay) -> bool {
+        self.sw_required(l).into_iter().all(|q| {
+            let k = seq.key(q);
+            self.sw_published.contains_key(&k) || extra.contains_key(&k)
+        })
     }
 
     /// The copy of the checkpoint at `prefix` a first schedule pins: one already in use if
@@ -1160,6 +1588,8 @@ impl Model {
                 tokens,
                 x,
                 table: Vec::new(),
+                sw: Vec::new(),
+                sw_view: Vec::new(),
                 placeholders: 0,
                 log: Vec::new(),
                 committed: 0,
@@ -1237,45 +1667,7 @@ impl Model {
             },
             Op::Round => self.round(),
             Op::FastRound => self.fast_round(),
-            Op::Turn { pick, fresh } => {
-                // Mostly a sequence holding a decode tail (its next turn may resume there).
-                let tails: Vec<u64> =
-                    self.seqs.values().filter(|s| s.decode_tail.is_some()).map(|s| s.id).collect();
-                let id = match tails.get(usize::from(pick) % tails.len().max(1)) {
-                    Some(&id) if pick % 4 != 0 => id,
-                    _ => match self.pick(pick) {
-                        Some(id) => id,
-                        None => return Ok(()),
-                    },
-                };
-                if self.classic_busy() {
-                    return Ok(());
-                }
-                // The next turn arrives after this one ended: its steps in flight commit first.
-                while self.seqs[&id].steps.iter().any(|s| s.plan != 0) {
-                    self.end(0, false)?;
-                    self.check_all()?;
-                }
-                // (and the tokens they sampled are known)
-                let unknown = self.seqs[&id].placeholders;
-                if unknown > 0 {
-                    self.resolve(id, unknown)?;
-                }
-                let mut tokens = self.seqs[&id].tokens.clone();
-                let mut x = self.seqs[&id].x.clone();
-                self.release(id, Retire::Finish)?;
-                self.check_all()?;
-                let n = tokens.len() as u32;
-                for _ in 0..fresh {
-                    tokens.push(self.fresh());
-                }
-                if pick % 3 == 0 {
-                    // (the new turn carries an image)
-                    x.mm.push((n, n + u32::from(fresh), 1 + pick % 3));
-                }
-                self.saw("next turn");
-                self.add_seq(tokens, x, (pick % 2 == 0).then_some(id))
-            }
+            Op::Turn { pick, fresh } => self.turn(pick, fresh),
             Op::Decode { rounds } => {
                 for _ in 0..rounds {
                     self.round()?;
@@ -1284,6 +1676,7 @@ impl Model {
                 Ok(())
             }
             Op::Request { pick, position } => self.request(pick, position),
+            Op::Ahead { pick, count } => self.ahead(pick, count),
         }
     }
 
@@ -1374,6 +1767,64 @@ impl Model {
         } else if expect == "Alignment" {
             self.saw("checkpoint request off the grid refused");
         }
+        Ok(())
+    }
+
+    /// `Op::Turn`: a conversation's next turn (its steps in flight commit, it finishes, its
+    /// known tokens and more are added).
+    fn turn(&mut self, pick: u8, fresh: u8) -> Result<(), String> {
+        // Mostly a sequence holding a decode tail (its next turn may resume there).
+        let tails: Vec<u64> =
+            self.seqs.values().filter(|s| s.decode_tail.is_some()).map(|s| s.id).collect();
+        let id = match tails.get(usize::from(pick) % tails.len().max(1)) {
+            Some(&id) if pick % 4 != 0 => id,
+            _ => match self.pick(pick) {
+                Some(id) => id,
+                None => return Ok(()),
+            },
+        };
+        if self.classic_busy() {
+            return Ok(());
+        }
+        // The next turn arrives after this one ended: its steps in flight commit first.
+        while self.seqs[&id].steps.iter().any(|s| s.plan != 0) {
+            self.end(0, false)?;
+            self.check_all()?;
+        }
+        // (and the tokens they sampled are known)
+        let unknown = self.seqs[&id].placeholders;
+        if unknown > 0 {
+            self.resolve(id, unknown)?;
+        }
+        let mut tokens = self.seqs[&id].tokens.clone();
+        let mut x = self.seqs[&id].x.clone();
+        self.release(id, Retire::Finish)?;
+        self.check_all()?;
+        let n = tokens.len() as u32;
+        for _ in 0..fresh {
+            tokens.push(self.fresh());
+        }
+        if pick % 3 == 0 {
+            // (the new turn carries an image)
+            x.mm.push((n, n + u32::from(fresh), 1 + pick % 3));
+        }
+        self.saw("next turn");
+        self.add_seq(tokens, x, (pick % 2 == 0).then_some(id))
+    }
+
+    /// `Op::Ahead`: placeholders appended, scheduled in one chunk, planned and the oldest
+    /// plan committed, their tokens still unknown.
+    fn ahead(&mut self, pick: u8, count: u8) -> Result<(), String> {
+        let Some(id) = self.pick(pick) else { return Ok(()) };
+        if self.classic_busy() || self.plans.len() >= self.s.depth as usize {
+            return Ok(());
+        }
+        self.placeholders(id, u32::from(count))?;
+        self.schedule(id, u32::from(count))?;
+        self.build()?;
+        self.check_all()?;
+        self.end(0, false)?;
+        self.saw("placeholders computed ahead");
         Ok(())
     }
 
@@ -1548,10 +1999,13 @@ impl Model {
                 cow_src: None,
                 pins,
                 new_blocks,
+                sw_before: 0,
+                sw_cow: None,
             });
             self.unbuilt.push((false, id));
         }
         self.saw("decode_step_overlapped");
+        self.sync_fa_lru();
         self.check_built(&plan)
     }
 
@@ -1692,8 +2146,11 @@ impl Model {
             cow_src: None,
             pins,
             new_blocks,
+            sw_before: 0,
+            sw_cow: None,
         });
         self.unbuilt.push((false, id));
+        self.sync_fa_lru();
         Ok(())
     }
 
@@ -1787,9 +2244,22 @@ impl Model {
                 (None, Vec::new())
             };
             let (table, cow_src) = self.check_table_row(plan, row, &seq, &step)?;
+            let window = if self.s.window.is_some() {
+                Some(self.check_sw_row(plan, row, &seq, &step)?)
+            } else {
+                None
+            };
             let seq = self.seq_mut(key);
             seq.table = table;
+            let sw_before = seq.sw.len();
+            if let Some((sw, view, _)) = &window {
+                (seq.sw, seq.sw_view) = (sw.clone(), view.clone());
+            }
             let step = seq.steps.last_mut().ok_or("no step")?;
+            if let Some((_, _, cow)) = window {
+                step.sw_before = if step.first { 0 } else { sw_before };
+                step.sw_cow = cow;
+            }
             step.plan = id;
             step.slots = slots;
             step.ckpts = ckpts;
@@ -1801,6 +2271,7 @@ impl Model {
         if self.plans.len() > 1 {
             self.saw("several plans in flight");
         }
+        self.sync_fa_lru();
         Ok(())
     }
 
@@ -2009,10 +2480,20 @@ impl Model {
                     q += U;
                 }
             }
+            // (the window's copy-on-write destination likewise, for its own block size)
+            let mut sw_stored = Vec::new();
+            if let Some((b, _)) = self.s.window.filter(|(b, _)| step.first && step.start % b != 0) {
+                let mut q = step.start / b * b + U;
+                while q <= step.start {
+                    sw_stored.push(q);
+                    q += U;
+                }
+            }
             let mut q = (step.start / U + 1) * U;
             while q <= step.end {
                 if q <= known {
                     stored.push(q);
+                    sw_stored.push(q);
                 } else {
                     seq.deferred.insert(q);
                 }
@@ -2021,6 +2502,10 @@ impl Model {
             let (tokens, x, table) = (seq.tokens.clone(), seq.x.clone(), seq.table.clone());
             for q in stored {
                 self.publish((&tokens, &x), &table, q);
+            }
+            let sw = seq.sw.clone();
+            for q in sw_stored {
+                self.publish_sw((&tokens, &x), &sw, q);
             }
             seq.committed = step.end;
             seq.committed_slot = step.slots.map(|x| x.1).or(seq.committed_slot);
@@ -2046,8 +2531,11 @@ impl Model {
             for (p, b) in publish {
                 self.publish_ck((&tokens, &x), p, b, false);
             }
+            // (the window releases what it no longer reads once the step's keys are published)
+            self.release_window(key);
             self.after_end(key);
         }
+        self.sync_fa_lru();
     }
 
     fn abort_all(&mut self, oldest: u64) {
@@ -2080,17 +2568,25 @@ impl Model {
         for key in touched {
             self.after_end(key);
         }
+        self.sync_fa_lru();
     }
 
     /// Undoes a sequence's newest step: what it planned is freed, and a first step releases
     /// the checkpoint it resumed from (most recently used).
     fn undo_newest(&mut self, key: (bool, u64)) {
+        let b = self.s.block;
         let seq = self.seq_mut(key);
         let mut resume = None;
+        let mut released = Vec::new();
         if let Some(step) = seq.steps.pop() {
-            // (its blocks go back: the ones it took, and the table as it was before it)
+            // (its blocks go back, tail first: the ones it took, and the table as it was
+            // before it; not yet built, the hit blocks it pinned)
             if step.plan != 0 {
-                seq.table.truncate(step.table_before);
+                released = seq.table.split_off(step.table_before);
+                seq.sw.truncate(step.sw_before);
+            } else if step.first {
+                let boundaries = (step.start / b) as usize;
+                released = step.pins.iter().take(boundaries).filter_map(|p| p.1).collect();
             }
             if step.first {
                 seq.started = false;
@@ -2100,6 +2596,8 @@ impl Model {
                 resume = seq.resume.take();
             }
         }
+        released.reverse();
+        self.fa_released.push(released);
         if let Some(b) = resume {
             self.unpin(b);
             self.saw("an undone first step released its resume checkpoint");
@@ -2144,13 +2642,17 @@ impl Model {
             None => {}
             Some(Retire::Finish) => {
                 self.release_checkpoints(key, true);
-                self.retired.remove(&key.1);
+                let seq = self.retired.remove(&key.1).expect("a retired sequence");
+                self.fa_released.push(seq.table.into_iter().rev().collect());
                 self.saw("finished sequence released at its last step");
             }
             Some(Retire::Preempt) => {
                 self.release_checkpoints(key, false);
                 let seq = self.seq_mut(key);
-                seq.table.clear();
+                let table = std::mem::take(&mut seq.table);
+                seq.sw.clear();
+                self.fa_released.push(table.into_iter().rev().collect());
+                let seq = self.seq_mut(key);
                 seq.started = false;
                 seq.committed = 0;
                 seq.committed_slot = None;
@@ -2227,8 +2729,12 @@ impl Model {
                 self.saw("resolve published a key with extra keys");
             }
         }
+        let sw = self.seqs[&id].sw.clone();
         for q in ready {
             self.publish((&tokens, &x), &table, q);
+            if self.s.window.is_some() && !self.publish_sw((&tokens, &x), &sw, q) {
+                self.saw("a waiting key of a released window block is not published");
+            }
         }
         for (b, p) in now {
             self.publish_ck((&tokens, &x), p, b, false);
@@ -2268,6 +2774,9 @@ impl Model {
                     self.release_checkpoints((false, id), true);
                 }
                 let mut seq = self.seqs.remove(&id).unwrap();
+                if !in_flight {
+                    self.fa_released.push(seq.table.iter().rev().copied().collect());
+                }
                 if in_flight {
                     seq.retiring = Some(Retire::Finish);
                     self.saw("finish with steps in flight");
@@ -2291,7 +2800,10 @@ impl Model {
                 } else {
                     self.release_checkpoints((false, id), false);
                     let seq = self.seqs.get_mut(&id).unwrap();
-                    seq.table.clear();
+                    let table = std::mem::take(&mut seq.table);
+                    seq.sw.clear();
+                    self.fa_released.push(table.into_iter().rev().collect());
+                    let seq = self.seqs.get_mut(&id).unwrap();
                     seq.started = false;
                     seq.committed = 0;
                     seq.committed_slot = None;
@@ -2300,6 +2812,7 @@ impl Model {
                 }
             }
         }
+        self.sync_fa_lru();
         Ok(())
     }
 
@@ -2363,6 +2876,7 @@ impl Model {
             self.m.plans_in_flight()
         );
         self.check_events()?;
+        self.check_sw_pool()?;
         let stats = self.m.stats();
         if let Some(st) = &self.s.state {
             let usage = self.m.pool_usage()[STATE as usize];
@@ -2424,14 +2938,18 @@ impl Model {
         for event in std::mem::take(&mut self.drained) {
             match event {
                 CacheEvent::BlockStored { group, keys, blocks, checkpoint, .. } => {
-                    ensure!(checkpoint == (group == STATE), "checkpoint flag of group {group}");
+                    let state = self.s.state.is_some() && group == STATE;
+                    ensure!(checkpoint == state, "checkpoint flag of group {group}");
                     for (k, b) in keys.into_iter().zip(blocks) {
                         stored.push((group, k, Some(b)));
                     }
                 }
                 CacheEvent::BlockRemoved { group, block, keys, gone } => {
                     ensure!(
-                        group == STATE && keys.len() == 1 && gone.iter().all(|g| keys.contains(g)),
+                        self.s.state.is_some()
+                            && group == STATE
+                            && keys.len() == 1
+                            && gone.iter().all(|g| keys.contains(g)),
                         "only checkpoints are evicted here: group {group} block {block} {keys:?}"
                     );
                     removed.push((block, keys[0], !gone.is_empty()));
@@ -2488,7 +3006,7 @@ fn run(setup: &Setup, ops: &[Op]) -> Result<BTreeMap<&'static str, u64>, String>
         model.check_all().map_err(|e| format!("after op {i} {op:?}: {e}"))?;
     }
     model.wind_down().map_err(|e| format!("winding down: {e}"))?;
-    Ok(model.seen)
+    Ok(model.seen.into_inner())
 }
 
 /// Cases: 256 by default, or `PROPTEST_CASES` (`make fuzz` passes `MODEL_CASES` there), or
@@ -2509,6 +3027,17 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases() / 2, max_shrink_iters: 4096, ..ProptestConfig::default() })]
+
+    /// The same traffic with a sliding-window group beside full attention (and the state
+    /// group in three cases of four).
+    #[test]
+    fn prop_overlapped_sliding_windows_follow_the_model(setup in windowed_setup(), ops in prop::collection::vec(windowed_op(), 1..60)) {
+        run(&setup, &ops).map_err(TestCaseError::fail)?;
+    }
+}
+
 /// What the random traffic must reach over a fixed sample: a generator that stopped reaching
 /// these would still pass without testing them.
 #[test]
@@ -2523,6 +3052,16 @@ fn overlapped_traffic_reaches_every_path() {
         match run(&s, &o) {
             Ok(paths) => paths.into_iter().for_each(|(p, n)| *seen.entry(p).or_default() += n),
             Err(e) => panic!("case {case} failed: {e}\n{s:?}\n{o:?}"),
+        }
+    }
+    // (and a sample with a sliding-window group, after the first so as not to change it)
+    let ops = prop::collection::vec(windowed_op(), 20..60);
+    for case in 0..120 {
+        let s = windowed_setup().new_tree(&mut runner).unwrap().current();
+        let o = ops.new_tree(&mut runner).unwrap().current();
+        match run(&s, &o) {
+            Ok(paths) => paths.into_iter().for_each(|(p, n)| *seen.entry(p).or_default() += n),
+            Err(e) => panic!("windowed case {case} failed: {e}\n{s:?}\n{o:?}"),
         }
     }
     let want = [
@@ -2575,6 +3114,18 @@ fn overlapped_traffic_reaches_every_path() {
         "copy on write",
         "first step shared cached blocks",
         "a schedule evicted some of several cached blocks",
+        "a hit pinned the most recent of several cached copies",
+        "a hit pinned the copy in use of several",
+        "an eviction took the least recently used of several",
+        "an eviction took the tail of a released table first",
+        // the sliding-window group
+        "a window gap stops the sliding-window group",
+        "a first step's window table starts with nulls",
+        "window copy on write",
+        "window blocks released at commit",
+        "a plan reported a window release",
+        "a waiting key of a released window block is not published",
+        "placeholders computed ahead",
         "checkpoint requested",
         "checkpoint requested for a continuation",
         "checkpoint requested in a decode step",
