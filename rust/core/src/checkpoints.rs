@@ -35,7 +35,8 @@ fn explicit_candidates(requested: &[u32], retained: Retained, start: u32, end: u
 /// Chooses and allocates the checkpoints of one scheduled sequence, in every state group, and
 /// counts the positions it skips (`stats`, per group). `running`: the sequences holding blocks
 /// (each keeps `reserve_per_sequence` blocks of a pool out of checkpoints' reach, and one more
-/// per further step it may have in flight: `depth` is `max_steps_in_flight`).
+/// per further step it may have in flight for every state group of that pool: a continuation
+/// takes a running buffer in each; `depth` is `max_steps_in_flight`).
 pub(crate) fn plan_checkpoints(
     store: &mut BlockStore,
     layout: &GroupLayout,
@@ -113,8 +114,16 @@ pub(crate) fn plan_checkpoints(
             };
             skipped[reason.index()] += 1;
         }
+        // (the running buffers a sequence may still take from this pool at this depth: one
+        // per state group of the pool for each further step in flight)
+        let states_in_pool = if planned.is_empty() {
+            0
+        } else {
+            layout.state.iter().filter(|s| s.pool == pool).count() as u64
+        };
+        let reserve = Reserve { running, depth, states_in_pool };
         for (p, kind) in planned {
-            match allocate_checkpoint(store, running, depth, pool, g as u32, config, kind) {
+            match allocate_checkpoint(store, reserve, pool, g as u32, config, kind) {
                 Some(block) => {
                     let c = PlannedCheckpoint {
                         position: p,
@@ -141,19 +150,29 @@ pub(crate) fn plan_checkpoints(
     }
 }
 
+/// What the reserve of a pool counts: the running sequences, the depth, and the state groups
+/// drawing their running buffers from the pool.
+#[derive(Clone, Copy)]
+struct Reserve {
+    running: usize,
+    depth: u32,
+    states_in_pool: u64,
+}
+
 /// A block for a new checkpoint, or `None` (`budget`): the reserve for running sequences
 /// and the checkpoint cap are honoured; beyond the cap the least recently used evictable
 /// checkpoint is reused (a decode-tail snapshot may only displace another decode tail).
 fn allocate_checkpoint(
     store: &mut BlockStore,
-    running: usize,
-    depth: u32,
+    reserve: Reserve,
     pool: usize,
     group: u32,
     config: &StateGroupConfig,
     kind: BlockKind,
 ) -> Option<BlockId> {
-    let per_sequence = u64::from(config.reserve_per_sequence) + u64::from(depth.max(1) - 1);
+    let Reserve { running, depth, states_in_pool } = reserve;
+    let per_sequence = u64::from(config.reserve_per_sequence)
+        + u64::from(depth.max(1) - 1) * states_in_pool.max(1);
     let reserve = per_sequence * running as u64;
     let p = &store.pools[pool];
     if u64::from(p.num_available()) < reserve + 1 {

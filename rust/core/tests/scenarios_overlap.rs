@@ -497,3 +497,56 @@ fn a_pending_hit_waits_only_for_the_checkpoint_it_resumes_from() {
     assert_eq!((hit.tokens, hit.pending_tokens, hit.pending_plan), (8, 8, None));
     h.commit(&b);
 }
+
+/// Section 4's reserve at depth D (section 10) counts the running states a sequence may still
+/// need: a further buffer per state group for each step beyond the first it may have in
+/// flight. Two state groups sharing one pool need two per continuation, so checkpoints (here
+/// every unit boundary, reserve 0 beyond the depth) must leave both continuations below room.
+#[test]
+fn checkpoints_leave_room_for_every_state_group_of_a_shared_pool_to_continue() {
+    use prefixcache_core::{GroupConfig, GroupKind, PoolConfig, Retention, StateGroupConfig};
+    let state = GroupKind::State(StateGroupConfig {
+        alignment: 1,
+        max_checkpoints_per_step: None,
+        retention: Retention {
+            tail: false,
+            interval: Some(U),
+            junction: false,
+            decode_tail: false,
+        },
+        checkpoint_cap: None,
+        reserve_per_sequence: 0,
+    });
+    let config = CacheConfig {
+        pools: vec![PoolConfig { num_blocks: 256 }, PoolConfig { num_blocks: 24 }],
+        groups: vec![
+            GroupConfig { kind: GroupKind::FullAttention { block_size: B }, pool: 0 },
+            GroupConfig { kind: state.clone(), pool: 1 },
+            GroupConfig { kind: state, pool: 1 },
+        ],
+        ..full_attention(B, U, 256)
+    };
+    let mut h = overlapped(config, 2);
+    for id in [1, 2] {
+        h.add(id, &tokens(id as u32, 40));
+        h.schedule(id, 8);
+    }
+    let first = build(&mut h);
+    h.commit(&first);
+    // Both sequences continue (their spare buffers), and the plan's checkpoints take what the
+    // reserve lets them.
+    for id in [1, 2] {
+        h.schedule(id, ALL);
+    }
+    let _second = build(&mut h);
+    for id in [1, 2] {
+        h.call(|m| m.append_placeholders(id, 1)).expect("append_placeholders");
+        let next = h.try_schedule(id, 1);
+        assert!(
+            next.is_some(),
+            "sequence {id}'s continuation was refused: the checkpoints took the running \
+             buffers it needs ({:?})",
+            h.usage(1)
+        );
+    }
+}
