@@ -75,11 +75,12 @@
 //!   a checkpoint is skipped `already_cached`; past C interior ones (below qe), `capacity`;
 //! - each kept position takes a block, no more of them per row than the state pool has free
 //!   or cached (`budget`), and none that would leave the pool no more than the reserve of the
-//!   started sequences (two, plus one per further step in flight, each; `budget`); at the cap
-//!   (checkpoint blocks of the group: published, planned, waiting for their tokens, private
-//!   decode tails) it evicts the least recently used unpinned published checkpoint (a decode
-//!   tail only a published decode tail), or is skipped `budget` when there is none; below it a
-//!   free block first, else the pool's least recently used cached one;
+//!   started sequences (two, plus one per further step in flight and state group, each;
+//!   `budget`); at the cap (checkpoint blocks of the group: published, planned, waiting for
+//!   their tokens, private decode tails) it evicts the least recently used unpinned published
+//!   checkpoint (a decode tail only a published decode tail), or is skipped `budget` when
+//!   there is none; below it a free block first, else the pool's least recently used cached
+//!   one;
 //! - running buffers: a first schedule takes a pair, a continuation one more unless it holds a
 //!   buffer neither its committed state nor any of its steps uses; the extras go back when it
 //!   has no step left. A schedule the state pool cannot supply (the pair, and the checkpoint it
@@ -106,8 +107,19 @@
 //! (unpinned) ones, the blocks free or cached, and the checkpoint statistics; at the end
 //! everything is committed and finished and no block may stay owned.
 //!
-//! Cases: 256, and half as many with a sliding window (`PROPTEST_CASES` or `MODEL_CASES` for
-//! more); `MODEL_PATHS=1` prints how often the fixed sample of
+//! Two state groups of one configuration sharing the state pool
+//! (`prop_overlapped_shared_state_pool_follows_the_model`), stated on their own: one id space
+//! and one LRU for both groups' running buffers and checkpoints; each group has its own
+//! running buffers (a pair, and one more per continuation without a spare, in each), its
+//! checkpoints (planned group after group, each taking what the pool has left), its cap (its
+//! own checkpoints count, and beyond it it evicts only its own least recently used one), its
+//! resume checkpoint (every group's pinned before any block is taken) and its statistics; a
+//! hit needs a checkpoint at L in every state group; a commit releases and publishes group by
+//! group; the reserve keeps, per started sequence, two blocks and one more per further step in
+//! flight for each state group of the pool.
+//!
+//! Cases: 256, and half as many with a sliding window and with a shared state pool
+//! (`PROPTEST_CASES` or `MODEL_CASES` for more); `MODEL_PATHS=1` prints how often the fixed sample of
 //! `overlapped_traffic_reaches_every_path` took each path.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -140,6 +152,9 @@ struct Setup {
     /// A sliding-window group (block size, window W), in a pool of its own that never runs
     /// short (`prop_overlapped_sliding_windows_follow_the_model`).
     window: Option<(u32, u32)>,
+    /// State groups (one, or two sharing the state pool:
+    /// `prop_overlapped_shared_state_pool_follows_the_model`).
+    states: u32,
 }
 
 /// The state group's retention, cap and C (alignment 1: every interior offset is exportable).
@@ -312,7 +327,15 @@ fn setup() -> impl Strategy<Value = Setup> {
             state,
             watch,
             window: None,
+            states: 1,
         })
+}
+
+/// `setup()` with two state groups of the same configuration in the one state pool (their
+/// running buffers and checkpoints in one id space and one LRU, a cap each).
+fn shared_state_setup() -> impl Strategy<Value = Setup> {
+    (setup(), state_setup().prop_filter("a state group", Option::is_some))
+        .prop_map(|(s, state)| Setup { state: s.state.or(state), states: 2, ..s })
 }
 
 /// `setup()` with a sliding-window group: blocks of one or two units, windows from one block
@@ -337,10 +360,11 @@ struct Step {
     start: u32,
     end: u32,
     first: bool,
-    /// (initial, running) slots of the state group, from its plan.
-    slots: Option<(i32, i32)>,
-    /// Checkpoints the plan gave it: (position, block, decode tail), ascending.
-    ckpts: Vec<(u32, u32, bool)>,
+    /// (initial, running) slots of each state group, from its plan.
+    slots: BTreeMap<u32, (i32, i32)>,
+    /// Checkpoints the plan gave it: (position, block, decode tail, group), ascending per
+    /// group, the groups in order.
+    ckpts: Vec<StepCk>,
     /// Positions `request_checkpoint` asked for before its plan was built, in request order.
     requested: Vec<u32>,
     /// Full attention: the table's length before the step, the copy-on-write source its plan
@@ -380,17 +404,18 @@ struct Seq {
     /// Committed boundaries whose prefix was not known at commit.
     deferred: BTreeSet<u32>,
     retiring: Option<Retire>,
-    /// The running slot of its last committed step (the committed state), if any.
-    committed_slot: Option<i32>,
+    /// The running slot of its last committed step (the committed state), per state group.
+    committed_slot: BTreeMap<u32, i32>,
     /// Running buffers it holds beyond its pair (steps deeper in flight wrote them).
     extras: u32,
     /// Its length (placeholders counted) and junction at its first schedule.
     prefill_target: u32,
     junction: Option<u32>,
-    /// The published checkpoint its first step resumes from, pinned until that step ends.
-    resume: Option<u32>,
-    /// Its private decode-tail snapshot (block, position).
-    decode_tail: Option<(u32, u32)>,
+    /// The published checkpoints its first step resumes from (one per state group), pinned
+    /// until that step ends.
+    resume: Vec<u32>,
+    /// Its private decode-tail snapshot (block, position), per state group.
+    decode_tail: BTreeMap<u32, (u32, u32)>,
     /// Committed checkpoints over placeholders, in commit order.
     waiting: Waiting,
 }
@@ -409,7 +434,7 @@ impl Seq {
     /// Whether its running buffers hold one neither its committed state nor any of its steps
     /// uses (the one its next step writes).
     fn has_spare(&self) -> bool {
-        let used = usize::from(self.committed_slot.is_some()) + self.steps.len();
+        let used = usize::from(!self.committed_slot.is_empty()) + self.steps.len();
         2 + self.extras as usize > used
     }
 }
@@ -487,10 +512,17 @@ fn key(tokens: &[u32], x: &Extras, q: u32) -> Vec<u32> {
     identity
 }
 
+/// The identity of a state group's checkpoint at a prefix: the group, then the prefix's.
+fn gkey(g: u32, prefix: &[u32]) -> Vec<u32> {
+    let mut k = vec![g];
+    k.extend_from_slice(prefix);
+    k
+}
+
 /// A published checkpoint block.
 #[derive(Clone, Debug)]
 struct Ck {
-    /// The identity of its prefix (`key`), and its digest.
+    /// Its group, then the identity of its prefix (`gkey`), and its digest.
     prefix: Vec<u32>,
     digest: Digest,
     /// First steps resuming from it.
@@ -534,8 +566,11 @@ struct CkStats {
     evictions: u64,
 }
 
-/// Checkpoints over placeholders: (block, position).
-type Waiting = Vec<(u32, u32)>;
+/// A checkpoint a step's plan gave it: (position, block, decode tail, group).
+type StepCk = (u32, u32, bool, u32);
+
+/// Checkpoints over placeholders: (group, block, position).
+type Waiting = Vec<(u32, u32, u32)>;
 
 /// A plan row's sliding-window table, the engine's view of it, and its copy source.
 type WindowRow = (Vec<u32>, Vec<u32>, Option<u32>);
@@ -581,7 +616,8 @@ struct Model {
     ck: BTreeMap<u32, Ck>,
     lru: VecDeque<u32>,
     clock: u64,
-    want: CkStats,
+    /// Per state group.
+    want: Vec<CkStats>,
     /// Keys the calls so far should have stored, and checkpoint blocks they should have
     /// evicted with (digest, gone) (drained per call).
     expect_stored: Vec<Stored>,
@@ -600,16 +636,18 @@ fn config(s: &Setup) -> CacheConfig {
             junction: st.junction,
             decode_tail: st.decode_tail,
         };
-        groups.push(GroupConfig {
-            kind: GroupKind::State(StateGroupConfig {
-                alignment: 1,
-                max_checkpoints_per_step: st.per_step,
-                retention,
-                checkpoint_cap: st.cap,
-                reserve_per_sequence: 2,
-            }),
-            pool: 1,
-        });
+        for _ in 0..s.states {
+            groups.push(GroupConfig {
+                kind: GroupKind::State(StateGroupConfig {
+                    alignment: 1,
+                    max_checkpoints_per_step: st.per_step,
+                    retention: retention.clone(),
+                    checkpoint_cap: st.cap,
+                    reserve_per_sequence: 2,
+                }),
+                pool: 1,
+            });
+        }
         pools.push(PoolConfig { num_blocks: st.blocks });
     }
     if let Some((block_size, window)) = s.window {
@@ -649,6 +687,7 @@ type Overlay = BTreeMap<Vec<u32>, u64>;
 
 impl Model {
     fn new(s: Setup) -> Self {
+        let states = s.states as usize;
         let config = config(&s);
         let m = CacheManager::new(config.clone()).expect("valid configuration");
         Self {
@@ -678,7 +717,7 @@ impl Model {
             ck: BTreeMap::new(),
             lru: VecDeque::new(),
             clock: 0,
-            want: CkStats::default(),
+            want: vec![CkStats::default(); states],
             expect_stored: Vec::new(),
             expect_removed: Vec::new(),
             seen: std::cell::RefCell::new(BTreeMap::new()),
@@ -723,8 +762,26 @@ impl Model {
 
     // --- checkpoints ---------------------------------------------------------------------
 
-    fn has_ck(&self, prefix: &[u32]) -> bool {
-        self.ck.values().any(|c| c.prefix == prefix)
+    /// Whether a checkpoint is published at `gk` (`gkey`).
+    fn has_ck(&self, gk: &[u32]) -> bool {
+        self.ck.values().any(|c| c.prefix == gk)
+    }
+
+    fn n_states(&self) -> u32 {
+        if self.s.state.is_some() {
+            self.s.states
+        } else {
+            0
+        }
+    }
+
+    /// The state groups' indices.
+    fn state_groups(&self) -> std::ops::Range<u32> {
+        STATE..STATE + self.n_states()
+    }
+
+    fn want_of(&mut self, g: u32) -> &mut CkStats {
+        &mut self.want[(g - STATE) as usize]
     }
 
     /// A published checkpoint no first step pins enters the LRU list: at its most recently
@@ -758,20 +815,24 @@ impl Model {
         self.release_ck(block, true);
     }
 
-    fn publish_ck(&mut self, who: (&[u32], &Extras), position: u32, block: u32, dt: bool) {
+    fn publish_ck(&mut self, who: (&[u32], &Extras), at: (u32, u32), block: u32, dt: bool) {
         let (tokens, x) = who;
-        let prefix = key(tokens, x, position);
+        let (g, position) = at;
+        let prefix = gkey(g, &key(tokens, x, position));
         if self.has_ck(&prefix) {
             self.saw("a second copy of a checkpoint published");
         }
         let digest = self.digest(tokens, x, position);
-        self.expect_stored.push((STATE, digest, Some(block)));
+        self.expect_stored.push((g, digest, Some(block)));
         let decode_tail = dt;
         self.ck.insert(block, Ck { prefix, digest, pins: 0, since: 0, decode_tail });
         self.release_ck(block, !decode_tail);
-        self.want.published += 1;
+        self.want_of(g).published += 1;
         if decode_tail {
-            self.want.decode_tails += 1;
+            self.want_of(g).decode_tails += 1;
+        }
+        if g > STATE {
+            self.saw("a second state group published a checkpoint");
         }
     }
 
@@ -780,7 +841,7 @@ impl Model {
         self.lru.retain(|&b| b != block);
         let gone = !self.has_ck(&c.prefix);
         self.expect_removed.push((block, c.digest, gone));
-        self.want.evictions += 1;
+        self.want_of(c.prefix[0]).evictions += 1;
     }
 
     /// Started sequences (finished ones whose steps are still in flight included).
@@ -798,9 +859,9 @@ impl Model {
             .values()
             .chain(self.retired.values())
             .filter(|s| s.started)
-            .map(|s| 2 + s.extras as usize)
+            .map(|s| (2 + s.extras as usize) * self.n_states() as usize)
             .sum();
-        (st.blocks as usize - 1) - running - (self.ck_blocks() - self.lru.len())
+        (st.blocks as usize - 1) - running - (self.ck_blocks(None) - self.lru.len())
     }
 
     /// A state-pool block taken (`taken` more already taken but not yet counted): a free one,
@@ -817,15 +878,17 @@ impl Model {
         }
     }
 
-    /// Checkpoint blocks the group holds: published, planned by built steps, waiting for
-    /// their tokens, private decode tails.
-    fn ck_blocks(&self) -> usize {
+    /// Checkpoint blocks a state group holds (all of them: `None`): published, planned by
+    /// built steps, waiting for their tokens, private decode tails.
+    fn ck_blocks(&self, group: Option<u32>) -> usize {
+        let of = |g: u32| group.is_none_or(|x| x == g);
         let per_seq = |s: &Seq| {
-            s.steps.iter().map(|st| st.ckpts.len()).sum::<usize>()
-                + s.waiting.len()
-                + usize::from(s.decode_tail.is_some())
+            s.steps.iter().flat_map(|st| &st.ckpts).filter(|c| of(c.3)).count()
+                + s.waiting.iter().filter(|w| of(w.0)).count()
+                + s.decode_tail.keys().filter(|&&g| of(g)).count()
         };
-        self.ck.len() + self.seqs.values().chain(self.retired.values()).map(per_seq).sum::<usize>()
+        self.ck.values().filter(|c| of(c.prefix[0])).count()
+            + self.seqs.values().chain(self.retired.values()).map(per_seq).sum::<usize>()
     }
 
     // --- the full-attention pool ------------------------------------------------------------
@@ -1361,12 +1424,12 @@ impl Model {
     }
 
     /// The state group's own hit within `bound`: a checkpoint at exactly L, or 0.
-    fn state_own(&self, seq: &Seq, bound: u32, extra: &Overlay) -> u32 {
+    fn state_own(&self, g: u32, seq: &Seq, bound: u32, extra: &Overlay) -> u32 {
         (0..=bound / U)
             .rev()
             .map(|i| i * U)
             .find(|&l| {
-                let p = seq.key(l);
+                let p = gkey(g, &seq.key(l));
                 l == 0 || self.has_ck(&p) || extra.contains_key(&p)
             })
             .unwrap_or(0)
@@ -1388,9 +1451,9 @@ impl Model {
                     add(&mut fa, seq.key(q), step.plan);
                     q += U;
                 }
-                for &(p, _, dt) in &step.ckpts {
+                for &(p, _, dt, g) in &step.ckpts {
                     if !dt && p <= known {
-                        add(&mut ck, seq.key(p), step.plan);
+                        add(&mut ck, gkey(g, &seq.key(p)), step.plan);
                     }
                 }
             }
@@ -1406,13 +1469,16 @@ impl Model {
         let max = if n == 0 { 0 } else { (n - 1) / U * U };
         let none = BTreeMap::new();
         let bound = self.fa_bound(seq, max, &none);
-        let state = self.s.state.is_some();
         let candidates = |top: u32| (0..=top / U).rev().map(|i| i * U);
         // Every group but full attention resumes at L on its own (not downward closed): the
         // hit is the largest candidate within the bound that all of them allow.
         let state_at = |l: u32, ck: &Overlay| {
             let p = seq.key(l);
-            !state || l == 0 || self.has_ck(&p) || ck.contains_key(&p)
+            l == 0
+                || self.state_groups().all(|g| {
+                    let gk = gkey(g, &p);
+                    self.has_ck(&gk) || ck.contains_key(&gk)
+                })
         };
         let hit_within = |top: u32, fa: &Overlay, ck: &Overlay| {
             candidates(top).find(|&l| state_at(l, ck) && self.sw_allows(seq, l, fa)).unwrap_or(0)
@@ -1423,10 +1489,10 @@ impl Model {
             tokens: bound,
             stop: (bound < max).then_some(MissReason::NotCached),
         }];
-        if state {
-            let own = self.state_own(seq, bound, &none);
+        for g in self.state_groups() {
+            let own = self.state_own(g, seq, bound, &none);
             groups.push(GroupHit {
-                group: STATE,
+                group: g,
                 tokens: own,
                 stop: (own < max).then_some(MissReason::NoStateAtPosition),
             });
@@ -1465,22 +1531,23 @@ impl Model {
         }
         if own_p > hit_tokens {
             let b = self.s.block;
-            // (group kind: 0 full attention, 1 state, 2 window; position) of every key the
-            // pending hit needs.
-            let mut needed: Vec<(u8, u32)> = (1..=own_p / b).map(|j| (0, j * b)).collect();
+            // (kind: 0 full attention, 1 window, 2 + g state group g; position) of every key
+            // the pending hit needs.
+            let mut needed: Vec<(u32, u32)> = (1..=own_p / b).map(|j| (0, j * b)).collect();
             needed.push((0, own_p));
-            if state {
-                needed.push((1, own_p));
-            }
-            needed.extend(self.sw_required(own_p).into_iter().map(|q| (2, q)));
+            needed.extend(self.state_groups().map(|g| (2 + g, own_p)));
+            needed.extend(self.sw_required(own_p).into_iter().map(|q| (1, q)));
             let plan = needed
                 .into_iter()
                 .filter_map(|(kind, q)| {
                     let p = seq.key(q);
-                    let (cached, overlay) = match kind {
-                        0 => (self.published.contains_key(&p), fa),
-                        1 => (self.has_ck(&p), ck),
-                        _ => (self.sw_published.contains_key(&p), fa),
+                    let (cached, overlay, p) = match kind {
+                        0 => (self.published.contains_key(&p), fa, p),
+                        1 => (self.sw_published.contains_key(&p), fa, p),
+                        _ => {
+                            let gk = gkey(kind - 2, &p);
+                            (self.has_ck(&gk), ck, gk)
+                        }
                     };
                     (!cached).then(|| overlay.get(&p).copied()).flatten()
                 })
@@ -1506,7 +1573,7 @@ impl Model {
 
     /// The sliding-window group's index (and its pool's): after the state group, if any.
     fn sw_group(&self) -> u32 {
-        1 + u32::from(self.s.state.is_some())
+        1 + self.n_states()
     }
 
     /// The key positions the window needs to resume at `l`.
@@ -1554,8 +1621,8 @@ impl Model {
     fn ck_held(&self, block: u32) -> bool {
         self.ck.contains_key(&block)
             || self.seqs.values().chain(self.retired.values()).any(|s| {
-                s.decode_tail.is_some_and(|t| t.0 == block)
-                    || s.waiting.iter().any(|w| w.0 == block)
+                s.decode_tail.values().any(|t| t.0 == block)
+                    || s.waiting.iter().any(|w| w.1 == block)
                     || s.steps.iter().any(|st| st.ckpts.iter().any(|c| c.1 == block))
             })
     }
@@ -1597,12 +1664,12 @@ impl Model {
                 steps: Vec::new(),
                 deferred: BTreeSet::new(),
                 retiring: None,
-                committed_slot: None,
+                committed_slot: BTreeMap::new(),
                 extras: 0,
                 prefill_target: 0,
                 junction: None,
-                resume: None,
-                decode_tail: None,
+                resume: Vec::new(),
+                decode_tail: BTreeMap::new(),
                 waiting: Vec::new(),
             },
         );
@@ -1720,7 +1787,9 @@ impl Model {
             chunk.map_or_else(Vec::new, |(s, e)| (s / U + 1..=e / U).map(|i| i * U).collect());
         let seq = &self.seqs[&id];
         let cached = valid.iter().copied().find(|&p| {
-            p as usize <= seq.tokens.len() && self.has_ck(&seq.key(p)) && position % 2 == 1
+            p as usize <= seq.tokens.len()
+                && self.has_ck(&gkey(STATE, &seq.key(p)))
+                && position % 2 == 1
         });
         let p = match chunk {
             // (a position whose prefix has a checkpoint already, when there is one: skipped)
@@ -1775,7 +1844,7 @@ impl Model {
     fn turn(&mut self, pick: u8, fresh: u8) -> Result<(), String> {
         // Mostly a sequence holding a decode tail (its next turn may resume there).
         let tails: Vec<u64> =
-            self.seqs.values().filter(|s| s.decode_tail.is_some()).map(|s| s.id).collect();
+            self.seqs.values().filter(|s| !s.decode_tail.is_empty()).map(|s| s.id).collect();
         let id = match tails.get(usize::from(pick) % tails.len().max(1)) {
             Some(&id) if pick % 4 != 0 => id,
             _ => match self.pick(pick) {
@@ -1971,7 +2040,7 @@ impl Model {
                 "decode_step_overlapped scheduled {id} although the pool is short"
             );
             if self.s.state.is_some() && !self.seqs[&id].has_spare() {
-                self.take_state_block(0);
+                (0..self.n_states() as usize).for_each(|taken| self.take_state_block(taken));
                 self.seqs.get_mut(&id).unwrap().extras += 1;
             }
             ensure!(
@@ -1992,7 +2061,7 @@ impl Model {
                 start,
                 end: start + 1,
                 first: false,
-                slots: None,
+                slots: BTreeMap::new(),
                 ckpts: Vec::new(),
                 requested: Vec::new(),
                 table_before,
@@ -2016,14 +2085,20 @@ impl Model {
         if self.s.state.is_none() {
             return true;
         }
-        let need = match hit {
-            Some(l) => {
-                let cached =
-                    l > 0 && self.resume_choice(&seq.key(l)).is_some_and(|b| self.ck[&b].pins == 0);
-                2 + usize::from(cached)
-            }
-            None => usize::from(!seq.has_spare()),
-        };
+        // (per state group of the pool)
+        let need: usize = self
+            .state_groups()
+            .map(|g| match hit {
+                Some(l) => {
+                    let cached = l > 0
+                        && self
+                            .resume_choice(&gkey(g, &seq.key(l)))
+                            .is_some_and(|b| self.ck[&b].pins == 0);
+                    2 + usize::from(cached)
+                }
+                None => usize::from(!seq.has_spare()),
+            })
+            .sum();
         need <= self.available()
     }
 
@@ -2088,21 +2163,22 @@ impl Model {
         if seq.steps.iter().any(|s| s.plan != 0) {
             self.saw("continuation scheduled");
         }
-        let mut resume = None;
+        let mut resume = Vec::new();
         if let Some(h) = &hit {
-            if self.s.state.is_some() && start > 0 {
-                let prefix = seq.key(start);
+            // (every group's hit is pinned before any block is taken)
+            for g in self.state_groups().filter(|_| start > 0) {
+                let prefix = gkey(g, &seq.key(start));
                 let block =
                     self.resume_choice(&prefix).ok_or("a state hit without a checkpoint")?;
                 if self.ck.values().filter(|c| c.prefix == prefix).count() > 1 {
                     self.saw("resumed from one of several copies");
                 }
                 self.pin(block);
-                resume = Some(block);
+                resume.push(block);
                 if self.ck[&block].since == 0 && self.ck[&block].decode_tail {
                     self.saw("a pinned decode tail leaves the LRU list");
                 }
-                self.want.hits += 1;
+                self.want_of(g).hits += 1;
                 self.saw("schedule resumed from a checkpoint");
                 if self.ck[&block].decode_tail {
                     self.saw("schedule resumed from a decode tail");
@@ -2114,15 +2190,13 @@ impl Model {
                 self.saw("junction counted keys in flight");
             }
         }
-        if self.s.state.is_some() {
-            if first {
-                self.take_state_block(0);
-                self.take_state_block(1);
-            } else if !self.seqs[&id].has_spare() {
-                self.take_state_block(0);
-                self.seqs.get_mut(&id).unwrap().extras += 1;
-                self.saw("a continuation took a further running buffer");
-            }
+        let n = self.n_states() as usize;
+        if first {
+            (0..2 * n).for_each(|taken| self.take_state_block(taken));
+        } else if n > 0 && !self.seqs[&id].has_spare() {
+            (0..n).for_each(|taken| self.take_state_block(taken));
+            self.seqs.get_mut(&id).unwrap().extras += 1;
+            self.saw("a continuation took a further running buffer");
         }
         let table_before = self.seqs[&id].table.len();
         let seq = self.seqs.get_mut(&id).unwrap();
@@ -2139,7 +2213,7 @@ impl Model {
             start,
             end,
             first,
-            slots: None,
+            slots: BTreeMap::new(),
             ckpts: Vec::new(),
             requested: Vec::new(),
             table_before,
@@ -2156,7 +2230,13 @@ impl Model {
 
     /// The checkpoints a step asks for, in priority order (position, decode tail), and the
     /// positions it skips by reason, before any block is taken.
-    fn predict(&self, seq: &Seq, step: &Step, available: usize) -> (Vec<(u32, bool)>, [u64; 5]) {
+    fn predict(
+        &self,
+        g: u32,
+        seq: &Seq,
+        step: &Step,
+        available: usize,
+    ) -> (Vec<(u32, bool)>, [u64; 5]) {
         let st = self.s.state.as_ref().expect("a state group");
         let (start, end) = (step.start, step.end);
         let mut skips = [0u64; 5];
@@ -2189,7 +2269,7 @@ impl Model {
         let limit = st.per_step.map_or(usize::MAX, |c| c as usize);
         let (mut planned, mut interior) = (Vec::new(), 0);
         for (p, decode_tail) in wanted {
-            if p <= known && self.has_ck(&seq.key(p)) {
+            if p <= known && self.has_ck(&gkey(g, &seq.key(p))) {
                 skips[ALREADY_CACHED] += 1;
             } else if p != end && interior >= limit {
                 skips[CAPACITY] += 1;
@@ -2237,12 +2317,19 @@ impl Model {
                 step.start,
                 step.end
             );
-            let (slots, ckpts) = if self.s.state.is_some() {
-                let (slots, ckpts) = self.check_state_row(plan, row, &seq, &step)?;
-                (Some(slots), ckpts)
-            } else {
-                (None, Vec::new())
-            };
+            // (the state groups in order: each takes its blocks after the one before)
+            let (mut slots, mut ckpts) = (BTreeMap::new(), Vec::new());
+            for g in self.state_groups() {
+                let (pair, mut taken) =
+                    self.check_state_row(plan, (row, g), &seq, &step, &ckpts)?;
+                ensure!(
+                    slots.values().all(|&(_, r): &(i32, i32)| r != pair.1),
+                    "row {row}: two state groups write running buffer {}",
+                    pair.1
+                );
+                slots.insert(g, pair);
+                ckpts.append(&mut taken);
+            }
             let (table, cow_src) = self.check_table_row(plan, row, &seq, &step)?;
             let window = if self.s.window.is_some() {
                 Some(self.check_sw_row(plan, row, &seq, &step)?)
@@ -2281,19 +2368,25 @@ impl Model {
     fn check_state_row(
         &mut self,
         plan: &prefixcache_core::StepPlan,
-        row: usize,
+        (row, g): (usize, u32),
         seq: &Seq,
         step: &Step,
-    ) -> Result<((i32, i32), Vec<(u32, u32, bool)>), String> {
-        let sp = &plan.state[0];
+        earlier: &[StepCk],
+    ) -> Result<((i32, i32), Vec<StepCk>), String> {
+        let sp = &plan.state[(g - STATE) as usize];
+        ensure!(sp.group == g, "state plans out of order: {} for group {g}", sp.group);
         let (initial, running) = (sp.initial_slot[row], sp.running_slot[row]);
         let built = || seq.steps.iter().filter(|s| s.plan != 0);
-        let others: Vec<i32> = built().filter_map(|s| s.slots.map(|x| x.1)).collect();
+        let slot_of = |s: &Step| s.slots.get(&g).map(|x| x.1);
+        let others: Vec<i32> = built().filter_map(slot_of).collect();
         let expected = if step.first {
-            seq.resume.map_or(-1, |b| b as i32)
+            let resume = seq.resume.iter().find(|b| self.ck[b].prefix[0] == g);
+            resume.map_or(-1, |&b| b as i32)
         } else {
-            let prev =
-                built().next_back().and_then(|s| s.slots.map(|x| x.1)).or(seq.committed_slot);
+            let prev = built()
+                .next_back()
+                .and_then(slot_of)
+                .or_else(|| seq.committed_slot.get(&g).copied());
             prev.ok_or("a continuation with no state to read")?
         };
         ensure!(
@@ -2332,11 +2425,12 @@ impl Model {
         for pair in sp.snapshots.chunks(2).filter(|pair| pair[0] == running) {
             ensure!(written.insert(step.end, pair[1] as u32).is_none(), "two at {}", step.end);
         }
-        let (planned, skips) = self.predict(seq, step, self.available());
+        let taken = earlier.len();
+        let (planned, skips) = self.predict(g, seq, step, self.available() - taken);
         if skips[BUDGET] > 0 {
             self.saw("checkpoints beyond what the pool holds skipped");
         }
-        for (total, n) in self.want.skipped.iter_mut().zip(skips) {
+        for (total, n) in self.want_of(g).skipped.iter_mut().zip(skips) {
             *total += n;
         }
         if skips[ALREADY_CACHED] > 0 {
@@ -2349,14 +2443,20 @@ impl Model {
             self.saw("skip mid_step");
         }
         let cap = self.s.state.as_ref().and_then(|st| st.cap);
-        let mut ckpts: Vec<(u32, u32, bool)> = Vec::new();
+        let mut ckpts: Vec<StepCk> = Vec::new();
         for (p, decode_tail) in planned {
-            // Running sequences keep the reserve (a further buffer per step deeper in flight).
-            let reserve = (2 + self.s.depth as usize - 1) * self.started();
-            let fits = self.available() - ckpts.len() > reserve;
-            let at_cap = cap.is_some_and(|c| self.ck_blocks() + ckpts.len() >= c as usize);
+            // Running sequences keep the reserve (a further buffer per step deeper in flight,
+            // in every state group of the pool).
+            let per_sequence = 2 + (self.s.depth as usize - 1) * self.n_states() as usize;
+            let reserve = per_sequence * self.started();
+            let fits = self.available() - taken - ckpts.len() > reserve;
+            // (the cap counts the group's own, and beyond it the group evicts its own)
+            let at_cap = cap.is_some_and(|c| self.ck_blocks(Some(g)) + ckpts.len() >= c as usize);
             let victim = if at_cap {
-                self.lru.iter().copied().find(|b| !decode_tail || self.ck[b].decode_tail)
+                self.lru
+                    .iter()
+                    .copied()
+                    .find(|b| self.ck[b].prefix[0] == g && (!decode_tail || self.ck[b].decode_tail))
             } else {
                 None
             };
@@ -2367,11 +2467,11 @@ impl Model {
                 "row {row}: checkpoint at {p} (decode tail {decode_tail}) {}, {} blocks of cap \
                  {cap:?}, LRU {:?}",
                 if take { "skipped, expected taken" } else { "taken, expected skipped (budget)" },
-                self.ck_blocks() + ckpts.len(),
+                self.ck_blocks(Some(g)) + ckpts.len(),
                 self.lru
             );
             let Some(block) = block else {
-                self.want.skipped[BUDGET] += 1;
+                self.want_of(g).skipped[BUDGET] += 1;
                 self.saw(if fits {
                     "cap skipped a checkpoint with nothing to evict"
                 } else {
@@ -2380,9 +2480,12 @@ impl Model {
                 continue;
             };
             if !at_cap {
-                self.take_state_block(ckpts.len());
+                self.take_state_block(taken + ckpts.len());
             }
             if let Some(v) = victim {
+                if self.lru.iter().any(|b| self.ck[b].prefix[0] != g) {
+                    self.saw("cap evicted its group's checkpoint, another group's older");
+                }
                 self.saw(if self.ck[&v].decode_tail {
                     "cap evicted a decode tail"
                 } else if self.lru.len() > 1 {
@@ -2394,7 +2497,7 @@ impl Model {
             }
             ensure!(
                 !self.ck_held(block)
-                    && !ckpts.iter().any(|c| c.1 == block)
+                    && !ckpts.iter().chain(earlier).any(|c| c.1 == block)
                     && block as i32 != running
                     && block as i32 != initial,
                 "row {row}: checkpoint block {block} at {p} is not a fresh block"
@@ -2410,7 +2513,7 @@ impl Model {
             if p > seq.tokens.len() as u32 {
                 self.saw("checkpoint planned over a placeholder");
             }
-            ckpts.push((p, block, decode_tail));
+            ckpts.push((p, block, decode_tail, g));
         }
         ensure!(
             written.is_empty(),
@@ -2508,28 +2611,35 @@ impl Model {
                 self.publish_sw((&tokens, &x), &sw, q);
             }
             seq.committed = step.end;
-            seq.committed_slot = step.slots.map(|x| x.1).or(seq.committed_slot);
-            // The state group: the resume checkpoint first, then the step's own, ascending.
-            let resume = if step.first { seq.resume.take() } else { None };
+            for (&g, &(_, running)) in &step.slots {
+                seq.committed_slot.insert(g, running);
+            }
+            // Each state group in turn: the resume checkpoint first, then the step's own,
+            // ascending.
+            let resume = if step.first { std::mem::take(&mut seq.resume) } else { Vec::new() };
             let mut publish = Vec::new();
-            for &(p, b, decode_tail) in &step.ckpts {
+            for &(p, b, decode_tail, g) in &step.ckpts {
                 if decode_tail {
-                    if seq.decode_tail.replace((b, p)).is_some() {
+                    if seq.decode_tail.insert(g, (b, p)).is_some() {
                         self.saw("a decode tail replaced the previous one");
                     }
                 } else if p > known {
-                    seq.waiting.push((b, p));
+                    seq.waiting.push((g, b, p));
                     self.saw("checkpoint over a placeholder waits for its tokens");
                 } else {
-                    publish.push((p, b));
+                    publish.push((g, p, b));
                 }
             }
             *self.seq_mut(key) = seq;
-            if let Some(b) = resume {
-                self.unpin(b);
-            }
-            for (p, b) in publish {
-                self.publish_ck((&tokens, &x), p, b, false);
+            for g in self.state_groups() {
+                let mine: Vec<u32> =
+                    resume.iter().copied().filter(|b| self.ck[b].prefix[0] == g).collect();
+                for b in mine {
+                    self.unpin(b);
+                }
+                for &(_, p, b) in publish.iter().filter(|c| c.0 == g) {
+                    self.publish_ck((&tokens, &x), (g, p), b, false);
+                }
             }
             // (the window releases what it no longer reads once the step's keys are published)
             self.release_window(key);
@@ -2576,7 +2686,7 @@ impl Model {
     fn undo_newest(&mut self, key: (bool, u64)) {
         let b = self.s.block;
         let seq = self.seq_mut(key);
-        let mut resume = None;
+        let mut resume = Vec::new();
         let mut released = Vec::new();
         if let Some(step) = seq.steps.pop() {
             // (its blocks go back, tail first: the ones it took, and the table as it was
@@ -2591,14 +2701,14 @@ impl Model {
             if step.first {
                 seq.started = false;
                 seq.committed = 0;
-                seq.committed_slot = None;
+                seq.committed_slot.clear();
                 seq.extras = 0;
-                resume = seq.resume.take();
+                resume = std::mem::take(&mut seq.resume);
             }
         }
         released.reverse();
         self.fa_released.push(released);
-        if let Some(b) = resume {
+        for b in resume {
             self.unpin(b);
             self.saw("an undone first step released its resume checkpoint");
         }
@@ -2608,20 +2718,21 @@ impl Model {
     /// is known (least recently used); what waits for tokens is dropped.
     fn release_checkpoints(&mut self, key: (bool, u64), finish: bool) {
         let seq = self.seq_mut(key);
-        debug_assert!(seq.resume.is_none());
-        let tail = seq.decode_tail.take();
+        debug_assert!(seq.resume.is_empty());
+        let tails = std::mem::take(&mut seq.decode_tail);
         let waiting = std::mem::take(&mut seq.waiting);
         let (tokens, x) = (seq.tokens.clone(), seq.x.clone());
         if !waiting.is_empty() {
             self.saw("checkpoints waiting for tokens dropped");
         }
-        match tail {
-            Some((b, p)) if finish && p as usize <= tokens.len() => {
-                self.publish_ck((&tokens, &x), p, b, true);
+        // (each state group in turn)
+        for (g, (b, p)) in tails {
+            if finish && p as usize <= tokens.len() {
+                self.publish_ck((&tokens, &x), (g, p), b, true);
                 self.saw("finish published the decode tail");
+            } else if finish {
+                self.saw("finish dropped a decode tail over a placeholder");
             }
-            Some(_) if finish => self.saw("finish dropped a decode tail over a placeholder"),
-            _ => {}
         }
     }
 
@@ -2655,7 +2766,7 @@ impl Model {
                 let seq = self.seq_mut(key);
                 seq.started = false;
                 seq.committed = 0;
-                seq.committed_slot = None;
+                seq.committed_slot.clear();
                 seq.deferred.clear();
                 self.saw("preempted sequence released at its last step");
             }
@@ -2720,7 +2831,7 @@ impl Model {
             seq.deferred.remove(q);
         }
         let (now, still): (Waiting, Waiting) =
-            std::mem::take(&mut seq.waiting).into_iter().partition(|w| w.1 <= known);
+            std::mem::take(&mut seq.waiting).into_iter().partition(|w| w.2 <= known);
         seq.waiting = still;
         let (tokens, x, table) = (seq.tokens.clone(), seq.x.clone(), seq.table.clone());
         if !ready.is_empty() {
@@ -2736,8 +2847,8 @@ impl Model {
                 self.saw("a waiting key of a released window block is not published");
             }
         }
-        for (b, p) in now {
-            self.publish_ck((&tokens, &x), p, b, false);
+        for (g, b, p) in now {
+            self.publish_ck((&tokens, &x), (g, p), b, false);
             self.saw("resolve published a waiting checkpoint");
         }
     }
@@ -2806,7 +2917,7 @@ impl Model {
                     let seq = self.seqs.get_mut(&id).unwrap();
                     seq.started = false;
                     seq.committed = 0;
-                    seq.committed_slot = None;
+                    seq.committed_slot.clear();
                     seq.extras = 0;
                     seq.deferred.clear();
                 }
@@ -2827,7 +2938,7 @@ impl Model {
         ensure!(hit == expected, "lookup {id}:\n  got      {hit:?}\n  expected {expected:?}");
         let waits_for_state = self.s.state.is_some()
             && hit.pending_plan.is_some()
-            && !self.has_ck(&seq.key(hit.pending_tokens));
+            && !self.has_ck(&gkey(STATE, &seq.key(hit.pending_tokens)));
         let extras = !seq.x.is_empty();
         if hit.pending_plan.is_some() {
             self.saw("pending hit");
@@ -2880,31 +2991,40 @@ impl Model {
         let stats = self.m.stats();
         if let Some(st) = &self.s.state {
             let usage = self.m.pool_usage()[STATE as usize];
-            let blocks = self.ck_blocks();
+            let blocks = self.ck_blocks(None);
             ensure!(
                 usage.checkpoints as usize == blocks && usage.cached as usize == self.lru.len(),
                 "state pool {usage:?}: the model holds {blocks} checkpoint blocks, {} unpinned \
                  published ones",
                 self.lru.len()
             );
-            ensure!(st.cap.is_none_or(|c| blocks <= c as usize), "{blocks} beyond the cap");
+            for g in self.state_groups() {
+                let blocks = self.ck_blocks(Some(g));
+                ensure!(st.cap.is_none_or(|c| blocks <= c as usize), "{blocks} beyond the cap");
+            }
             ensure!(
                 (usage.free + usage.cached) as usize == self.available(),
                 "state pool {usage:?}: the model has {} blocks free or cached",
                 self.available()
             );
-            let g = &stats.groups[STATE as usize];
-            let got = CkStats {
-                published: g.checkpoints_published,
-                decode_tails: g.decode_tails_published,
-                skipped: g.checkpoints_skipped,
-                hits: g.checkpoint_hits,
-                evictions: g.evictions,
-            };
-            ensure!(got == self.want, "checkpoint statistics {got:?}, expected {:?}", self.want);
+            for (g, want) in self.state_groups().zip(&self.want) {
+                let s = &stats.groups[g as usize];
+                let got = CkStats {
+                    published: s.checkpoints_published,
+                    decode_tails: s.decode_tails_published,
+                    skipped: s.checkpoints_skipped,
+                    hits: s.checkpoint_hits,
+                    evictions: s.evictions,
+                };
+                ensure!(
+                    got == *want,
+                    "group {g}: checkpoint statistics {got:?}, expected {want:?}"
+                );
+            }
         }
+        let ck_evictions: u64 = self.want.iter().map(|w| w.evictions).sum();
         ensure!(
-            stats.evictions == self.want.evictions + self.fa_evictions,
+            stats.evictions == ck_evictions + self.fa_evictions,
             "{} evictions",
             stats.evictions
         );
@@ -2938,7 +3058,7 @@ impl Model {
         for event in std::mem::take(&mut self.drained) {
             match event {
                 CacheEvent::BlockStored { group, keys, blocks, checkpoint, .. } => {
-                    let state = self.s.state.is_some() && group == STATE;
+                    let state = self.state_groups().contains(&group);
                     ensure!(checkpoint == state, "checkpoint flag of group {group}");
                     for (k, b) in keys.into_iter().zip(blocks) {
                         stored.push((group, k, Some(b)));
@@ -2946,8 +3066,7 @@ impl Model {
                 }
                 CacheEvent::BlockRemoved { group, block, keys, gone } => {
                     ensure!(
-                        self.s.state.is_some()
-                            && group == STATE
+                        self.state_groups().contains(&group)
                             && keys.len() == 1
                             && gone.iter().all(|g| keys.contains(g)),
                         "only checkpoints are evicted here: group {group} block {block} {keys:?}"
@@ -3030,6 +3149,12 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases() / 2, max_shrink_iters: 4096, ..ProptestConfig::default() })]
 
+    /// The same traffic with two state groups sharing the state pool.
+    #[test]
+    fn prop_overlapped_shared_state_pool_follows_the_model(setup in shared_state_setup(), ops in prop::collection::vec(op(), 1..60)) {
+        run(&setup, &ops).map_err(TestCaseError::fail)?;
+    }
+
     /// The same traffic with a sliding-window group beside full attention (and the state
     /// group in three cases of four).
     #[test]
@@ -3038,32 +3163,38 @@ proptest! {
     }
 }
 
-/// What the random traffic must reach over a fixed sample: a generator that stopped reaching
-/// these would still pass without testing them.
-#[test]
-fn overlapped_traffic_reaches_every_path() {
+/// Runs `count` cases of a fixed sample, adding the paths they took to `seen`.
+fn sample(
+    runner: &mut proptest::test_runner::TestRunner,
+    setups: &impl Strategy<Value = Setup>,
+    ops: &impl Strategy<Value = Vec<Op>>,
+    count: usize,
+    seen: &mut BTreeMap<&'static str, u64>,
+) {
     use proptest::strategy::ValueTree;
-    let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let mut seen: BTreeMap<&str, u64> = BTreeMap::new();
-    let ops = prop::collection::vec(op(), 20..60);
-    for case in 0..240 {
-        let s = setup().new_tree(&mut runner).unwrap().current();
-        let o = ops.new_tree(&mut runner).unwrap().current();
+    for case in 0..count {
+        let s = setups.new_tree(runner).unwrap().current();
+        let o = ops.new_tree(runner).unwrap().current();
         match run(&s, &o) {
             Ok(paths) => paths.into_iter().for_each(|(p, n)| *seen.entry(p).or_default() += n),
             Err(e) => panic!("case {case} failed: {e}\n{s:?}\n{o:?}"),
         }
     }
-    // (and a sample with a sliding-window group, after the first so as not to change it)
+}
+
+/// What the random traffic must reach over a fixed sample: a generator that stopped reaching
+/// these would still pass without testing them.
+#[test]
+fn overlapped_traffic_reaches_every_path() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let mut seen: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let ops = prop::collection::vec(op(), 20..60);
+    sample(&mut runner, &setup(), &ops, 240, &mut seen);
+    // (and samples with a sliding-window group and with two state groups in one pool, after
+    // the first so as not to change it)
     let ops = prop::collection::vec(windowed_op(), 20..60);
-    for case in 0..120 {
-        let s = windowed_setup().new_tree(&mut runner).unwrap().current();
-        let o = ops.new_tree(&mut runner).unwrap().current();
-        match run(&s, &o) {
-            Ok(paths) => paths.into_iter().for_each(|(p, n)| *seen.entry(p).or_default() += n),
-            Err(e) => panic!("windowed case {case} failed: {e}\n{s:?}\n{o:?}"),
-        }
-    }
+    sample(&mut runner, &windowed_setup(), &ops, 120, &mut seen);
+    sample(&mut runner, &shared_state_setup(), &ops, 60, &mut seen);
     let want = [
         "overlapped round",
         "decode_step_overlapped",
@@ -3126,6 +3257,9 @@ fn overlapped_traffic_reaches_every_path() {
         "a plan reported a window release",
         "a waiting key of a released window block is not published",
         "placeholders computed ahead",
+        // two state groups in one pool
+        "a second state group published a checkpoint",
+        "cap evicted its group's checkpoint, another group's older",
         "checkpoint requested",
         "checkpoint requested for a continuation",
         "checkpoint requested in a decode step",
