@@ -1141,6 +1141,17 @@ mod tests {
         })
     }
 
+    /// Digests 1 to `count`: all zero but byte `at`, which holds the digest's number.
+    fn numbered_digests(count: u8, at: usize) -> Vec<Digest> {
+        (1..=count)
+            .map(|i| {
+                let mut d = Digest([0; 32]);
+                d.0[at] = i;
+                d
+            })
+            .collect()
+    }
+
     /// The test vector vLLM 0.33.0's own structs encode: a store of one block (hash
     /// 0x1234567890abcdef, tokens 1..4, block size 4, medium GPU, group 0, full attention), the
     /// removal of that hash, a clear; ts 1.5, rank 0.
@@ -1232,13 +1243,7 @@ mod tests {
     /// move the end of the hint across every store of the map.
     #[test]
     fn a_batch_past_its_size_hint_is_measured_exactly() {
-        let digests: Vec<Digest> = (1..=4u8)
-            .map(|i| {
-                let mut d = Digest([0; 32]);
-                d.0[8] = i;
-                d
-            })
-            .collect();
+        let digests = numbered_digests(4, 8);
         let format = WireFormat {
             block_size: 1,
             unit: 1,
@@ -1342,13 +1347,7 @@ mod tests {
                 kinds: vec![WireKind::FullAttention, WireKind::Mamba],
             };
             let tokens: Vec<u32> = (0..24u32).map(|i| i * 40_000 + 3).collect();
-            let hashes: Vec<Digest> = (0..12u8)
-                .map(|i| {
-                    let mut d = Digest([0; 32]);
-                    d.0[15] = i + 1;
-                    d
-                })
-                .collect();
+            let hashes = numbered_digests(12, 15);
             let extras = [
                 ExtraKeys::default(),
                 ExtraKeys { cache_salt: Some(b"salt".to_vec()), ..ExtraKeys::default() },
@@ -1441,13 +1440,7 @@ mod tests {
 
     #[test]
     fn runs_merge_and_wire_blocks_take_their_tokens() {
-        let digests: Vec<Digest> = (1..=8u8)
-            .map(|i| {
-                let mut d = Digest([0; 32]);
-                d.0[15] = i;
-                d
-            })
-            .collect();
+        let digests = numbered_digests(8, 15);
         let tokens: Vec<u32> = (100..132).collect();
         // U = 4, W = 8: keys at 12, 16, 20, 24 (one run across blocks 1 and 2).
         let format = WireFormat {
