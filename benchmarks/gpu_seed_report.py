@@ -199,6 +199,37 @@ def order_check(
     return lines
 
 
+def step_parts(policies: dict[str, Any]) -> list[str]:
+    """The prefill steps' parts (``step_times.prefill_parts``: host prep before the layers,
+    host launch of the layers, GPU time of the layers), per policy: median, fit."""
+    rows = []
+    limit = 0
+    for name, policy in policies.items():
+        parts = (policy.get("step_times") or {}).get("prefill_parts")
+        if not parts:
+            continue
+        limit = parts["max_tokens"]
+        for part in ("prep", "launch", "layers"):
+            figure = parts[part]
+            fit = (
+                f"{figure['fixed_ms']:.2f} ms + {figure['per_token_us']:.2f} us a token"
+                if "fixed_ms" in figure
+                else "-"
+            )
+            rows.append(
+                f"| {name} | {part} | {parts['steps']} | {parts['tokens_p50']:,.0f} | "
+                f"{figure['ms_p50']:.2f} | {fit} |"
+            )
+    if not rows:
+        return []
+    head = [
+        f"### prefill steps of at most {limit:,} tokens: where the time goes",
+        "| policy | part | steps | tokens p50 | ms p50 | fit |",
+        "|---|---|---|---|---|---|",
+    ]
+    return head + rows
+
+
 def main(argv: list[str]) -> int:
     documents = []
     for path in argv:
@@ -229,6 +260,10 @@ def main(argv: list[str]) -> int:
                         else ""
                     )
                 )
+        parts = step_parts(policies)
+        if parts:
+            print("\n".join(parts))
+            print()
         if "block" in policies and "fine" in policies:
             print("\n".join(per_round(document)))
             print()

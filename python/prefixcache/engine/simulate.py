@@ -386,6 +386,12 @@ class SimulationReport:
         return document
 
 
+#: The prefill steps :meth:`StepClock.summary` splits into parts: those of at most this many
+#: tokens (a growing-prefix round's new turn; a first round's chunks of the 8,192-token
+#: budget are left out, they would decide a fit on their own).
+PART_STEP_TOKENS = 4096
+
+
 class StepClock:
     """The engine's forward, with each step's time recorded by its shape.
 
@@ -394,6 +400,13 @@ class StepClock:
     recorded around the forward (nothing waits for them, so an overlapped engine stays
     overlapped; :meth:`summary` reads them), elsewhere the wall clock. With decode graphs,
     :meth:`summary` also counts the graphs captured since the clock was made.
+
+    A prefill step is also split where the model starts launching its layers
+    (``HybridModel.layers_starting``): ``prep`` is the host's time before that (the step's
+    checks and uploads, while the GPU waits in a step that nothing overlaps), ``launch`` the
+    host's time from there until the forward returns, ``layers`` the GPU's time from there to
+    the forward's end (on the CPU, ``launch`` again). A ``layers`` time that follows
+    ``launch`` says the GPU waited for the host's launches.
     """
 
     def __init__(self, model: HybridModel) -> None:
@@ -401,24 +414,52 @@ class StepClock:
         self._captures = None if model.graphs is None else model.graphs.captures
         self.decode_ms: list[float] = []
         self.prefill: list[tuple[int, float]] = []
+        #: Prefill steps' (tokens, prep ms, launch ms, layers ms).
+        self.parts: list[tuple[int, float, float, float]] = []
         self._pending: list[tuple[int | None, Any, Any]] = []
+        self._pending_parts: list[tuple[int, float, float, Any, Any]] = []
 
     def __call__(
         self, step: Any, token_ids: torch.Tensor, caches: Any, logits_indices: np.ndarray
     ) -> torch.Tensor:
         counts = np.diff(np.asarray(step.query_start_loc, dtype=np.int64))
         tokens = None if counts.size and int(counts.max()) == 1 else int(counts.sum())
-        if self.model.device.type == "cuda":
+        cuda = self.model.device.type == "cuda"
+        marks: list[tuple[float, Any]] = []
+
+        def layers_starting() -> None:
+            event = None
+            if cuda:
+                event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                event.record()
+            marks.append((time.perf_counter(), event))
+
+        if tokens is not None:
+            self.model.layers_starting = layers_starting
+        begin = end = None
+        if cuda:
             begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             begin.record()
-            logits = self.model.execute(step, token_ids, caches, logits_indices)
-            end.record()
-            self._pending.append((tokens, begin, end))
-            return logits
         start = time.perf_counter()
-        logits = self.model.execute(step, token_ids, caches, logits_indices)
-        self._add(tokens, 1e3 * (time.perf_counter() - start))
+        try:
+            logits = self.model.execute(step, token_ids, caches, logits_indices)
+        finally:
+            self.model.layers_starting = None
+        if cuda:
+            end.record()
+        finish = time.perf_counter()
+        if cuda:
+            self._pending.append((tokens, begin, end))
+        else:
+            self._add(tokens, 1e3 * (finish - start))
+        if tokens is not None and marks:
+            at, event = marks[0]
+            prep, launch = 1e3 * (at - start), 1e3 * (finish - at)
+            if cuda:
+                self._pending_parts.append((tokens, prep, launch, event, end))
+            else:
+                self.parts.append((tokens, prep, launch, launch))
         return logits
 
     def _add(self, tokens: int | None, ms: float) -> None:
@@ -427,14 +468,22 @@ class StepClock:
         else:
             self.prefill.append((tokens, ms))
 
-    def summary(self) -> dict[str, Any]:
-        """Counts, medians and means; for the other steps also the least-squares fit
-        ``fixed_ms + per_token_us * tokens`` (what a schedule model prices a step at)."""
+    def _collect(self) -> None:
         if self._pending:
             self._pending[-1][2].synchronize()
             for shape, begin, end in self._pending:
                 self._add(shape, float(begin.elapsed_time(end)))
             self._pending.clear()
+        for tokens, prep, launch, begin, end in self._pending_parts:
+            self.parts.append((tokens, prep, launch, float(begin.elapsed_time(end))))
+        self._pending_parts.clear()
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, medians and means; for the other steps also the least-squares fit
+        ``fixed_ms + per_token_us * tokens`` (what a schedule model prices a step at), and
+        ``prefill_parts``: the prep, launch and layers times (class docstring) of the prefill
+        steps of at most :data:`PART_STEP_TOKENS` tokens, each with its median and fit."""
+        self._collect()
         out: dict[str, Any] = {
             "decode_steps": len(self.decode_ms),
             "prefill_steps": len(self.prefill),
@@ -449,11 +498,31 @@ class StepClock:
             ms = np.asarray([m for _, m in self.prefill], dtype=float)
             out["prefill_ms_p50"] = float(np.median(ms))
             out["prefill_tokens_p50"] = float(np.median(tokens))
-            if len(self.prefill) > 1 and float(tokens.std()) > 0:
-                slope, intercept = np.polyfit(tokens, ms, 1)
-                out["prefill_fixed_ms"] = float(intercept)
-                out["prefill_per_token_us"] = 1e3 * float(slope)
+            out.update(_fit(tokens, ms, "prefill_fixed_ms", "prefill_per_token_us"))
+        short = [part for part in self.parts if part[0] <= PART_STEP_TOKENS]
+        if short:
+            tokens = np.asarray([p[0] for p in short], dtype=float)
+            parts: dict[str, Any] = {"steps": len(short), "max_tokens": PART_STEP_TOKENS}
+            parts["tokens_p50"] = float(np.median(tokens))
+            for k, name in enumerate(("prep", "launch", "layers"), start=1):
+                ms = np.asarray([p[k] for p in short], dtype=float)
+                parts[name] = {"ms_p50": float(np.median(ms)), **_fit(tokens, ms)}
+            out["prefill_parts"] = parts
         return out
+
+
+def _fit(
+    tokens: np.ndarray,
+    ms: np.ndarray,
+    fixed: str = "fixed_ms",
+    per_token: str = "per_token_us",
+) -> dict[str, float]:
+    """The least-squares line ``ms = fixed + per_token * tokens`` (per token in microseconds),
+    or nothing when the tokens do not vary."""
+    if len(tokens) < 2 or float(tokens.std()) == 0:
+        return {}
+    slope, intercept = np.polyfit(tokens, ms, 1)
+    return {fixed: float(intercept), per_token: 1e3 * float(slope)}
 
 
 ProgressFactory = Callable[[str, int], Callable[[RequestResult], None]]

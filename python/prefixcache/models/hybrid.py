@@ -21,7 +21,7 @@ at every allocation, so the graphs captured in one run are replayed by the next.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -154,6 +154,10 @@ class HybridModel:
             if isinstance(layer, KDALayer):
                 backend.check_layer(layer.params, self.dtype, self.device)
         self.kda_timer = KernelTimer(self.device)
+        # Called by ``execute`` on the eager path once the step's host checks and uploads are
+        # done, just before its layers are launched (never inside a graph capture or replay):
+        # the simulator's step clock marks there where a step's host preparation ends.
+        self.layers_starting: Callable[[], None] | None = None
         # Decode-only steps replayed from CUDA graphs (models.graphs): "auto" where they can run.
         self.graphs: DecodeGraphs | None = None
         reason = graphs_unavailable_reason(self)
@@ -362,6 +366,9 @@ class HybridModel:
                     device=self.device,
                 )
             index = torch.from_numpy(np.ascontiguousarray(logits_indices, dtype=np.int64))
+            logits_index = to_device(index, self.device)
+            if self.layers_starting is not None:
+                self.layers_starting()
             logits = self.forward_layers(
                 token_ids,
                 caches,
@@ -372,7 +379,7 @@ class HybridModel:
                 seq_lens=step.seq_lens,
                 query_start_loc=step.query_start_loc,
                 decode=decode,
-                logits_index=to_device(index, self.device),
+                logits_index=logits_index,
             )
         copy_checked_states(caches.states, snapshots)
         return logits
