@@ -446,7 +446,7 @@ class StepClock:
             logits = self.model.execute(step, token_ids, caches, logits_indices)
         finally:
             self.model.layers_starting = None
-        if cuda:
+        if end is not None:
             end.record()
         finish = time.perf_counter()
         if cuda:
