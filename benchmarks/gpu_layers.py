@@ -4,7 +4,9 @@
 For each layer kind of ``ModelConfig.kimi_k3_tp8`` (a KDA mixer through the model's kernel
 backend and short convolution, a grouped-query attention mixer over a paged cache holding a
 cached prefix, the dense SwiGLU block), one packed row of T new tokens (T = 2,048, 4,096 and
-8,192; attention also after cached prefixes of 0, 64K and 128K tokens, and one decode token of
+8,192, ``--tokens``; KDA also with the checkpoints of the seed's prefill steps, alone and
+beside 7 decode rows; attention also after cached prefixes of 0, 64K and 128K tokens,
+``--prefixes``, and one decode token of
 8 rows at 128K, through the gathering torch path and the Triton paged decode kernel, alone and
 in one layer group's decode step) is timed with CUDA events (median of repeated calls after
 warm-up, random data). Each kind's time is fitted as ``fixed + per_token * T`` (least squares
@@ -37,6 +39,66 @@ import torch
 
 TOKENS = (2048, 4096, 8192)
 PREFIXES = (0, 65536, 131072)
+
+
+#: Decode rows beside the prefill row in the seed's steps (8 streams, one prefilling).
+DECODE_ROWS = 7
+#: The KDA cases with checkpoints (:func:`kda_plans`).
+KDA_PLANS = ("kda-ckpt1", "kda-ckpt2", "kda-step")
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    counts = tuple(int(part) for part in text.split(","))
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"positive counts, comma-separated: {text!r}")
+    return counts
+
+
+def kda_plans(backend: Any, tokens: int, num_slots: int) -> dict[str, Any]:
+    """A KDA layer's plans of the seed's prefill steps, for a row of ``tokens``: one checkpoint
+    in the row (``kda-ckpt1``), two (``kda-ckpt2``: the op chains a second call), and two in
+    the row after :data:`DECODE_ROWS` decode rows, as the engine packs a step (``kda-step``).
+    Offsets are on the kernel's grid; every slot is distinct (``num_slots`` >= 5 + 2 x the
+    decode rows)."""
+    grid = max(1, int(backend.checkpoint_alignment))
+
+    def on_grid(offset: int) -> int:
+        return max(grid, offset // grid * grid)
+
+    one, two = on_grid(tokens // 2), (on_grid(tokens // 3), on_grid(2 * tokens // 3))
+    plans = {
+        "kda-ckpt1": backend.check_plan(
+            query_start_loc=[0, tokens],
+            initial_slot=[1],
+            running_slot=[2],
+            checkpoint_offsets=[[one]],
+            checkpoint_slots=[[3]],
+            num_slots=num_slots,
+            num_tokens=tokens,
+        ),
+        "kda-ckpt2": backend.check_plan(
+            query_start_loc=[0, tokens],
+            initial_slot=[1],
+            running_slot=[2],
+            checkpoint_offsets=[list(two)],
+            checkpoint_slots=[[3, 4]],
+            num_slots=num_slots,
+            num_tokens=tokens,
+        ),
+    }
+    rows = DECODE_ROWS
+    decode_initial = list(range(5, 5 + rows))
+    decode_running = list(range(5 + rows, 5 + 2 * rows))
+    plans["kda-step"] = backend.check_plan(
+        query_start_loc=[*range(rows + 1), rows + tokens],
+        initial_slot=[*decode_initial, 1],
+        running_slot=[*decode_running, 2],
+        checkpoint_offsets=[*([[0, 0]] * rows), list(two)],
+        checkpoint_slots=[*([[-1, -1]] * rows), [3, 4]],
+        num_slots=num_slots,
+        num_tokens=rows + tokens,
+    )
+    return plans
 
 
 def gpu_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -157,6 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="CPU, kimi-k3-tp8/32, short")
+    parser.add_argument(
+        "--tokens",
+        type=_counts,
+        help=f"new tokens of a row, comma-separated (default {','.join(map(str, TOKENS))})",
+    )
+    parser.add_argument(
+        "--prefixes",
+        type=_counts,
+        help="cached prefixes of the attention cases, comma-separated (default "
+        f"{','.join(map(str, PREFIXES))}; the decode and parts cases take the largest)",
+    )
     args = parser.parse_args(argv)
 
     from prefixcache import kernels
@@ -174,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     model = build_model(device_name, backend, config=config, decode_attention="torch")
     device, dtype = model.device, model.dtype
-    token_counts = (64, 128, 256) if smoke else TOKENS
-    prefixes = (0, 256) if smoke else PREFIXES
+    token_counts = args.tokens or ((64, 128, 256) if smoke else TOKENS)
+    prefixes = args.prefixes or ((0, 256) if smoke else PREFIXES)
     reps = 2 if smoke else args.reps
     block = 128 if smoke else 1536
     kda = next(layer for layer in model.mixers if isinstance(layer, KDALayer))
@@ -196,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "macs_per_token": config.macs_per_token(),
         "cases": [],
     }
-    state = kernels.StateCache.for_layer(kda.params, 4, device=device)
+    state = kernels.StateCache.for_layer(kda.params, 5 + 2 * DECODE_ROWS, device=device)
     state.recurrent.normal_(generator=generator)
     rows: list[dict[str, Any]] = []
 
@@ -226,6 +299,16 @@ def main(argv: list[str] | None = None) -> int:
                 num_tokens=tokens,
             )
             record("kda", tokens, 0, lambda x=x, plan=plan: kda.forward(x, backend_, state, plan))
+            # The seed's prefill steps: the row exports checkpoints (one: in the same call; two:
+            # a second, chained call), and shares its step with the other streams' decode rows.
+            for kind, plan in kda_plans(model.backend, tokens, state.num_blocks).items():
+                packed = hidden(plan.num_tokens)
+                record(
+                    kind,
+                    tokens,
+                    0,
+                    lambda packed=packed, plan=plan: kda.forward(packed, backend_, state, plan),
+                )
             record("mlp", tokens, 0, lambda x=x: mlp.forward(x))
         largest = max(prefixes) + max(token_counts)
         blocks = -(-largest // block) + 1
@@ -306,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("kind        prefix  fixed ms/step  per token us  host ms at max T  GPU ms at max T")
     fits = []
-    for kind, prefix in [("kda", 0), ("mlp", 0), *(("attention", p) for p in prefixes)]:
+    kinds = [("kda", 0), *((kind, 0) for kind in KDA_PLANS), ("mlp", 0)]
+    for kind, prefix in [*kinds, *(("attention", p) for p in prefixes)]:
         chosen = [r for r in rows if r["kind"] == kind and r["prefix"] == prefix]
         fixed, per_token = fit([r["tokens"] for r in chosen], [r["gpu_ms"] for r in chosen])
         last = chosen[-1]
