@@ -47,11 +47,18 @@ DECODE_ROWS = 7
 KDA_PLANS = ("kda-ckpt1", "kda-ckpt2", "kda-step")
 
 
-def _counts(text: str) -> tuple[int, ...]:
-    counts = tuple(int(part) for part in text.split(","))
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"positive counts, comma-separated: {text!r}")
+def _counts(text: str, least: int = 1) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < least:
+        raise argparse.ArgumentTypeError(f"counts >= {least}, comma-separated: {text!r}")
     return counts
+
+
+def _prefixes(text: str) -> tuple[int, ...]:
+    return _counts(text, least=0)
 
 
 def kda_plans(backend: Any, tokens: int, num_slots: int) -> dict[str, Any]:
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--prefixes",
-        type=_counts,
+        type=_prefixes,
         help="cached prefixes of the attention cases, comma-separated (default "
         f"{','.join(map(str, PREFIXES))}; the decode and parts cases take the largest)",
     )
