@@ -8,8 +8,10 @@
 # that a slow one leaves the others' results (simulate writes its JSON after every policy):
 #   1. the model's, the kernel layer's, the Triton convolution's, the Triton paged decode
 #      attention's and the split prefill attention's GPU tests;
-#   2. benchmarks/gpu_layers.py: GPU time per token and per step of each layer kind, the decode
-#      attention (gathering torch path against the Triton kernel) and a layer group's decode step;
+#   2. benchmarks/gpu_layers.py over the seed's 1K to 4K tokens a request (19 s on 2026-12-02):
+#      GPU time per token and per step of each layer kind (KDA also with the seed steps' two
+#      checkpoints and decode rows), the decode attention (gathering torch path against the
+#      Triton kernel) and a layer group's decode step;
 #   3. the output check: growing-prefix at the default preset (the seed geometry / 16) with the
 #      Kimi-K3 proxy, none + block + fine, outputs compared with the no-cache run;
 #   4. the seed preset, block then fine, and 5. fine then block (--no-reference: the order check);
@@ -111,6 +113,7 @@ run 9 && timeout 60 python3 benchmarks/gpu_uploads.py --json "$out/uploads.json"
     | tee -a "$log"
 run 2 && say "2. layer timing"
 run 2 && timeout 90 python3 benchmarks/gpu_layers.py --backend flashkda-op \
+    --tokens 1024,2048,2560,3072,3584,4096 --prefixes 0,131072 \
     --json "$out/layers.json" 2>>"$errors" | tee -a "$log"
 
 run 3 && say "3. output check: default preset, none + block + fine"
