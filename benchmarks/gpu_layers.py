@@ -4,8 +4,8 @@
 For each layer kind of ``ModelConfig.kimi_k3_tp8`` (a KDA mixer through the model's kernel
 backend and short convolution, a grouped-query attention mixer over a paged cache holding a
 cached prefix, the dense SwiGLU block), one packed row of T new tokens (T = 2,048, 4,096 and
-8,192, ``--tokens``; KDA also with the checkpoints of the seed's prefill steps, alone and
-beside 7 decode rows; attention also after cached prefixes of 0, 64K and 128K tokens,
+8,192, ``--tokens``; KDA also with one and two checkpoints, and as the seed's prefill step
+packs it, 7 decode rows and a row with one checkpoint; attention also after cached prefixes of 0, 64K and 128K tokens,
 ``--prefixes``, and one decode token of
 8 rows at 128K, through the gathering torch path and the Triton paged decode kernel, alone and
 in one layer group's decode step) is timed with CUDA events (median of repeated calls after
@@ -62,9 +62,11 @@ def _prefixes(text: str) -> tuple[int, ...]:
 
 
 def kda_plans(backend: Any, tokens: int, num_slots: int) -> dict[str, Any]:
-    """A KDA layer's plans of the seed's prefill steps, for a row of ``tokens``: one checkpoint
-    in the row (``kda-ckpt1``), two (``kda-ckpt2``: the op chains a second call), and two in
-    the row after :data:`DECODE_ROWS` decode rows, as the engine packs a step (``kda-step``).
+    """A KDA layer's plans for a row of ``tokens``: one checkpoint in the row (``kda-ckpt1``),
+    two (``kda-ckpt2``: the op chains a second call), and the seed's prefill step as the engine
+    packs it (``kda-step``): :data:`DECODE_ROWS` decode rows, then the row with its one interior
+    checkpoint, the tail (every prefill row of 4,096 tokens or fewer in the seed's rounds has
+    one, or none, under both policies: a row's decode-tail snapshots are copies after the step).
     Offsets are on the kernel's grid; every slot is distinct (``num_slots`` >= 5 + 2 x the
     decode rows)."""
     grid = max(1, int(backend.checkpoint_alignment))
@@ -100,8 +102,8 @@ def kda_plans(backend: Any, tokens: int, num_slots: int) -> dict[str, Any]:
         query_start_loc=[*range(rows + 1), rows + tokens],
         initial_slot=[*decode_initial, 1],
         running_slot=[*decode_running, 2],
-        checkpoint_offsets=[*([[0, 0]] * rows), list(two)],
-        checkpoint_slots=[*([[-1, -1]] * rows), [3, 4]],
+        checkpoint_offsets=[*([[0]] * rows), [on_grid(tokens - 64)]],
+        checkpoint_slots=[*([[-1]] * rows), [3]],
         num_slots=num_slots,
         num_tokens=rows + tokens,
     )
