@@ -145,7 +145,9 @@ class StateGroup:
         checkpoint_cap: how many blocks of the pool checkpoints may hold, published ones
             included; ``None`` = only the pool bounds them.
         reserve_per_sequence: blocks kept free or evictable per running sequence before a
-            checkpoint may take one, so checkpoints never make a ``schedule`` fail.
+            checkpoint may take one, so checkpoints never make a ``schedule`` fail. State
+            groups sharing a pool keep the largest reserve any of them asks for, whichever
+            group checkpoints.
     """
 
     kind: ClassVar[str] = "state"

@@ -34,15 +34,12 @@ fn explicit_candidates(requested: &[u32], retained: Retained, start: u32, end: u
 
 /// Chooses and allocates the checkpoints of one scheduled sequence, in every state group, and
 /// counts the positions it skips (`stats`, per group). `running`: the sequences holding blocks
-/// (each keeps `reserve_per_sequence` blocks of a pool out of checkpoints' reach, and one more
-/// per further step it may have in flight for every state group of that pool: a continuation
-/// takes a running buffer in each; `depth` is `max_steps_in_flight`).
+/// (each keeps its pool's `GroupLayout::checkpoint_reserve` out of checkpoints' reach).
 pub(crate) fn plan_checkpoints(
     store: &mut BlockStore,
     layout: &GroupLayout,
     stats: &mut [GroupStats],
     running: usize,
-    depth: u32,
     seq: &mut Sequence,
 ) {
     let unit = store.unit();
@@ -114,14 +111,7 @@ pub(crate) fn plan_checkpoints(
             };
             skipped[reason.index()] += 1;
         }
-        // (the running buffers a sequence may still take from this pool at this depth: one
-        // per state group of the pool for each further step in flight)
-        let states_in_pool = if planned.is_empty() {
-            0
-        } else {
-            layout.state.iter().filter(|s| s.pool == pool).count() as u64
-        };
-        let reserve = Reserve { running, depth, states_in_pool };
+        let reserve = layout.checkpoint_reserve[pool].saturating_mul(running as u64);
         for (p, kind) in planned {
             match allocate_checkpoint(store, reserve, pool, g as u32, config, kind) {
                 Some(block) => {
@@ -150,32 +140,20 @@ pub(crate) fn plan_checkpoints(
     }
 }
 
-/// What the reserve of a pool counts: the running sequences, the depth, and the state groups
-/// drawing their running buffers from the pool.
-#[derive(Clone, Copy)]
-struct Reserve {
-    running: usize,
-    depth: u32,
-    states_in_pool: u64,
-}
-
 /// A block for a new checkpoint, or `None` (`budget`): the reserve for running sequences
-/// and the checkpoint cap are honoured; beyond the cap the least recently used evictable
+/// (`reserve`: the blocks the pool keeps for its started sequences) and the checkpoint
+/// cap are honoured; beyond the cap the least recently used evictable
 /// checkpoint is reused (a decode-tail snapshot may only displace another decode tail).
 fn allocate_checkpoint(
     store: &mut BlockStore,
-    reserve: Reserve,
+    reserve: u64,
     pool: usize,
     group: u32,
     config: &StateGroupConfig,
     kind: BlockKind,
 ) -> Option<BlockId> {
-    let Reserve { running, depth, states_in_pool } = reserve;
-    let per_sequence = u64::from(config.reserve_per_sequence)
-        + u64::from(depth.max(1) - 1) * states_in_pool.max(1);
-    let reserve = per_sequence * running as u64;
     let p = &store.pools[pool];
-    if u64::from(p.num_available()) < reserve + 1 {
+    if u64::from(p.num_available()) <= reserve {
         return None;
     }
     if let Some(cap) = config.checkpoint_cap {

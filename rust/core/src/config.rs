@@ -108,6 +108,8 @@ pub struct StateGroupConfig {
     /// pool is the only bound.
     pub checkpoint_cap: Option<u32>,
     /// Blocks kept free or evictable per running sequence before a checkpoint may take one.
+    /// State groups sharing a pool keep the largest reserve any of them asks for, whichever
+    /// group checkpoints (`GroupLayout::checkpoint_reserve`).
     pub reserve_per_sequence: u32,
 }
 
@@ -196,6 +198,9 @@ pub(crate) struct GroupLayout {
     pub slots: Vec<GroupSlot>,
     /// Per config index, the group's pool.
     pub pool_of: Vec<usize>,
+    /// Per pool, the blocks each started sequence keeps out of checkpoints' reach
+    /// (`GroupLayout::checkpoint_reserves`).
+    pub checkpoint_reserve: Vec<u64>,
 }
 
 impl GroupLayout {
@@ -221,7 +226,29 @@ impl GroupLayout {
             });
         }
         let pool_of = config.groups.iter().map(|g| g.pool).collect();
-        Self { paged, state, slots, pool_of }
+        let checkpoint_reserve =
+            Self::checkpoint_reserves(&state, config.pools.len(), config.max_steps_in_flight);
+        Self { paged, state, slots, pool_of, checkpoint_reserve }
+    }
+
+    /// The reserve of each pool, per started sequence: the blocks a checkpoint of any of its
+    /// state groups must leave free or evictable, so that checkpoints never make a running
+    /// sequence's `schedule` fail (DESIGN sections 4 and 10). The reserve is the pool's, not a
+    /// group's: every group's checkpoints draw on the same blocks, so the pool keeps the
+    /// largest `reserve_per_sequence` any of its state groups asks for (a smaller one would
+    /// let that group take what another group promised its sequences), plus, at depth D, the
+    /// D - 1 further running buffers a sequence's continuations take in each state group of
+    /// the pool.
+    fn checkpoint_reserves(state: &[StateGroup], pools: usize, depth: u32) -> Vec<u64> {
+        let mut reserve = vec![0u64; pools];
+        let mut states = vec![0u64; pools];
+        for group in state {
+            let r = &mut reserve[group.pool];
+            *r = (*r).max(u64::from(group.config.reserve_per_sequence));
+            states[group.pool] += 1;
+        }
+        let further = u64::from(depth.max(1) - 1);
+        reserve.iter().zip(&states).map(|(r, k)| r + further * k).collect()
     }
 
     /// Number of groups.

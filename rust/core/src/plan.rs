@@ -261,7 +261,6 @@ impl CacheManager {
     /// large enough. On error the plan is left as it was.
     pub fn build_plan_into(&mut self, plan: &mut StepPlan) -> Result<()> {
         self.refuse_build_at_depth()?;
-        let depth = self.config.max_steps_in_flight;
         // The one array sized by the step's tokens: reserved before anything changes.
         let tokens = self.steps.scheduled_tokens as usize;
         for p in &mut plan.paged {
@@ -294,7 +293,6 @@ impl CacheManager {
                 &self.layout,
                 &mut self.stats.groups,
                 self.started,
-                depth,
                 seq,
             );
             if windows {

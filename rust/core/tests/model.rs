@@ -25,7 +25,8 @@
 //! and refuse lists out of order or malformed, changing nothing. Several state groups may share
 //! a pool with each other and with the paged group: each group's cap counts its own checkpoint
 //! blocks only and evicts only its own, and a checkpoint that would leave its pool no more free
-//! or evictable blocks than the reserve of the started sequences is skipped (`budget`); both are
+//! or evictable blocks than the reserve of the started sequences (the reserve every state
+//! group of the pool asks for, whichever group checkpoints) is skipped (`budget`); both are
 //! predicted checkpoint by checkpoint, not just tolerated. Hostile calls (`model/hostile.rs`)
 //! pass values at and beyond the API's bounds.
 //!

@@ -75,8 +75,8 @@
 //!   a checkpoint is skipped `already_cached`; past C interior ones (below qe), `capacity`;
 //! - each kept position takes a block, no more of them per row than the state pool has free
 //!   or cached (`budget`), and none that would leave the pool no more than the reserve of the
-//!   started sequences (two, plus one per further step in flight and state group, each;
-//!   `budget`); at the cap (checkpoint blocks of the group: published, planned, waiting for
+//!   started sequences (the state group's reserve, plus one per further step in flight and
+//!   state group, each; `budget`); at the cap (checkpoint blocks of the group: published, planned, waiting for
 //!   their tokens, private decode tails) it evicts the least recently used unpinned published
 //!   checkpoint (a decode tail only a published decode tail), or is skipped `budget` when
 //!   there is none; below it a free block first, else the pool's least recently used cached
@@ -107,7 +107,7 @@
 //! (unpinned) ones, the blocks free or cached, and the checkpoint statistics; at the end
 //! everything is committed and finished and no block may stay owned.
 //!
-//! Two state groups of one configuration sharing the state pool
+//! Two state groups of one configuration but for their reserves sharing the state pool
 //! (`prop_overlapped_shared_state_pool_follows_the_model`), stated on their own: one id space
 //! and one LRU for both groups' running buffers and checkpoints; each group has its own
 //! running buffers (a pair, and one more per continuation without a spare, in each), its
@@ -115,8 +115,9 @@
 //! own checkpoints count, and beyond it it evicts only its own least recently used one), its
 //! resume checkpoint (every group's pinned before any block is taken) and its statistics; a
 //! hit needs a checkpoint at L in every state group; a commit releases and publishes group by
-//! group; the reserve keeps, per started sequence, two blocks and one more per further step in
-//! flight for each state group of the pool.
+//! group; a checkpoint of either group keeps both groups' reserves: per started sequence, the
+//! group's own `reserve_per_sequence` and one more block per further step in flight for each
+//! state group of the pool, whichever group promised it.
 //!
 //! Cases: 256, and half as many with a sliding window and with a shared state pool
 //! (`PROPTEST_CASES` or `MODEL_CASES` for more); `MODEL_PATHS=1` prints how often the fixed sample of
@@ -168,6 +169,9 @@ struct StateSetup {
     per_step: Option<u32>,
     /// Ids of the state pool (the null block included): small ones run out.
     blocks: u32,
+    /// Each state group's `reserve_per_sequence` (the first alone with one group; two by
+    /// default, different ones in the shared state pool).
+    reserves: [u32; 2],
 }
 
 #[derive(Clone, Debug)]
@@ -307,7 +311,17 @@ fn state_setup() -> impl Strategy<Value = Option<StateSetup>> {
         prop::sample::select(vec![1024u32, 1024, 20, 48]),
     )
         .prop_map(|([tail, junction, decode_tail], interval, cap, per_step, blocks)| {
-            Some(StateSetup { tail, junction, decode_tail, interval, cap, per_step, blocks })
+            let reserves = [2, 2];
+            Some(StateSetup {
+                tail,
+                junction,
+                decode_tail,
+                interval,
+                cap,
+                per_step,
+                blocks,
+                reserves,
+            })
         });
     prop_oneof![1 => Just(None), 3 => retained]
 }
@@ -331,11 +345,15 @@ fn setup() -> impl Strategy<Value = Setup> {
         })
 }
 
-/// `setup()` with two state groups of the same configuration in the one state pool (their
-/// running buffers and checkpoints in one id space and one LRU, a cap each).
+/// `setup()` with two state groups of the same configuration but for their reserves (each
+/// 0 to 3 blocks a sequence) in the one state pool (their running buffers and checkpoints in
+/// one id space and one LRU, a cap each).
 fn shared_state_setup() -> impl Strategy<Value = Setup> {
-    (setup(), state_setup().prop_filter("a state group", Option::is_some))
-        .prop_map(|(s, state)| Setup { state: s.state.or(state), states: 2, ..s })
+    (setup(), state_setup().prop_filter("a state group", Option::is_some), [0u32..=3, 0u32..=3])
+        .prop_map(|(s, state, reserves)| {
+            let state = s.state.or(state).map(|st| StateSetup { reserves, ..st });
+            Setup { state, states: 2, ..s }
+        })
 }
 
 /// `setup()` with a sliding-window group: blocks of one or two units, windows from one block
@@ -636,14 +654,14 @@ fn config(s: &Setup) -> CacheConfig {
             junction: st.junction,
             decode_tail: st.decode_tail,
         };
-        for _ in 0..s.states {
+        for i in 0..s.states as usize {
             groups.push(GroupConfig {
                 kind: GroupKind::State(StateGroupConfig {
                     alignment: 1,
                     max_checkpoints_per_step: st.per_step,
                     retention: retention.clone(),
                     checkpoint_cap: st.cap,
-                    reserve_per_sequence: 2,
+                    reserve_per_sequence: st.reserves[i],
                 }),
                 pool: 1,
             });
@@ -2445,11 +2463,15 @@ impl Model {
         let cap = self.s.state.as_ref().and_then(|st| st.cap);
         let mut ckpts: Vec<StepCk> = Vec::new();
         for (p, decode_tail) in planned {
-            // Running sequences keep the reserve (a further buffer per step deeper in flight,
-            // in every state group of the pool).
-            let per_sequence = 2 + (self.s.depth as usize - 1) * self.n_states() as usize;
-            let reserve = per_sequence * self.started();
-            let fits = self.available() - taken - ckpts.len() > reserve;
+            // Running sequences keep the reserve: each state group of the pool promised them
+            // its own, and a further buffer per step deeper in flight in every state group of
+            // the pool; a checkpoint of any group must keep every group's promise.
+            let further = (self.s.depth as usize - 1) * self.n_states() as usize;
+            let left = self.available() - taken - ckpts.len();
+            let fits = (0..self.n_states() as usize).all(|h| {
+                let promised = self.s.state.as_ref().map_or(0, |st| st.reserves[h]);
+                left > (promised as usize + further) * self.started()
+            });
             // (the cap counts the group's own, and beyond it the group evicts its own)
             let at_cap = cap.is_some_and(|c| self.ck_blocks(Some(g)) + ckpts.len() >= c as usize);
             let victim = if at_cap {

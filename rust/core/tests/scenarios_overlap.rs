@@ -550,3 +550,58 @@ fn checkpoints_leave_room_for_every_state_group_of_a_shared_pool_to_continue() {
         );
     }
 }
+
+/// Section 4's reserve is the pool's: checkpoints never make another sequence's `schedule`
+/// fail, whichever group takes them. In one pool shared by full attention and two state groups
+/// (as a unified hybrid allocator does), group A keeps one block per running sequence for the
+/// next paged block of its continuation, group B none; B's checkpoints must still leave A's
+/// promise (and both groups' running buffers at depth 2) untouched. 23 usable blocks: after
+/// the second schedule each sequence owns 2 paged blocks and 4 running buffers, so 11 are
+/// left; each continuation of one token takes a paged block and a running buffer per state
+/// group, 3, so B's 8 wanted checkpoints may take 5, not the 7 B's own reserve would allow.
+#[test]
+fn checkpoints_of_one_state_group_keep_the_reserve_another_group_of_the_pool_promised() {
+    use prefixcache_core::{GroupConfig, GroupKind, PoolConfig, Retention, StateGroupConfig};
+    let state = |reserve_per_sequence, interval| {
+        GroupKind::State(StateGroupConfig {
+            alignment: 1,
+            max_checkpoints_per_step: None,
+            retention: Retention { tail: false, interval, junction: false, decode_tail: false },
+            checkpoint_cap: None,
+            reserve_per_sequence,
+        })
+    };
+    let config = CacheConfig {
+        pools: vec![PoolConfig { num_blocks: 24 }],
+        groups: vec![
+            GroupConfig { kind: GroupKind::FullAttention { block_size: B }, pool: 0 },
+            GroupConfig { kind: state(1, None), pool: 0 },
+            GroupConfig { kind: state(0, Some(U)), pool: 0 },
+        ],
+        ..full_attention(B, U, 24)
+    };
+    let mut h = overlapped(config, 2);
+    for id in [1, 2] {
+        h.add(id, &tokens(id as u32, 40));
+        h.schedule(id, B);
+    }
+    let first = build(&mut h);
+    h.commit(&first);
+    for id in [1, 2] {
+        h.schedule(id, B);
+    }
+    let second = build(&mut h);
+    let taken = second.state[1].checkpoint_slots.iter().filter(|&&s| s > 0).count()
+        + second.state[1].snapshots.len() / 2;
+    for id in [1, 2] {
+        let next = h.try_schedule(id, 1);
+        assert!(
+            next.is_some(),
+            "sequence {id}'s continuation was refused: group B's checkpoints took the block \
+             group A's reserve kept for it ({:?})",
+            h.usage(0)
+        );
+    }
+    assert_eq!(taken, 5, "group B's checkpoints of the second step");
+    h.commit(&second);
+}

@@ -1002,6 +1002,7 @@ impl Fuzz {
     /// the last few built for stale commits.
     fn accept_plan(&mut self, plan: StepPlan) -> Result<(), String> {
         self.check_plan(&plan)?;
+        self.check_reserve(&plan)?;
         self.check_contents(&plan)?;
         self.pending.clear();
         self.built.push(plan.clone());
@@ -1009,6 +1010,47 @@ impl Fuzz {
             self.built.remove(0);
         }
         self.in_flight = Some(plan);
+        Ok(())
+    }
+
+    /// Section 4's reserve, stated on its own: each state group promises every started
+    /// sequence (the plan's rows, and every live sequence with computed tokens) its
+    /// `reserve_per_sequence` free or evictable blocks of its pool, and checkpoints draw on
+    /// the pool whichever group takes them. So once the plan has placed a checkpoint in a
+    /// pool, that pool still has room for every promise of every state group drawing on it.
+    /// (One plan in flight: no further running buffers to keep.)
+    fn check_reserve(&mut self, plan: &StepPlan) -> Result<(), String> {
+        let mut started: BTreeSet<u64> = plan.seq_ids.iter().copied().collect();
+        for &id in self.seqs.keys() {
+            if self.m.num_computed(id).map_err(|e| format!("num_computed of live {id}: {e}"))? > 0 {
+                started.insert(id);
+            }
+        }
+        let usage = self.m.pool_usage();
+        let mut across = false;
+        for sp in &plan.state {
+            let pool = self.config.groups[sp.group as usize].pool;
+            let placed = sp.checkpoint_slots.iter().any(|&s| s > 0) || !sp.snapshots.is_empty();
+            if !placed {
+                continue;
+            }
+            let available = u64::from(usage[pool].free + usage[pool].cached);
+            for (h, g) in self.config.groups.iter().enumerate().filter(|(_, g)| g.pool == pool) {
+                let GroupKind::State(promise) = &g.kind else { continue };
+                let kept = u64::from(promise.reserve_per_sequence) * started.len() as u64;
+                ensure!(
+                    available >= kept,
+                    "group {}'s checkpoints left pool {pool} {available} free or evictable \
+                     blocks, below the {kept} group {h} keeps for {} started sequences",
+                    sp.group,
+                    started.len()
+                );
+                across |= h != sp.group as usize && kept > 0;
+            }
+        }
+        if across {
+            self.saw("a checkpoint kept another state group's reserve");
+        }
         Ok(())
     }
 

@@ -255,7 +255,9 @@ impl Model {
     /// Running and initial slots, checkpoints and skip counters. Every checkpoint is predicted
     /// position by position, in priority order, with the allocations before it applied: it
     /// gets a block unless taking one would leave its pool no more free or evictable blocks
-    /// than `reserve_per_sequence` per started sequence, or its group is at its own cap with
+    /// than the `reserve_per_sequence` of any state group of the pool per started sequence
+    /// (every group's promise is kept, whichever group checkpoints), or its group is at its
+    /// own cap with
     /// none of its own unpinned checkpoints (decode tails, for a decode-tail snapshot) to
     /// evict (`budget` either way). At the cap the group's least recently used one is evicted;
     /// below it a free block is used first, else the pool's least recently used block.
@@ -375,7 +377,13 @@ impl Model {
                         "row {row} wrote a checkpoint at {p}, not among {planned:?}{trace}"
                     );
                 }
-                let reserve = u64::from(config.reserve_per_sequence) * started;
+                // Every state group of the pool promised its sequences its own reserve, and a
+                // checkpoint of any group draws on the same blocks: it must keep every promise.
+                let promises: Vec<u64> = (0..self.groups())
+                    .filter(|&h| self.s.pool(h) == pool)
+                    .filter_map(|h| self.s.state(h))
+                    .map(|c| u64::from(c.reserve_per_sequence) * started)
+                    .collect();
                 let mut kept = Vec::new();
                 for &(p, decode_tail) in &planned {
                     let avail = free[pool] + cached[pool];
@@ -384,13 +392,13 @@ impl Model {
                         && self.carried[pool].keys().any(|&b| {
                             !pinned[pool].contains(&b) && self.own_checkpoint(g, b, decode_tail)
                         });
-                    let fits = avail > reserve;
+                    let fits = promises.iter().all(|&reserve| avail > reserve);
                     let take = fits && (!at_cap || victims);
                     let block = written.iter().find(|w| w.0 == p).map(|w| w.1);
                     ensure!(
                         take == block.is_some(),
                         "row {row} group {g}: checkpoint at {p} (decode tail {decode_tail}) {} \
-                         with {} free, {} cached, reserve {reserve}, {} checkpoints of cap {:?}, \
+                         with {} free, {} cached, reserves {promises:?}, {} checkpoints of cap {:?}, \
                          {} of its own to evict{trace}",
                         if take {
                             "skipped (budget), expected taken"
