@@ -50,7 +50,7 @@
 //! recently used (checked against the plan's table).
 //!
 //! A sliding-window group (W tokens; `prop_overlapped_sliding_windows_follow_the_model`, in a
-//! pool of its own that never runs short), stated on its own: resuming at L needs the blocks
+//! pool of its own, in two cases of five small enough to run short), stated on its own: resuming at L needs the blocks
 //! covering `[max(0, L - W), L)`, so the hit is the largest candidate within the
 //! full-attention bound that the window and the state group both allow, the window's own
 //! hit stops `not_cached` when its key at the largest candidate is missing or full attention
@@ -58,7 +58,14 @@
 //! `max(0, L - W) / B`, the hit's blocks, a copy on write inside a block, then its own; at each
 //! commit the blocks whose tokens all lie before the last W computed ones are released; an
 //! engine applying every plan's appended and replaced entries holds the table; a key waiting
-//! for its tokens whose window block was released meanwhile is never published.
+//! for its tokens whose window block was released meanwhile is never published. Its pool: a
+//! started sequence holds its table's entries, a built first step its copy source, a scheduled
+//! first step pins a cached block for each key of its window's hit no copy in use serves;
+//! blocks carrying keys and held by nothing are cached, the rest free; a schedule whose pins
+//! and new blocks (`ceil(end / B)` less its table) exceed free and cached is refused (`None`),
+//! otherwise it takes free blocks first and evicts exactly the rest, each cached, with exactly
+//! its keys, never the last copy of a key a scheduled step pinned (the pool's free and cached
+//! counts are checked after every call; the eviction order is not stated).
 //!
 //! With a state group, each step must read the running state the step before it writes, and
 //! write a buffer none of its other steps uses. Its checkpoints, stated on their own:
@@ -150,9 +157,11 @@ struct Setup {
     state: Option<StateSetup>,
     /// Whether every waiting sequence is looked up after every call (else only by `Lookup`).
     watch: bool,
-    /// A sliding-window group (block size, window W), in a pool of its own that never runs
-    /// short (`prop_overlapped_sliding_windows_follow_the_model`).
+    /// A sliding-window group (block size, window W), in a pool of its own
+    /// (`prop_overlapped_sliding_windows_follow_the_model`) of `sw_blocks` ids (the null
+    /// block included): small ones run short.
     window: Option<(u32, u32)>,
+    sw_blocks: u32,
     /// State groups (one, or two sharing the state pool:
     /// `prop_overlapped_shared_state_pool_follows_the_model`).
     states: u32,
@@ -341,6 +350,7 @@ fn setup() -> impl Strategy<Value = Setup> {
             state,
             watch,
             window: None,
+            sw_blocks: 1024,
             states: 1,
         })
 }
@@ -357,13 +367,19 @@ fn shared_state_setup() -> impl Strategy<Value = Setup> {
 }
 
 /// `setup()` with a sliding-window group: blocks of one or two units, windows from one block
-/// to two blocks and three tokens.
+/// to two blocks and three tokens, in a pool that never runs short or in one small enough to
+/// evict and refuse schedules.
 fn windowed_setup() -> impl Strategy<Value = Setup> {
     let window = prop::sample::select(vec![U, 2 * U]).prop_flat_map(|block| {
         prop::sample::select(vec![block, block + 2, 2 * block, 2 * block + 3])
             .prop_map(move |w| (block, w))
     });
-    (setup(), window).prop_map(|(s, window)| Setup { window: Some(window), ..s })
+    let sw_blocks = prop::sample::select(vec![1024u32, 1024, 10, 16, 28]);
+    (setup(), window, sw_blocks).prop_map(|(s, window, sw_blocks)| Setup {
+        window: Some(window),
+        sw_blocks,
+        ..s
+    })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -393,9 +409,12 @@ struct Step {
     pins: Vec<Pin>,
     new_blocks: u32,
     /// The sliding-window group: its table's length before the step, and the copy-on-write
-    /// source its plan pins.
+    /// source its plan pins; before its plan is built, the keys of its hit it pinned (with the
+    /// block, when the model can tell which) and its new blocks.
     sw_before: usize,
     sw_cow: Option<u32>,
+    sw_pins: Vec<(Vec<u32>, Option<u32>)>,
+    sw_new: u32,
 }
 
 /// A key of a scheduled first step's hit, with the block it pins when only one carries it, and
@@ -614,12 +633,13 @@ struct Model {
     /// per block the keys it carries with their digests.
     published: BTreeMap<Vec<u32>, BTreeSet<u32>>,
     carried: BTreeMap<u32, BTreeMap<Vec<u32>, Digest>>,
-    /// The same for the sliding-window group (whose pool never evicts).
+    /// The same for the sliding-window group.
     sw_published: BTreeMap<Vec<u32>, BTreeSet<u32>>,
-    sw_carried: BTreeMap<u32, BTreeSet<Vec<u32>>>,
+    sw_carried: BTreeMap<u32, BTreeMap<Vec<u32>, Digest>>,
     /// Events drained before `check_events` (full-attention evictions checked at once).
     drained: Vec<CacheEvent>,
     fa_evictions: u64,
+    sw_evictions: u64,
     /// The full-attention blocks the model holds cached (carrying keys, in use by nothing),
     /// with when each entered the LRU (`None`: unknown, a pin the model cannot name may hold
     /// it), the release orders the model's calls stated since the last sync (oldest first),
@@ -673,7 +693,7 @@ fn config(s: &Setup) -> CacheConfig {
             kind: GroupKind::SlidingWindow { block_size, window },
             pool: pools.len(),
         });
-        pools.push(PoolConfig { num_blocks: 1024 });
+        pools.push(PoolConfig { num_blocks: s.sw_blocks });
     }
     CacheConfig {
         hash: HashConfig { unit: U, ..HashConfig::default() },
@@ -726,6 +746,7 @@ impl Model {
             sw_carried: BTreeMap::new(),
             drained: Vec::new(),
             fa_evictions: 0,
+            sw_evictions: 0,
             fa_lru: BTreeMap::new(),
             fa_released: Vec::new(),
             fa_clock: 0,
@@ -1331,7 +1352,7 @@ impl Model {
         let copies: Vec<&[i64]> =
             plan.copies.chunks(4).filter(|c| c[0] == i64::from(g) && Some(c[2]) == dst).collect();
         let carries = |block: u32, q: u32| {
-            self.sw_carried.get(&block).is_some_and(|keys| keys.contains(&seq.key(q)))
+            self.sw_carried.get(&block).is_some_and(|keys| keys.contains_key(&seq.key(q)))
         };
         let (l, first_col) =
             if step.first { (step.start, step.start.saturating_sub(window) / b) } else { (0, 0) };
@@ -1382,7 +1403,7 @@ impl Model {
         self.expect_stored.push((self.sw_group(), digest, Some(block)));
         let k = key(tokens, x, q);
         self.sw_published.entry(k.clone()).or_default().insert(block);
-        self.sw_carried.entry(block).or_default().insert(k);
+        self.sw_carried.entry(block).or_default().insert(k, digest);
         true
     }
 
@@ -1402,24 +1423,176 @@ impl Model {
         }
     }
 
-    /// The sliding-window pool's owned and cached blocks (when no step waits for the next plan,
-    /// whose blocks the model does not name): the entries of started sequences' tables and the
-    /// copy sources of built steps, and the blocks carrying keys besides.
-    fn check_sw_pool(&self) -> Result<(), String> {
-        if self.s.window.is_none() || !self.unbuilt.is_empty() {
-            return Ok(());
-        }
+    // The sliding-window pool, stated here (sections 2 and 3): a started sequence holds the
+    // entries of its window table (the ones the window released are null), a built first
+    // step resuming inside a block also its copy-on-write source until its plan ends, and a
+    // scheduled first step pins, before allocating, for each key its window needs at its hit
+    // (`sw_required`) a cached block when no copy of the key is in use (a hit uses a copy in
+    // use when there is one). A schedule's new window blocks are `ceil(end / B)` less the
+    // table it has (a first step's: the hit's columns, nulls included). Blocks carrying keys
+    // and in use by nothing are cached, the others free. A schedule whose pins and new blocks
+    // exceed the free and cached ones is refused (`None`) and changes nothing; otherwise it
+    // takes free blocks first and evicts exactly the rest, each a cached block, removed with
+    // exactly the keys it carries, and never the last copy of a key a scheduled step pinned.
+
+    /// Window blocks held by started sequences (their tables), built steps (copy sources)
+    /// and steps waiting for the next plan (the hit blocks they pinned, where the model knows
+    /// which).
+    fn sw_owned(&self) -> BTreeSet<u32> {
         let mut owned = BTreeSet::new();
         for seq in self.seqs.values().chain(self.retired.values()).filter(|s| s.started) {
             owned.extend(seq.sw.iter().copied().filter(|&b| b != 0));
             owned.extend(seq.steps.iter().filter_map(|st| st.sw_cow));
+            owned.extend(seq.steps.iter().flat_map(|st| st.sw_pins.iter().filter_map(|p| p.1)));
         }
-        let cached = self.sw_carried.keys().filter(|b| !owned.contains(b)).count();
+        owned
+    }
+
+    /// What steps waiting for the next plan hold in the window pool: the keys they pinned,
+    /// whether the model cannot tell a pinned block (one of several copies), and their new
+    /// blocks.
+    fn sw_unbuilt(&self) -> (BTreeSet<Vec<u32>>, bool, usize) {
+        let steps = self
+            .seqs
+            .values()
+            .chain(self.retired.values())
+            .flat_map(|s| s.steps.iter().filter(|st| st.plan == 0));
+        let (mut keys, mut unknown, mut new) = (BTreeSet::new(), false, 0);
+        for st in steps {
+            keys.extend(st.sw_pins.iter().map(|p| p.0.clone()));
+            unknown |= st.sw_pins.iter().any(|p| p.1.is_none());
+            new += st.sw_new as usize;
+        }
+        (keys, unknown, new)
+    }
+
+    /// The window pool's (free, cached) blocks; `None` when a step waiting for the next plan
+    /// pinned a block the model cannot name.
+    fn sw_room(&self) -> Option<(usize, usize)> {
+        let owned = self.sw_owned();
+        let (_, unknown, new) = self.sw_unbuilt();
+        if unknown {
+            return None;
+        }
+        let carried = self.sw_carried.keys().filter(|b| !owned.contains(b)).count();
+        // (saturating: a model that lost count is reported by `check_sw_pool`)
+        let free = (self.s.sw_blocks as usize - 1).saturating_sub(owned.len() + new + carried);
+        Some((free, carried))
+    }
+
+    /// What a schedule of `seq` up to `end` takes from the window pool (`hit`: a first one's):
+    /// the keys it pins, each with its block where the model can tell (the only copy, else
+    /// the only one in use), how many of them pin a cached block (no copy in use), and its
+    /// new blocks.
+    #[allow(clippy::type_complexity)]
+    fn sw_need(
+        &self,
+        seq: &Seq,
+        hit: Option<u32>,
+        end: u32,
+    ) -> (Vec<(Vec<u32>, Option<u32>)>, u32, u32) {
+        let Some((b, _)) = self.s.window else { return (Vec::new(), 0, 0) };
+        let cols = end.div_ceil(b);
+        let Some(l) = hit else {
+            return (Vec::new(), 0, cols.saturating_sub(seq.sw.len() as u32));
+        };
+        let owned = self.sw_owned();
+        let (pinned, _, _) = self.sw_unbuilt();
+        let (mut pins, mut extra) = (Vec::new(), 0);
+        for q in self.sw_required(l) {
+            let k = seq.key(q);
+            let copies = self.sw_published.get(&k).cloned().unwrap_or_default();
+            let used: Vec<u32> = copies.iter().copied().filter(|c| owned.contains(c)).collect();
+            // (a key another waiting step pinned is in use, whichever copy that is)
+            extra += u32::from(used.is_empty() && !pinned.contains(&k));
+            let block = if copies.len() == 1 {
+                copies.first().copied()
+            } else if used.len() == 1 {
+                Some(used[0])
+            } else {
+                None
+            };
+            if copies.len() > 1 && block.is_none() {
+                self.saw("a window hit pinned one of several copies");
+            }
+            pins.push((k, block));
+        }
+        (pins, extra, cols - l / b)
+    }
+
+    /// The window blocks a call evicted (its `BlockRemoved` events of the window group, taken
+    /// out of `drained`), checked against what was held before it; `own`: the keys the call's
+    /// schedule pinned. Returns how many.
+    fn take_sw_removals(&mut self, own: &[(Vec<u32>, Option<u32>)]) -> Result<usize, String> {
+        if self.s.window.is_none() {
+            return Ok(0);
+        }
+        let g = self.sw_group();
+        let mut owned = self.sw_owned();
+        owned.extend(own.iter().filter_map(|p| p.1));
+        let (mut pinned, _, _) = self.sw_unbuilt();
+        pinned.extend(own.iter().map(|p| p.0.clone()));
+        let mut evicted = 0;
+        for event in std::mem::take(&mut self.drained) {
+            let CacheEvent::BlockRemoved { group, block, keys, gone } = &event else {
+                self.drained.push(event);
+                continue;
+            };
+            if *group != g {
+                self.drained.push(event);
+                continue;
+            }
+            ensure!(!owned.contains(block), "evicted window block {block} is in use");
+            let carried = self
+                .sw_carried
+                .remove(block)
+                .ok_or_else(|| format!("evicted window block {block} carries no key"))?;
+            let mut want: Vec<Digest> = carried.values().copied().collect();
+            let mut got = keys.clone();
+            want.sort_unstable();
+            got.sort_unstable();
+            ensure!(got == want, "evicted window block {block} with {got:?}, it carries {want:?}");
+            let mut no_longer = Vec::new();
+            for (k, d) in carried {
+                let blocks = self.sw_published.get_mut(&k).ok_or("a published window key")?;
+                blocks.remove(block);
+                if blocks.is_empty() {
+                    self.sw_published.remove(&k);
+                    ensure!(
+                        !pinned.contains(&k),
+                        "evicted window block {block}, the last copy of a key a step pinned"
+                    );
+                    no_longer.push(d);
+                } else if pinned.contains(&k) {
+                    self.saw("a window eviction left the copy of a pinned key");
+                }
+            }
+            let mut gone = gone.clone();
+            gone.sort_unstable();
+            no_longer.sort_unstable();
+            ensure!(gone == no_longer, "evicted window block {block}: gone {gone:?}");
+            evicted += 1;
+            self.sw_evictions += 1;
+            self.saw("sliding-window block evicted");
+        }
+        Ok(evicted)
+    }
+
+    /// The sliding-window pool's owned and cached blocks: what `sw_room` says, and what steps
+    /// waiting for the next plan pinned and took.
+    fn check_sw_pool(&self) -> Result<(), String> {
+        if self.s.window.is_none() {
+            return Ok(());
+        }
+        let Some((free, cached)) = self.sw_room() else { return Ok(()) };
         let usage = self.m.pool_usage()[self.sw_group() as usize];
         ensure!(
-            usage.owned as usize == owned.len() && usage.cached as usize == cached,
-            "sliding-window pool {usage:?}: the model holds {} blocks, {cached} cached",
-            owned.len()
+            usage.free as usize == free && usage.cached as usize == cached,
+            "sliding-window pool {usage:?}: the model has {free} free, {cached} cached (held \
+             {:?}, waiting for the next plan {:?}, carrying keys {:?})",
+            self.sw_owned(),
+            self.sw_unbuilt(),
+            self.sw_carried.keys().collect::<Vec<_>>()
         );
         Ok(())
     }
@@ -1587,7 +1760,7 @@ impl Model {
     // entries, so an engine applying the plans' appended and replaced entries holds the table.
     // Keys are published as for full attention, into the block holding token q - 1; a key
     // waiting for its tokens whose block was released meanwhile is never published (the
-    // block may have been reused). Its pool is large enough never to evict.
+    // block may have been reused). Its pool may run short (see `sw_room`).
 
     /// The sliding-window group's index (and its pool's): after the state group, if any.
     fn sw_group(&self) -> u32 {
@@ -2001,6 +2174,7 @@ impl Model {
     /// waiting for the next plan is resolved, and each decoding sequence (started, every token
     /// planned, below D steps, not retiring, none waiting for the next plan) gets a placeholder
     /// and one token scheduled; the plan holds whatever else was scheduled before them.
+    #[allow(clippy::too_many_lines)]
     fn fast_round(&mut self) -> Result<(), String> {
         let depth = self.s.depth as usize;
         if depth == 1 {
@@ -2031,8 +2205,12 @@ impl Model {
             .map(|s| s.id)
             .collect();
         let mut plan = prefixcache_core::StepPlan::default();
+        // (the commit comes first, then the schedules: each takes free window blocks first)
+        let sw_free = self.sw_room().map(|r| r.0);
+        let mut sw_taken = 0;
         let r = self.m.decode_step_overlapped(commit, &resolve, &tokens, &decoding, &mut plan);
         self.take_removals(None)?;
+        let sw_evicted = self.take_sw_removals(&[])?;
         let r = r.map_err(|e| format!("decode_step_overlapped: {e}"))?;
         for (&id, &t) in resolve.iter().zip(&tokens) {
             self.note_resolve(id, &[t]);
@@ -2042,17 +2220,28 @@ impl Model {
             self.note_placeholders(id, 1);
             let start = self.seqs[&id].planned();
             let (pins, _, new_blocks) = self.fa_need(&self.seqs[&id], None, start + 1);
+            let (_, _, sw_new) = self.sw_need(&self.seqs[&id], None, start + 1);
             let available = self.fa_available();
+            // (decode steps pin nothing: the room is known when it was before)
+            let sw_fits =
+                self.sw_room().is_none_or(|(free, cached)| sw_new as usize <= free + cached);
             let fits = self.state_room(&self.seqs[&id], None)
-                && available.is_none_or(|a| new_blocks as usize <= a);
+                && available.is_none_or(|a| new_blocks as usize <= a)
+                && sw_fits;
             let Some(got) = got else {
                 ensure!(
-                    !fits || available.is_none(),
+                    !fits || available.is_none() || self.sw_room().is_none(),
                     "decode_step_overlapped refused {id} although the pools have room"
                 );
-                self.saw("decode step refused: the state pool is short");
+                self.saw(if sw_fits {
+                    "decode step refused: the state pool is short"
+                } else {
+                    "decode step refused: the sliding-window pool is short"
+                });
                 continue;
             };
+            ensure!(sw_fits, "decode_step_overlapped scheduled {id}: the window pool is short");
+            sw_taken += sw_new as usize;
             ensure!(
                 fits || available.is_none(),
                 "decode_step_overlapped scheduled {id} although the pool is short"
@@ -2088,8 +2277,17 @@ impl Model {
                 new_blocks,
                 sw_before: 0,
                 sw_cow: None,
+                sw_pins: Vec::new(),
+                sw_new,
             });
             self.unbuilt.push((false, id));
+        }
+        if let Some(free) = sw_free {
+            let expected = sw_taken.saturating_sub(free);
+            ensure!(
+                sw_evicted == expected,
+                "decode step evicted {sw_evicted} window blocks, not {expected}"
+            );
         }
         self.saw("decode_step_overlapped");
         self.sync_fa_lru();
@@ -2141,9 +2339,21 @@ impl Model {
         let start = hit.as_ref().map_or_else(|| seq.planned(), |h| h.tokens);
         let end = (start + budget).min(seq.len());
         let (pins, extra, new_blocks) = self.fa_need(&seq, hit.as_ref().map(|h| h.tokens), end);
+        let (sw_pins, sw_extra, sw_new) = self.sw_need(&seq, hit.as_ref().map(|h| h.tokens), end);
+        let sw_room = self.sw_room();
         let r = self.m.schedule(id, budget, 0, false);
         let allocates = matches!(r, Ok(Some(_))).then_some((&pins[..], new_blocks));
         self.take_removals(allocates)?;
+        // (a refused schedule evicts nothing; an accepted one what its new blocks need)
+        let accepted = matches!(r, Ok(Some(_)));
+        let evicted = self.take_sw_removals(&sw_pins)?;
+        if let Some((free, _)) = sw_room {
+            let expected = if accepted { (sw_new as usize).saturating_sub(free) } else { 0 };
+            ensure!(
+                evicted == expected,
+                "schedule {id} evicted {evicted} window blocks, not {expected}"
+            );
+        }
         ensure!(kind(&r) == expect, "schedule {id}: {r:?}, expected {expect}");
         let Ok(r) = r else {
             self.saw("schedule refused");
@@ -2152,19 +2362,31 @@ impl Model {
         let state_fits = self.state_room(&seq, hit.as_ref().map(|h| h.tokens));
         let available = self.fa_available();
         let fa_fits = available.is_none_or(|a| extra + new_blocks as usize <= a);
-        let fits = state_fits && fa_fits;
+        let sw_fits =
+            sw_room.is_none_or(|(free, cached)| (sw_extra + sw_new) as usize <= free + cached);
+        let fits = state_fits && fa_fits && sw_fits;
         let Some(r) = r else {
             ensure!(
-                !fits || available.is_none(),
-                "schedule {id} refused although the pools have room"
+                !fits || available.is_none() || sw_room.is_none(),
+                "schedule {id} refused although the pools have room (window: {sw_extra} pins \
+                 of cached blocks and {sw_new} new, (free, cached) {sw_room:?}; held {:?}; \
+                 usage {:?})",
+                self.sw_owned(),
+                self.m.pool_usage()
             );
-            self.saw(if state_fits {
+            self.saw(if !sw_fits && state_fits && fa_fits {
+                "schedule refused: the sliding-window pool is short"
+            } else if state_fits {
                 "schedule refused: the full-attention pool is short"
             } else {
                 "schedule refused: the state pool is short"
             });
             return Ok(());
         };
+        ensure!(sw_fits, "schedule {id} succeeded although the sliding-window pool is short");
+        if sw_room.is_some_and(|(free, _)| sw_new as usize > free) {
+            self.saw("a schedule evicted window blocks");
+        }
         ensure!(
             fits || !state_fits || available.is_none(),
             "schedule {id} succeeded although the {} pool is short",
@@ -2240,6 +2462,8 @@ impl Model {
             new_blocks,
             sw_before: 0,
             sw_cow: None,
+            sw_pins,
+            sw_new,
         });
         self.unbuilt.push((false, id));
         self.sync_fa_lru();
@@ -2371,6 +2595,8 @@ impl Model {
             step.cow_src = cow_src;
             step.pins.clear();
             step.new_blocks = 0;
+            step.sw_pins.clear();
+            step.sw_new = 0;
         }
         self.plans.push_back((id, rows));
         if self.plans.len() > 1 {
@@ -3046,7 +3272,7 @@ impl Model {
         }
         let ck_evictions: u64 = self.want.iter().map(|w| w.evictions).sum();
         ensure!(
-            stats.evictions == ck_evictions + self.fa_evictions,
+            stats.evictions == ck_evictions + self.fa_evictions + self.sw_evictions,
             "{} evictions",
             stats.evictions
         );
@@ -3279,6 +3505,9 @@ fn overlapped_traffic_reaches_every_path() {
         "a plan reported a window release",
         "a waiting key of a released window block is not published",
         "placeholders computed ahead",
+        "sliding-window block evicted",
+        "a schedule evicted window blocks",
+        "schedule refused: the sliding-window pool is short",
         // two state groups in one pool
         "a second state group published a checkpoint",
         "cap evicted its group's checkpoint, another group's older",
