@@ -171,14 +171,23 @@ pub(crate) fn pending_hit(
     if tokens <= hit.tokens {
         return PendingHit { junction, ..unchanged };
     }
-    // Paged groups read every unit below the hit (their pending keys come in order, so the
-    // latest plan among them is the one the needed ones wait for); a state group reads its
-    // checkpoint at the hit only, whatever plan writes one below it.
+    // Full attention reads every unit below the hit, a sliding window those of the blocks
+    // covering `[L - W, L)` (their pending keys come in order, so the latest plan among them
+    // is the one the needed ones wait for; a key below the window, missing or recomputed,
+    // is not waited for); a state group reads its checkpoint at the hit only, whatever plan
+    // writes one below it.
     let mut plan = None;
     for i in 1..=tokens / unit {
         let digest = seq.hashes[(i - 1) as usize];
         for (g, kind) in groups.iter().enumerate() {
-            if matches!(kind, Kind::State) && i < tokens / unit {
+            let needed = match *kind {
+                Kind::State => i == tokens / unit,
+                Kind::SlidingWindow { block_size, window } => {
+                    i * unit > tokens.saturating_sub(window) / block_size * block_size
+                }
+                Kind::FullAttention { .. } => true,
+            };
+            if !needed {
                 continue;
             }
             let g = g as u32;

@@ -605,3 +605,51 @@ fn checkpoints_of_one_state_group_keep_the_reserve_another_group_of_the_pool_pro
     assert_eq!(taken, 5, "group B's checkpoints of the second step");
     h.commit(&second);
 }
+
+/// The plan a pending hit waits for is the latest among those publishing a key the hit needs
+/// (section 10), and a sliding window needs only the blocks covering `[L - W, L)`: a key below
+/// the window that a later plan recomputes must not make the hit wait for that plan. A's
+/// window keys at 4 and 8 are evicted (its full-attention keys stay); D computes [12, 17) in
+/// plan 1 (full attention and window keys at 16), E recomputes [0, 5) in plan 2 (the window
+/// key at 4); C's pending hit of 16 waits for plan 1 only.
+#[test]
+fn a_pending_window_hit_does_not_wait_for_keys_below_the_window() {
+    use prefixcache_core::{GroupConfig, GroupKind, PoolConfig};
+    let config = CacheConfig {
+        pools: vec![PoolConfig { num_blocks: 256 }, PoolConfig { num_blocks: 8 }],
+        groups: vec![
+            GroupConfig { kind: GroupKind::FullAttention { block_size: U }, pool: 0 },
+            GroupConfig { kind: GroupKind::SlidingWindow { block_size: U, window: U }, pool: 1 },
+        ],
+        ..full_attention(U, U, 256)
+    };
+    let mut h = overlapped(config, 2);
+    let a = tokens(1, 12);
+    h.add(1, &a);
+    h.schedule(1, ALL);
+    let plan = build(&mut h);
+    h.commit(&plan);
+    h.finish(1);
+    // B takes the 4 free window blocks and evicts A's two least recently used: keys 4 and 8.
+    h.add(2, &tokens(2, 24));
+    h.schedule(2, ALL);
+    let plan = build(&mut h);
+    h.commit(&plan);
+    let c = extend(&a, 3, 12);
+    h.add(3, &c);
+    assert_eq!(h.lookup(3).tokens, 12, "the window keeps A's key at 12, its full attention all");
+    h.add(4, &c[..17]);
+    assert_eq!(h.schedule(4, ALL).num_computed, 12);
+    let first = build(&mut h);
+    h.add(5, &a[..5]);
+    assert_eq!(h.schedule(5, ALL).num_computed, 0, "E's window misses the key at 4");
+    let second = build(&mut h);
+    let hit = h.lookup(3);
+    assert_eq!(
+        (hit.tokens, hit.pending_tokens, hit.pending_plan),
+        (12, 16, Some(first.step_id)),
+        "C waits for the plan computing [12, 16), not the one recomputing below its window"
+    );
+    h.commit(&first);
+    h.commit(&second);
+}
