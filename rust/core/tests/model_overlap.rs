@@ -114,7 +114,8 @@
 //! (unpinned) ones, the blocks free or cached, and the checkpoint statistics; at the end
 //! everything is committed and finished and no block may stay owned.
 //!
-//! Two state groups of one configuration but for their reserves sharing the state pool
+//! Two state groups sharing the state pool, each with its own reserve and, in half the cases,
+//! its own retention, cap and C (alignment 1 for both)
 //! (`prop_overlapped_shared_state_pool_follows_the_model`), stated on their own: one id space
 //! and one LRU for both groups' running buffers and checkpoints; each group has its own
 //! running buffers (a pair, and one more per continuation without a spare, in each), its
@@ -165,6 +166,9 @@ struct Setup {
     /// State groups (one, or two sharing the state pool:
     /// `prop_overlapped_shared_state_pool_follows_the_model`).
     states: u32,
+    /// The second state group's retention, cap and C, when they differ from the first's (its
+    /// pool and reserve are `state`'s).
+    second: Option<StateSetup>,
 }
 
 /// The state group's retention, cap and C (alignment 1: every interior offset is exportable).
@@ -352,18 +356,21 @@ fn setup() -> impl Strategy<Value = Setup> {
             window: None,
             sw_blocks: 1024,
             states: 1,
+            second: None,
         })
 }
 
-/// `setup()` with two state groups of the same configuration but for their reserves (each
-/// 0 to 3 blocks a sequence) in the one state pool (their running buffers and checkpoints in
-/// one id space and one LRU, a cap each).
+/// `setup()` with two state groups in the one state pool (their running buffers and
+/// checkpoints in one id space and one LRU, a cap each), with their own reserves (each 0 to 3
+/// blocks a sequence) and, in half the cases, their own retention, cap and C.
 fn shared_state_setup() -> impl Strategy<Value = Setup> {
-    (setup(), state_setup().prop_filter("a state group", Option::is_some), [0u32..=3, 0u32..=3])
-        .prop_map(|(s, state, reserves)| {
+    let some_state = || state_setup().prop_filter("a state group", Option::is_some);
+    (setup(), some_state(), [0u32..=3, 0u32..=3], prop::option::of(some_state())).prop_map(
+        |(s, state, reserves, second)| {
             let state = s.state.or(state).map(|st| StateSetup { reserves, ..st });
-            Setup { state, states: 2, ..s }
-        })
+            Setup { state, states: 2, second: second.flatten(), ..s }
+        },
+    )
 }
 
 /// `setup()` with a sliding-window group: blocks of one or two units, windows from one block
@@ -667,26 +674,27 @@ fn config(s: &Setup) -> CacheConfig {
     let mut groups =
         vec![GroupConfig { kind: GroupKind::FullAttention { block_size: s.block }, pool: 0 }];
     let mut pools = vec![PoolConfig { num_blocks: s.fa_blocks }];
-    if let Some(st) = &s.state {
-        let retention = Retention {
-            tail: st.tail,
-            interval: st.interval,
-            junction: st.junction,
-            decode_tail: st.decode_tail,
-        };
+    if let Some(first) = &s.state {
         for i in 0..s.states as usize {
+            let st = if i > 0 { s.second.as_ref().unwrap_or(first) } else { first };
+            let retention = Retention {
+                tail: st.tail,
+                interval: st.interval,
+                junction: st.junction,
+                decode_tail: st.decode_tail,
+            };
             groups.push(GroupConfig {
                 kind: GroupKind::State(StateGroupConfig {
                     alignment: 1,
                     max_checkpoints_per_step: st.per_step,
                     retention: retention.clone(),
                     checkpoint_cap: st.cap,
-                    reserve_per_sequence: st.reserves[i],
+                    reserve_per_sequence: first.reserves[i],
                 }),
                 pool: 1,
             });
         }
-        pools.push(PoolConfig { num_blocks: st.blocks });
+        pools.push(PoolConfig { num_blocks: first.blocks });
     }
     if let Some((block_size, window)) = s.window {
         groups.push(GroupConfig {
@@ -815,6 +823,16 @@ impl Model {
     }
 
     /// The state groups' indices.
+    /// The retention, cap and C of state group `g`.
+    fn st(&self, g: u32) -> &StateSetup {
+        let first = self.s.state.as_ref().expect("a state group");
+        if g > STATE {
+            self.s.second.as_ref().unwrap_or(first)
+        } else {
+            first
+        }
+    }
+
     fn state_groups(&self) -> std::ops::Range<u32> {
         STATE..STATE + self.n_states()
     }
@@ -2479,7 +2497,7 @@ impl Model {
         step: &Step,
         available: usize,
     ) -> (Vec<(u32, bool)>, [u64; 5]) {
-        let st = self.s.state.as_ref().expect("a state group");
+        let st = self.st(g);
         let (start, end) = (step.start, step.end);
         let mut skips = [0u64; 5];
         let mut wanted: Vec<(u32, bool)> = Vec::new();
@@ -2686,7 +2704,7 @@ impl Model {
         if skips[MID_STEP] > 0 {
             self.saw("skip mid_step");
         }
-        let cap = self.s.state.as_ref().and_then(|st| st.cap);
+        let cap = self.st(g).cap;
         let mut ckpts: Vec<StepCk> = Vec::new();
         for (p, decode_tail) in planned {
             // Running sequences keep the reserve: each state group of the pool promised them
@@ -3237,7 +3255,7 @@ impl Model {
         self.check_events()?;
         self.check_sw_pool()?;
         let stats = self.m.stats();
-        if let Some(st) = &self.s.state {
+        if self.s.state.is_some() {
             let usage = self.m.pool_usage()[STATE as usize];
             let blocks = self.ck_blocks(None);
             ensure!(
@@ -3248,7 +3266,11 @@ impl Model {
             );
             for g in self.state_groups() {
                 let blocks = self.ck_blocks(Some(g));
-                ensure!(st.cap.is_none_or(|c| blocks <= c as usize), "{blocks} beyond the cap");
+                let cap = self.st(g).cap;
+                ensure!(
+                    cap.is_none_or(|c| blocks <= c as usize),
+                    "group {g}: {blocks} beyond its cap"
+                );
             }
             ensure!(
                 (usage.free + usage.cached) as usize == self.available(),
