@@ -114,8 +114,8 @@
 //! (unpinned) ones, the blocks free or cached, and the checkpoint statistics; at the end
 //! everything is committed and finished and no block may stay owned.
 //!
-//! Two state groups sharing the state pool, each with its own reserve and, in half the cases,
-//! its own retention, cap and C (alignment 1 for both)
+//! Two state groups sharing the state pool, each with its own reserve and alignment (1, 2 or
+//! U) and, in half the cases, its own retention, cap and C
 //! (`prop_overlapped_shared_state_pool_follows_the_model`), stated on their own: one id space
 //! and one LRU for both groups' running buffers and checkpoints; each group has its own
 //! running buffers (a pair, and one more per continuation without a spare, in each), its
@@ -123,7 +123,11 @@
 //! own checkpoints count, and beyond it it evicts only its own least recently used one), its
 //! resume checkpoint (every group's pinned before any block is taken) and its statistics; a
 //! hit needs a checkpoint at L in every state group; a commit releases and publishes group by
-//! group; a checkpoint of either group keeps both groups' reserves: per started sequence, the
+//! group; a chunk that does not reach the sequence's end ends on the least common multiple of
+//! the alignments (trimmed to nothing, it schedules 0 tokens, takes nothing and is never
+//! refused), a requested interior position must lie on that grid from the chunk's start, and
+//! an interior position off a group's alignment from the chunk's start is skipped
+//! `unaligned`; a checkpoint of either group keeps both groups' reserves: per started sequence, the
 //! group's own `reserve_per_sequence` and one more block per further step in flight for each
 //! state group of the pool, whichever group promised it.
 //!
@@ -143,7 +147,8 @@ use proptest::prelude::*;
 const U: u32 = 4;
 /// The state group's index (and its pool's).
 const STATE: u32 = 1;
-/// Skip reasons, by `SkipReason::index` (unaligned is 0: alignment 1 never skips).
+/// Skip reasons, by `SkipReason::index`.
+const UNALIGNED: usize = 0;
 const CAPACITY: usize = 1;
 const ALREADY_CACHED: usize = 2;
 const BUDGET: usize = 3;
@@ -182,6 +187,8 @@ struct StateSetup {
     per_step: Option<u32>,
     /// Ids of the state pool (the null block included): small ones run out.
     blocks: u32,
+    /// The kernel's checkpoint alignment A (1 but in the shared state pool).
+    alignment: u32,
     /// Each state group's `reserve_per_sequence` (the first alone with one group; two by
     /// default, different ones in the shared state pool).
     reserves: [u32; 2],
@@ -324,7 +331,7 @@ fn state_setup() -> impl Strategy<Value = Option<StateSetup>> {
         prop::sample::select(vec![1024u32, 1024, 20, 48]),
     )
         .prop_map(|([tail, junction, decode_tail], interval, cap, per_step, blocks)| {
-            let reserves = [2, 2];
+            let (reserves, alignment) = ([2, 2], 1);
             Some(StateSetup {
                 tail,
                 junction,
@@ -333,6 +340,7 @@ fn state_setup() -> impl Strategy<Value = Option<StateSetup>> {
                 cap,
                 per_step,
                 blocks,
+                alignment,
                 reserves,
             })
         });
@@ -365,12 +373,14 @@ fn setup() -> impl Strategy<Value = Setup> {
 /// blocks a sequence) and, in half the cases, their own retention, cap and C.
 fn shared_state_setup() -> impl Strategy<Value = Setup> {
     let some_state = || state_setup().prop_filter("a state group", Option::is_some);
-    (setup(), some_state(), [0u32..=3, 0u32..=3], prop::option::of(some_state())).prop_map(
-        |(s, state, reserves, second)| {
-            let state = s.state.or(state).map(|st| StateSetup { reserves, ..st });
-            Setup { state, states: 2, second: second.flatten(), ..s }
-        },
-    )
+    let alignment = || prop::sample::select(vec![1u32, 1, 2, U]);
+    let alignments = [alignment(), alignment()];
+    (setup(), some_state(), [0u32..=3, 0u32..=3], prop::option::of(some_state()), alignments)
+        .prop_map(|(s, state, reserves, second, [first, other])| {
+            let state = s.state.or(state).map(|st| StateSetup { reserves, alignment: first, ..st });
+            let second = second.flatten().map(|st| StateSetup { alignment: other, ..st });
+            Setup { state, states: 2, second, ..s }
+        })
 }
 
 /// `setup()` with a sliding-window group: blocks of one or two units, windows from one block
@@ -685,7 +695,7 @@ fn config(s: &Setup) -> CacheConfig {
             };
             groups.push(GroupConfig {
                 kind: GroupKind::State(StateGroupConfig {
-                    alignment: 1,
+                    alignment: st.alignment,
                     max_checkpoints_per_step: st.per_step,
                     retention: retention.clone(),
                     checkpoint_cap: st.cap,
@@ -823,7 +833,19 @@ impl Model {
     }
 
     /// The state groups' indices.
-    /// The retention, cap and C of state group `g`.
+    /// The chunk grid: the least common multiple of the state groups' alignments (1 without
+    /// one). A chunk that does not reach the sequence's end ends on a multiple of it.
+    fn grid(&self) -> u32 {
+        let gcd = |mut a: u32, mut b: u32| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        self.state_groups().map(|g| self.st(g).alignment).fold(1, |l, a| l / gcd(l, a) * a)
+    }
+
+    /// The retention, cap, C and alignment of state group `g`.
     fn st(&self, g: u32) -> &StateSetup {
         let first = self.s.state.as_ref().expect("a state group");
         if g > STATE {
@@ -1992,8 +2014,12 @@ impl Model {
         };
         let chunk =
             self.seqs[&id].steps.last().filter(|st| st.plan == 0).map(|st| (st.start, st.end));
-        let valid: Vec<u32> =
-            chunk.map_or_else(Vec::new, |(s, e)| (s / U + 1..=e / U).map(|i| i * U).collect());
+        // (the unit boundaries of the chunk: its end, and interior ones on the grid from its
+        // start)
+        let grid = self.grid();
+        let valid: Vec<u32> = chunk.map_or_else(Vec::new, |(s, e)| {
+            (s / U + 1..=e / U).map(|i| i * U).filter(|p| *p == e || (p - s) % grid == 0).collect()
+        });
         let seq = &self.seqs[&id];
         let cached = valid.iter().copied().find(|&p| {
             p as usize <= seq.tokens.len()
@@ -2355,15 +2381,30 @@ impl Model {
         let pending = (!self.plans.is_empty()).then(|| self.pending());
         let hit = first.then(|| self.expected_hit(&seq, pending.as_ref()));
         let start = hit.as_ref().map_or_else(|| seq.planned(), |h| h.tokens);
-        let end = (start + budget).min(seq.len());
+        let mut end = (start + budget).min(seq.len());
+        if end < seq.len() {
+            // (a chunk short of the end is trimmed to the grid; nothing may be left of it)
+            let trimmed = (end / self.grid() * self.grid()).max(start);
+            if trimmed < end && trimmed > start {
+                self.saw("a chunk trimmed to the grid");
+            }
+            end = trimmed;
+        }
+        // (a schedule of 0 tokens takes nothing and is never refused)
+        let zero = end == start && expect == "ok";
+        if zero {
+            self.saw("a chunk trimmed to nothing");
+        } else if end % self.grid() != 0 && end < seq.len() {
+            return Err(format!("the model trimmed [{start}, {end}) off the grid"));
+        }
         let (pins, extra, new_blocks) = self.fa_need(&seq, hit.as_ref().map(|h| h.tokens), end);
         let (sw_pins, sw_extra, sw_new) = self.sw_need(&seq, hit.as_ref().map(|h| h.tokens), end);
         let sw_room = self.sw_room();
         let r = self.m.schedule(id, budget, 0, false);
-        let allocates = matches!(r, Ok(Some(_))).then_some((&pins[..], new_blocks));
+        let allocates = matches!(r, Ok(Some(_)) if !zero).then_some((&pins[..], new_blocks));
         self.take_removals(allocates)?;
         // (a refused schedule evicts nothing; an accepted one what its new blocks need)
-        let accepted = matches!(r, Ok(Some(_)));
+        let accepted = matches!(r, Ok(Some(_))) && !zero;
         let evicted = self.take_sw_removals(&sw_pins)?;
         if let Some((free, _)) = sw_room {
             let expected = if accepted { (sw_new as usize).saturating_sub(free) } else { 0 };
@@ -2377,6 +2418,14 @@ impl Model {
             self.saw("schedule refused");
             return Ok(());
         };
+        if zero {
+            let r = r.ok_or_else(|| format!("schedule {id} of 0 tokens refused"))?;
+            ensure!(
+                r.num_computed == start && r.num_tokens == 0 && r.hit == hit,
+                "schedule {id}: {r:?}, expected 0 tokens at {start} (hit {hit:?})"
+            );
+            return Ok(());
+        }
         let state_fits = self.state_room(&seq, hit.as_ref().map(|h| h.tokens));
         let available = self.fa_available();
         let fa_fits = available.is_none_or(|a| extra + new_blocks as usize <= a);
@@ -2531,6 +2580,9 @@ impl Model {
         for (p, decode_tail) in wanted {
             if p <= known && self.has_ck(&gkey(g, &seq.key(p))) {
                 skips[ALREADY_CACHED] += 1;
+            } else if p != end && (p - start) % st.alignment != 0 {
+                // (only a chunk off the grid, a decode-phase one, has such interior positions)
+                skips[UNALIGNED] += 1;
             } else if p != end && interior >= limit {
                 skips[CAPACITY] += 1;
             } else if planned.len() >= available {
@@ -2700,6 +2752,9 @@ impl Model {
         }
         if skips[CAPACITY] > 0 {
             self.saw("skip capacity");
+        }
+        if skips[UNALIGNED] > 0 {
+            self.saw("skip unaligned");
         }
         if skips[MID_STEP] > 0 {
             self.saw("skip mid_step");
