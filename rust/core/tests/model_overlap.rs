@@ -2394,8 +2394,6 @@ impl Model {
         let zero = end == start && expect == "ok";
         if zero {
             self.saw("a chunk trimmed to nothing");
-        } else if end % self.grid() != 0 && end < seq.len() {
-            return Err(format!("the model trimmed [{start}, {end}) off the grid"));
         }
         let (pins, extra, new_blocks) = self.fa_need(&seq, hit.as_ref().map(|h| h.tokens), end);
         let (sw_pins, sw_extra, sw_new) = self.sw_need(&seq, hit.as_ref().map(|h| h.tokens), end);
