@@ -5,10 +5,10 @@ For each layer kind of ``ModelConfig.kimi_k3_tp8`` (a KDA mixer through the mode
 backend and short convolution, a grouped-query attention mixer over a paged cache holding a
 cached prefix, the dense SwiGLU block), one packed row of T new tokens (T = 2,048, 4,096 and
 8,192, ``--tokens``; KDA also with one and two checkpoints, and as the seed's prefill step
-packs it, 7 decode rows and a row with one checkpoint; attention also after cached prefixes of 0, 64K and 128K tokens,
-``--prefixes``, and one decode token of
-8 rows at 128K, through the gathering torch path and the Triton paged decode kernel, alone and
-in one layer group's decode step) is timed with CUDA events (median of repeated calls after
+packs it, 7 decode rows and a row with one checkpoint; attention also after cached prefixes of
+0, 64K and 128K tokens, ``--prefixes``, and one decode token of 8 rows at 128K, through the
+gathering torch path and the Triton paged decode kernel, alone and in one layer group's decode
+step) is timed with CUDA events (median of repeated calls after
 warm-up, random data). Each kind's time is fitted as ``fixed + per_token * T`` (least squares
 over the T's): ``per_token`` is what a token costs, ``fixed`` what a step costs whatever its
 tokens; after 128K cached tokens the fixed part is split into the context gather, the key/value
