@@ -515,10 +515,10 @@ impl CacheManager {
         // Kept for the next schedule only while no plan is in flight: their keys (and the
         // tokens `resolve` makes known) change the pending answer and, at D > 1, the junction
         // without changing the index.
-        let generation = self.store.index.generation();
+        let epoch = self.store.hit_epoch();
         let quiet = self.steps.in_flight.is_empty();
         if let Phase::Waiting { last_hit } = &mut self.seq_mut(slot).phase {
-            *last_hit = quiet.then(|| Box::new((generation, hit.clone(), chains)));
+            *last_hit = quiet.then(|| Box::new((epoch, hit.clone(), chains)));
         }
         Ok(hit)
     }

@@ -409,8 +409,18 @@ impl BlockPool {
         }
         if self.slots[block as usize].in_lru {
             self.unlink(block);
+            // (the block is in use now: which copy of its keys a hit picks may change)
+            self.clock += 1;
         }
         self.slots[block as usize].ref_count += 1;
+    }
+
+    /// A counter that changes whenever a keyed block starts or stops being in use or is used
+    /// again (a release into the LRU, a pin out of it, a touch): what picks one copy among
+    /// blocks under the same key (in use, else the most recently used).
+    #[must_use]
+    pub fn clock(&self) -> u64 {
+        self.clock
     }
 
     /// Drops a holder. At zero a published block enters the LRU at `end`, an unpublished one

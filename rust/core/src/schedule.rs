@@ -395,15 +395,15 @@ impl CacheManager {
             let end = self.chunk_end(seq.planned(), max_tokens, seq.num_tokens(), exact);
             return self.schedule_started::<DEEP>(slot, end, lookahead);
         }
-        let generation = self.store.index.generation();
+        let epoch = self.store.hit_epoch();
         let last_hit = match &mut self.seq_mut(slot).phase {
             Phase::Waiting { last_hit } => last_hit.take(),
             Phase::Started => None,
         };
         let cached = match last_hit.map(|b| *b) {
             // (looked up with no plan in flight and none in flight now: the hit then depends on
-            // the index alone)
-            Some((at, hit, chains)) if at == generation && self.steps.in_flight.is_empty() => {
+            // the index and on which copies are in use or most recent alone)
+            Some((at, hit, chains)) if at == epoch && self.steps.in_flight.is_empty() => {
                 Some((hit, chains))
             }
             _ => None,

@@ -336,16 +336,18 @@ fn set_state_step(state: &mut Vec<StateStep>, i: usize, write: BlockId, read: i3
     }
 }
 
-/// The last lookup of a waiting sequence: the index generation it was computed at, the hit
-/// and the full-attention chains it chose (see `hit::compute_hit`).
-pub(crate) type LastHit = (u64, Hit, Vec<Vec<BlockId>>);
+/// The last lookup of a waiting sequence: the store's hit epoch it was computed at
+/// (`BlockStore::hit_epoch`), the hit and the full-attention chains it chose (see
+/// `hit::compute_hit`).
+pub(crate) type LastHit = ((u64, u64), Hit, Vec<Vec<BlockId>>);
 
 /// Where a sequence is in its life.
 #[derive(Clone, Debug)]
 pub(crate) enum Phase {
     /// Holding no blocks (added, or preempted): its next schedule admits it at its hit. The
-    /// last lookup made with no plan in flight is kept while nothing was published or evicted
-    /// since, for that schedule (with none in flight either).
+    /// last lookup made with no plan in flight is kept while nothing was published, evicted,
+    /// pinned out of the LRU, released into it or touched since, for that schedule (with none
+    /// in flight either).
     /// (Boxed: a hit is larger than the phase otherwise needs.)
     Waiting { last_hit: Option<Box<LastHit>> },
     /// Holding blocks, with its steps scheduled for the next plan or in flight in

@@ -163,6 +163,15 @@ impl BlockStore {
         }
     }
 
+    /// What a hit depends on besides the sequence: the index's generation (keys published or
+    /// removed) and the pools' clocks (blocks pinned out of the LRU, released into it or
+    /// touched, which decides among copies under one key, [`Self::pick`]). A hit computed at
+    /// one epoch is the hit at any later call that finds the same epoch.
+    pub fn hit_epoch(&self) -> (u64, u64) {
+        let clocks = self.pools.iter().fold(0u64, |sum, p| sum.wrapping_add(p.clock()));
+        (self.index.generation(), clocks)
+    }
+
     /// Among the blocks published under one key: one already in use if any, else the most
     /// recently used (ties to the lowest id), so the choice is deterministic. `None` when
     /// there is none.

@@ -3605,3 +3605,40 @@ fn overlapped_traffic_reaches_every_path() {
     let missing: Vec<&str> = want.into_iter().filter(|p| !seen.contains_key(p)).collect();
     assert!(missing.is_empty(), "never reached: {missing:?}\nreached: {seen:?}");
 }
+
+/// A hit looked up before a finish changed which copy of its blocks is in use: schedule must
+/// pin the copy the rule picks then (in use, else the most recently used), not the one the
+/// earlier lookup saw. The shrunk case of a 20,000-case run (full attention only, D = 1).
+#[test]
+fn a_schedule_after_a_finish_picks_the_copy_in_use_then() {
+    for (fa_blocks, watch) in [(1024, false), (1024, true), (14, false), (24, false), (40, false)] {
+        let setup = Setup {
+            depth: 1,
+            block: 4,
+            fa_blocks,
+            state: None,
+            watch,
+            window: None,
+            sw_blocks: 1024,
+            states: 1,
+            second: None,
+        };
+        let ops = [
+            Op::Add { stream: 0, len: 1, extra: 0 },
+            Op::Add { stream: 2, len: 4, extra: 48 },
+            Op::Add { stream: 2, len: 13, extra: 88 },
+            Op::Lookup { pick: 0 },
+            Op::Round,
+            Op::Fork { pick: 80, cut: 3, fresh: 1, unknown: 0, change: 64, extends: false },
+            Op::Add { stream: 0, len: 1, extra: 0 },
+            Op::Commit { which: 0 },
+            Op::Lookup { pick: 128 },
+            Op::Finish { pick: 96 },
+            Op::Add { stream: 0, len: 1, extra: 0 },
+            Op::Round,
+        ];
+        if let Err(e) = run(&setup, &ops) {
+            panic!("fa_blocks {fa_blocks}, watch {watch}: {e}");
+        }
+    }
+}
