@@ -1140,10 +1140,7 @@ impl Model {
                 .carried
                 .remove(&block)
                 .ok_or_else(|| format!("evicted full-attention block {block} carries no key"))?;
-            let mut want: Vec<Digest> = carried.values().copied().collect();
-            let mut got = keys.clone();
-            want.sort_unstable();
-            got.sort_unstable();
+            let (got, want) = (sorted(keys.iter().copied()), sorted(carried.values().copied()));
             ensure!(got == want, "evicted block {block} with keys {got:?}, it carries {want:?}");
             let mut no_longer = Vec::new();
             for (k, d) in carried {
@@ -1587,10 +1584,7 @@ impl Model {
                 .sw_carried
                 .remove(block)
                 .ok_or_else(|| format!("evicted window block {block} carries no key"))?;
-            let mut want: Vec<Digest> = carried.values().copied().collect();
-            let mut got = keys.clone();
-            want.sort_unstable();
-            got.sort_unstable();
+            let (got, want) = (sorted(keys.iter().copied()), sorted(carried.values().copied()));
             ensure!(got == want, "evicted window block {block} with {got:?}, it carries {want:?}");
             let mut no_longer = Vec::new();
             for (k, d) in carried {
@@ -3439,6 +3433,14 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// The digests in ascending order (an evicted block's keys against those the model says it
+/// carries, whatever order either lists them in).
+fn sorted(digests: impl IntoIterator<Item = Digest>) -> Vec<Digest> {
+    let mut out: Vec<Digest> = digests.into_iter().collect();
+    out.sort_unstable();
+    out
 }
 
 fn run(setup: &Setup, ops: &[Op]) -> Result<BTreeMap<&'static str, u64>, String> {
