@@ -15,8 +15,12 @@ tokens; after 128K cached tokens the fixed part is split into the context gather
 head repeat and the flash kernel (and a grouped-query flash call without the repeat, and one
 with the prefix split across the GPU, which the model's attention now does). The host
 time of one call (its launches, no synchronisation) is printed beside: when it is well below
-the GPU time, a step's wall time follows its GPU work. Prints a table; ``--json FILE`` writes
-every figure.
+the GPU time, a step's wall time follows its GPU work. Each case is also timed behind a
+GPU-side backlog (``busy_ms``: the GPU's execution alone, without its waits for the host's
+launches, as inside a prefill step whose launches run ahead of the GPU), and fitted the same way
+(``busy_fixed_ms``, ``busy_per_token_us``); ``--kernels`` lists the kernels of the KDA, seed-step,
+MLP and attention cases at the two largest token counts, with their GPU time a call (what a fixed
+part is made of). Prints a table; ``--json FILE`` writes every figure.
 
     PYTHONPATH=<site with the wheel> PREFIXCACHE_FLASHKDA_LIB=<_flashkda_C.abi3.so> \\
         python3 benchmarks/gpu_layers.py --backend flashkda-op --json "$OUT/layers.json"
@@ -110,8 +114,23 @@ def kda_plans(backend: Any, tokens: int, num_slots: int) -> dict[str, Any]:
     return plans
 
 
-def gpu_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median GPU time of ``fn`` in ms (CUDA events per call, after two warm-up calls)."""
+#: GPU clock cycles of the backlog ``busy_ms`` puts before each timed call (about 5 ms at the
+#: H200's 1.98 GHz, several times the host time of any case here).
+BACKLOG_CYCLES = 10_000_000
+
+
+def gpu_ms(
+    fn: Callable[[], object], device: torch.device, reps: int, *, backlog: bool = False
+) -> float | None:
+    """Median GPU time of ``fn`` in ms (CUDA events per call, after two warm-up calls).
+
+    Without ``backlog`` the GPU is idle when each call starts, so where the host launches more
+    slowly than the GPU executes, the span counts the GPU's waits for the launches too. With
+    ``backlog`` the stream is first given a GPU-side spin (``torch.cuda._sleep``) that outlasts
+    the call's launches: the host has enqueued every kernel before the start event runs, and
+    the span is the GPU's execution alone, as inside a step whose launches run ahead of it;
+    ``None`` when a call waits for the GPU itself (the backlog drains before its launches end).
+    """
     for _ in range(2):
         fn()
     if device.type != "cuda":
@@ -126,12 +145,45 @@ def gpu_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     for _ in range(reps):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        if backlog:
+            torch.cuda._sleep(BACKLOG_CYCLES)  # type: ignore[no-untyped-call]
         start.record()
         fn()
         end.record()
+        if backlog and start.query():  # the GPU reached the call before its launches ended
+            torch.cuda.synchronize()
+            return None
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def kernel_breakdown(fn: Callable[[], object], calls: int = 5) -> list[dict[str, Any]]:
+    """The GPU kernels (and copies) of one call of ``fn``: per kernel name, how many run in a
+    call and their GPU time per call in us, from ``torch.profiler`` over ``calls`` calls after
+    two warm-up calls, largest first. Profiled calls run slower on the host; the kernels' own
+    durations are what the breakdown reports."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = totals.setdefault(event.name, [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time
+    rows = [
+        {"kernel": name[:120], "per_call": count / calls, "us_per_call": total / calls}
+        for name, (count, total) in totals.items()
+    ]
+    return sorted(rows, key=lambda row: -row["us_per_call"])
 
 
 def host_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -239,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         help="cached prefixes of the attention cases, comma-separated (default "
         f"{','.join(map(str, PREFIXES))}; the decode and parts cases take the largest)",
     )
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also list the GPU kernels of the KDA, seed-step, MLP and attention cases at the "
+        "two largest token counts (torch.profiler; JSON key 'kernels')",
+    )
     args = parser.parse_args(argv)
 
     from prefixcache import kernels
@@ -258,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = model.device, model.dtype
     token_counts = args.tokens or ((64, 128, 256) if smoke else TOKENS)
     prefixes = args.prefixes or ((0, 256) if smoke else PREFIXES)
+    breakdown_cases = {
+        (kind, tokens)
+        for kind in ("kda", "kda-step", "mlp", "attention")
+        for tokens in sorted(token_counts)[-2:]
+    }
     reps = 2 if smoke else args.reps
     block = 128 if smoke else 1536
     kda = next(layer for layer in model.mixers if isinstance(layer, KDALayer))
@@ -282,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     state.recurrent.normal_(generator=generator)
     rows: list[dict[str, Any]] = []
 
+    breakdowns: list[dict[str, Any]] = []
+
     def record(kind: str, tokens: int, prefix: int, fn: Callable[[], object]) -> None:
         entry = {
             "kind": kind,
@@ -290,12 +355,26 @@ def main(argv: list[str] | None = None) -> int:
             "gpu_ms": gpu_ms(fn, device, reps),
             "host_ms": host_ms(fn, device, reps),
         }
+        busy = ""
+        if device.type == "cuda":
+            entry["busy_ms"] = gpu_ms(fn, device, reps, backlog=True)
+            busy = ", busy  n/a (the call waits for the GPU)"
+            if entry["busy_ms"] is not None:
+                busy = f", busy {entry['busy_ms']:8.3f} ms"
         rows.append(entry)
         print(
-            f"{kind:>10} T={tokens:>6} prefix={prefix:>7}: GPU {entry['gpu_ms']:8.3f} ms, "
-            f"host {entry['host_ms']:7.3f} ms",
+            f"{kind:>10} T={tokens:>6} prefix={prefix:>7}: GPU {entry['gpu_ms']:8.3f} ms"
+            f"{busy}, host {entry['host_ms']:7.3f} ms",
             flush=True,
         )
+        if args.kernels and device.type == "cuda" and (kind, tokens) in breakdown_cases:
+            kernels_ = kernel_breakdown(fn)
+            breakdowns.append(
+                {"kind": kind, "tokens": tokens, "prefix": prefix, "kernels": kernels_}
+            )
+            print(f"    kernels of {kind} T={tokens} prefix={prefix} (us a call):")
+            for row in kernels_[:14]:
+                print(f"    {row['us_per_call']:9.1f} x{row['per_call']:<4g} {row['kernel'][:90]}")
 
     with torch.inference_mode():
         for tokens in token_counts:
@@ -394,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         record("group-decode", 8, context, lambda: group_step(None))
         record("group-decode-triton", 8, context, lambda: group_step(decode_rows))
     results["cases"] = rows
+    if breakdowns:
+        results["kernels"] = breakdowns
 
     print()
     print("kind        prefix  fixed ms/step  per token us  host ms at max T  GPU ms at max T")
@@ -403,19 +484,25 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [r for r in rows if r["kind"] == kind and r["prefix"] == prefix]
         fixed, per_token = fit([r["tokens"] for r in chosen], [r["gpu_ms"] for r in chosen])
         last = chosen[-1]
-        fits.append(
-            {
-                "kind": kind,
-                "prefix": prefix,
-                "fixed_ms": fixed,
-                "per_token_us": per_token,
-                "host_ms_at_max": last["host_ms"],
-                "gpu_ms_at_max": last["gpu_ms"],
-            }
-        )
+        entry = {
+            "kind": kind,
+            "prefix": prefix,
+            "fixed_ms": fixed,
+            "per_token_us": per_token,
+            "host_ms_at_max": last["host_ms"],
+            "gpu_ms_at_max": last["gpu_ms"],
+        }
+        busy = ""
+        if all(r.get("busy_ms") is not None for r in chosen):
+            busy_fixed, busy_per_token = fit(
+                [r["tokens"] for r in chosen], [r["busy_ms"] for r in chosen]
+            )
+            entry["busy_fixed_ms"], entry["busy_per_token_us"] = busy_fixed, busy_per_token
+            busy = f"  busy: {busy_fixed:.3f} ms + {busy_per_token:.4f} us a token"
+        fits.append(entry)
         print(
             f"{kind:<10} {prefix:>7}  {fixed:13.3f}  {per_token:12.4f}  {last['host_ms']:16.3f}"
-            f"  {last['gpu_ms']:15.3f}"
+            f"  {last['gpu_ms']:15.3f}{busy}"
         )
     results["fits"] = fits
     if args.json:

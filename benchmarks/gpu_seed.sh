@@ -37,6 +37,7 @@
 #                                 # kernel, unless its GPU tests fail in stage 1)
 #   PREFILL_SPLIT=0 ...           # a chunk's cached prefix in one flash call (default: split,
 #                                 # unless its GPU tests fail in stage 1)
+#   KERNELS=1 ...                 # stage 2 also lists each case's kernels (gpu_layers --kernels)
 #   CUDA_GRAPHS=0 ...             # every step eager (default: decode-only steps replay CUDA
 #                                 # graphs, unless their GPU tests fail in stage 1)
 #   REPEATS=2 ...                 # stages 4 and 5 measure each policy twice, counterbalanced,
@@ -112,9 +113,9 @@ run 9 && say "9. host-to-device uploads"
 run 9 && timeout 60 python3 benchmarks/gpu_uploads.py --json "$out/uploads.json" 2>>"$errors" \
     | tee -a "$log"
 run 2 && say "2. layer timing"
-run 2 && timeout 90 python3 benchmarks/gpu_layers.py --backend flashkda-op \
-    --tokens 1024,2048,2560,3072,3584,4096 --prefixes 0,131072 \
-    --json "$out/layers.json" 2>>"$errors" | tee -a "$log"
+run 2 && timeout 150 python3 benchmarks/gpu_layers.py --backend flashkda-op \
+    --tokens 1024,2048,2560,3072,3584,4096 --prefixes 0,131072 ${KERNELS:+--kernels} \
+    --json "$out/layers.json" 2>"$out/layers_stderr.txt" | tee -a "$log"
 
 run 3 && say "3. output check: default preset, none + block + fine"
 run 3 && {
