@@ -22,6 +22,8 @@
 #      fine-first process fine was 2 to 6% slower: which of the two firsts sets it);
 #   8. KDA GPU work (--kda-timing gpu) with --warm-up full, block then fine (the shapes warm
 #      pass left 7 decode graph shapes to the first measured run);
+#   0. (a diagnosis, last when chosen) the seed preset with each eager step's layers behind a
+#      GPU-side spin (--layers-backlog): the step's layers time without waits for the host;
 #   9. benchmarks/gpu_uploads.py: the host time of a step's index uploads (a pageable
 #      non-blocking copy, as to_device makes them, against one through pinned memory), GPU idle
 #      and busy.
@@ -132,6 +134,7 @@ run 7 && later_seed=$((later_seed + 2))
 run 8 && later_seed=$((later_seed + 1))
 later=$later_seed
 run 6 && later=$((later + 1))
+run 0 && later=$((later + 1))  # stage 0 runs last, a seed process of its own
 run 4 && say "4. seed preset, block then fine"
 share=$((1 + later))
 run 5 && share=$((share + 1))  # stage 4 leaves stage 5 (and the later ones) their shares
@@ -165,6 +168,13 @@ run 8 && say "8. KDA GPU work, warm-up full, block then fine"
 run 8 && timeout $((budget - SECONDS)) python3 -m prefixcache simulate "${seed[@]}" \
     "${warm_full[@]}" --kda-timing gpu --policies block,fine \
     --json "$out/seed_kda_gpu_full.json" 2>>"$errors" | tail -4 | tee -a "$log"
+# Stage 0 (a diagnosis, in no default): the seed preset with every eager step's layers behind
+# a GPU-side spin of 40M cycles (about 20 ms, twice the host's launches of a prefill step), so
+# that prefill_parts' layers time is the GPU's execution alone; compare it with stage 4's.
+run 0 && say "0. seed preset, block then fine, layers behind a backlog"
+run 0 && timeout $((budget - SECONDS)) python3 -m prefixcache simulate "${seed[@]}" \
+    --policies block,fine --no-reference --layers-backlog 40000000 \
+    --json "$out/seed_layers_backlog.json" 2>>"$errors" | tail -4 | tee -a "$log"
 say "done"
 tail -c 3000 "$errors" >"$out/stderr_tail.txt" 2>/dev/null
 rm -f "$errors"

@@ -113,3 +113,42 @@ def test_a_failed_step_leaves_no_hook_behind(monkeypatch: pytest.MonkeyPatch) ->
     assert model.layers_starting is None
     assert clock.prefill == [] and clock.parts == []
     assert "prefill_parts" not in clock.summary()
+
+
+def test_a_layers_backlog_needs_a_gpu_and_a_count() -> None:
+    # The spin runs on a CUDA stream: a CPU model refuses one (rather than timing without it),
+    # takes 0 (none), and no model takes a negative count.
+    model = build_model("cpu", "torch")
+    with pytest.raises(ValueError, match="CUDA"):
+        model.set_layers_backlog(1_000)
+    with pytest.raises(ValueError, match=">= 0"):
+        model.set_layers_backlog(-1)
+    model.set_layers_backlog(0)
+    assert model.layers_backlog_cycles == 0
+
+
+@pytest.mark.gpu
+def test_a_layers_backlog_leaves_the_outputs_unchanged() -> None:
+    # The spin only delays the GPU: the same steps compute the same tokens.
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = build_model("cuda", "auto")
+    spec = GrowingPrefixSpec(streams=2, first_prompt=600, growth=200, rounds=2, output_len=2)
+    geometry = Geometry(block_size=64, unit=16, token_budget=512, max_running=2)
+    workload = PresetWorkload("growing-prefix", "backlog", spec, geometry)
+    aligned = geometry.aligned(model.backend.checkpoint_alignment)
+    config = engine_config_for(workload, aligned, model.backend, overlap=False)
+    policy = Policy.named("fine", block_size=aligned.block_size, fine_unit=aligned.unit)
+    outputs = []
+    for cycles in (0, 20_000_000):
+        model.set_layers_backlog(cycles)
+        clock = StepClock(model)
+        run = Engine(model, policy, config, forward=clock).run(
+            workload.build(model.config.vocab_size)
+        )
+        outputs.append({r.request_id: r.output_ids for r in run.requests.values()})
+        assert clock.summary()["prefill_steps"] > 0
+    model.set_layers_backlog(0)
+    assert outputs[0] == outputs[1]

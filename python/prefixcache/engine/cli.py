@@ -186,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
         "synchronisation: execution time when the GPU is the bottleneck; CUDA only)",
     )
     simulate.add_argument(
+        "--layers-backlog",
+        type=int,
+        default=0,
+        metavar="CYCLES",
+        help="a diagnosis: a GPU-side spin of CYCLES clock cycles before each eager step's "
+        "layers (HybridModel.set_layers_backlog; CUDA only), so that the step clock's layers "
+        "part is the GPU's execution without waits for the host's launches; every step pays "
+        "the spin, so TTFT and prefill time are not meaningful then (default 0: none)",
+    )
+    simulate.add_argument(
         "--conv",
         # "auto" + prefixcache.kernels.backend.CONV_IMPLS (imported lazily)
         choices=("auto", "torch", "triton"),
@@ -580,6 +590,7 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             split_prefill=not args.no_prefill_split,
             cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
         )
+        model.set_layers_backlog(args.layers_backlog)
         workload = workload_preset(
             name, args.preset, trace_path=trace_path, vocab_size=model.config.vocab_size
         )

@@ -158,6 +158,10 @@ class HybridModel:
         # done, just before its layers are launched (never inside a graph capture or replay):
         # the simulator's step clock marks there where a step's host preparation ends.
         self.layers_starting: Callable[[], None] | None = None
+        # GPU clock cycles of a spin put on the stream before an eager step's layers (0: none;
+        # set_layers_backlog), after layers_starting: a diagnosis of how long the layers take
+        # the GPU once every launch is ahead of it.
+        self.layers_backlog_cycles = 0
         # Decode-only steps replayed from CUDA graphs (models.graphs): "auto" where they can run.
         self.graphs: DecodeGraphs | None = None
         reason = graphs_unavailable_reason(self)
@@ -261,6 +265,21 @@ class HybridModel:
             if isinstance(layer, AttentionLayer)
         ]
         return ModelCaches(states=states, kv=kv, paged_group=paged_group, state_group=state_group)
+
+    def set_layers_backlog(self, cycles: int) -> None:
+        """Put a GPU-side spin of ``cycles`` clock cycles (``torch.cuda._sleep``) on the stream
+        before each eager step's layers, ahead of ``layers_starting``; 0 removes it.
+
+        A diagnosis, not a serving mode: while the GPU spins the host launches the layers, so
+        when the spin outlasts the launches, the GPU's time from ``layers_starting`` to the
+        step's end is the layers' execution alone, without any wait for the host (the step
+        clock's ``layers`` part then says how much of a step's fixed time such waits were).
+        Every step pays the spin. Raises ``ValueError`` off CUDA or for a negative count."""
+        if cycles < 0:
+            raise ValueError(f"cycles must be >= 0, got {cycles}")
+        if cycles and self.device.type != "cuda":
+            raise ValueError(f"a layers backlog needs a CUDA device, got {self.device}")
+        self.layers_backlog_cycles = int(cycles)
 
     def execute(
         self,
@@ -367,6 +386,8 @@ class HybridModel:
                 )
             index = torch.from_numpy(np.ascontiguousarray(logits_indices, dtype=np.int64))
             logits_index = to_device(index, self.device)
+            if self.layers_backlog_cycles:
+                torch.cuda._sleep(self.layers_backlog_cycles)  # type: ignore[no-untyped-call]
             if self.layers_starting is not None:
                 self.layers_starting()
             logits = self.forward_layers(
