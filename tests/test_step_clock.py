@@ -117,12 +117,14 @@ def test_a_failed_step_leaves_no_hook_behind(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_a_layers_backlog_needs_a_gpu_and_a_count() -> None:
     # The spin runs on a CUDA stream: a CPU model refuses one (rather than timing without it),
-    # takes 0 (none), and no model takes a negative count.
+    # takes 0 (none), and no model takes a negative count or one past about a second.
     model = build_model("cpu", "torch")
     with pytest.raises(ValueError, match="CUDA"):
         model.set_layers_backlog(1_000)
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match="must be in"):
         model.set_layers_backlog(-1)
+    with pytest.raises(ValueError, match="must be in"):
+        model.set_layers_backlog(2_000_000_001)
     model.set_layers_backlog(0)
     assert model.layers_backlog_cycles == 0
 

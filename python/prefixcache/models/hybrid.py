@@ -98,6 +98,10 @@ class ModelCaches:
         return self
 
 
+#: The longest spin :meth:`HybridModel.set_layers_backlog` takes (about 1 s at 2 GHz).
+MAX_LAYERS_BACKLOG_CYCLES = 2_000_000_000
+
+
 class HybridModel:
     """A Kimi-Linear-shaped language model with seeded random weights (see the package doc)."""
 
@@ -158,8 +162,8 @@ class HybridModel:
         # done, just before its layers are launched (never inside a graph capture or replay):
         # the simulator's step clock marks there where a step's host preparation ends.
         self.layers_starting: Callable[[], None] | None = None
-        # GPU clock cycles of a spin put on the stream before an eager step's layers (0: none;
-        # set_layers_backlog), after layers_starting: a diagnosis of how long the layers take
+        # GPU clock cycles of a spin put on the stream before an eager step's layers, ahead of
+        # layers_starting (0: none; set_layers_backlog): a diagnosis of how long the layers take
         # the GPU once every launch is ahead of it.
         self.layers_backlog_cycles = 0
         # Decode-only steps replayed from CUDA graphs (models.graphs): "auto" where they can run.
@@ -274,9 +278,10 @@ class HybridModel:
         when the spin outlasts the launches, the GPU's time from ``layers_starting`` to the
         step's end is the layers' execution alone, without any wait for the host (the step
         clock's ``layers`` part then says how much of a step's fixed time such waits were).
-        Every step pays the spin. Raises ``ValueError`` off CUDA or for a negative count."""
-        if cycles < 0:
-            raise ValueError(f"cycles must be >= 0, got {cycles}")
+        Every step pays the spin. Raises ``ValueError`` off CUDA or for a count outside
+        ``[0, MAX_LAYERS_BACKLOG_CYCLES]`` (about a second at the H200's clock)."""
+        if not 0 <= cycles <= MAX_LAYERS_BACKLOG_CYCLES:
+            raise ValueError(f"cycles must be in [0, {MAX_LAYERS_BACKLOG_CYCLES}], got {cycles}")
         if cycles and self.device.type != "cuda":
             raise ValueError(f"a layers backlog needs a CUDA device, got {self.device}")
         self.layers_backlog_cycles = int(cycles)
