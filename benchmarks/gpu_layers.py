@@ -114,11 +114,6 @@ def kda_plans(backend: Any, tokens: int, num_slots: int) -> dict[str, Any]:
     return plans
 
 
-#: GPU clock cycles of the backlog ``busy_ms`` puts before each timed call (about 5 ms at the
-#: H200's 1.98 GHz, several times the host time of any case here).
-BACKLOG_CYCLES = 10_000_000
-
-
 def gpu_ms(
     fn: Callable[[], object], device: torch.device, reps: int, *, backlog: bool = False
 ) -> float | None:
@@ -126,10 +121,10 @@ def gpu_ms(
 
     Without ``backlog`` the GPU is idle when each call starts, so where the host launches more
     slowly than the GPU executes, the span counts the GPU's waits for the launches too. With
-    ``backlog`` the stream is first given a GPU-side spin (``torch.cuda._sleep``) that outlasts
-    the call's launches: the host has enqueued every kernel before the start event runs, and
-    the span is the GPU's execution alone, as inside a step whose launches run ahead of it;
-    ``None`` when a call waits for the GPU itself (the backlog drains before its launches end).
+    ``backlog`` each call is timed by the model's ``KernelTimer`` in ``"gpu"`` mode (a GPU-side
+    spin that outlasts the call's launches, then events): the span is the GPU's execution
+    alone, as inside a step whose launches run ahead of it; ``None`` when a call waits for the
+    GPU itself (the timer counts an underrun: the spin drained before its launches ended).
     """
     for _ in range(2):
         fn()
@@ -142,17 +137,23 @@ def gpu_ms(
         return statistics.median(times)
     torch.cuda.synchronize()
     times = []
+    if backlog:
+        from prefixcache.models.timing import KernelTimer
+
+        timer = KernelTimer(device, "gpu")
+        for _ in range(reps):
+            with timer.measure():
+                fn()
+            if timer.underruns:
+                return None
+            times.append(timer.take() * 1e3)
+        return statistics.median(times)
     for _ in range(reps):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        if backlog:
-            torch.cuda._sleep(BACKLOG_CYCLES)  # type: ignore[no-untyped-call]
         start.record()
         fn()
         end.record()
-        if backlog and start.query():  # the GPU reached the call before its launches ended
-            torch.cuda.synchronize()
-            return None
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
