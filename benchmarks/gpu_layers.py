@@ -273,6 +273,19 @@ def prefill_parts(
             (flash_split().float() - reference).abs().max()
         )
         record("part-flash-split", tokens, prefix, flash_split)
+        # The merge alone, in torch (eight launches over S + 1 float32 copies) and in the
+        # Triton kernel the model runs on CUDA (each partial read once).
+        parts = split.split_partials(q, k, v, pieces, split.flash_attend)
+        merges = {"torch": split.merge_partials_torch, "triton": split.merge_partials_triton}
+        merged = {}
+        for name, merge in merges.items():
+            if name == "triton" and split.default_merge(q.device) is not merge:
+                continue  # no Triton here (the CPU smoke run)
+            merged[name] = merge(*parts).float()
+            record(f"part-merge-{name}", tokens, prefix, lambda merge=merge: merge(*parts))
+        if len(merged) == 2:
+            difference = (merged["torch"] - merged["triton"]).abs().max()
+            results["merge_max_abs_difference"] = float(difference)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,16 +5,24 @@ at positions 0 .. C - T + i, with weights softmax(q . k * scale). Cutting the pr
 and merging the pieces' results by their log-sum-exps must give that attention, whatever the
 number of pieces, a remainder that does not divide evenly, or grouped heads. Checked on the CPU
 with plain softmax pieces against a direct masked softmax, and on a GPU with the flash kernel
-against torch's scaled_dot_product_attention.
+against torch's scaled_dot_product_attention. The merge is checked in both forms, torch and the
+Triton kernel (on the CPU through Triton's interpreter, ``TRITON_INTERPRET=1``, set here before
+the kernel is first compiled), against that rule and against each other.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from kernels_support import kernels
 
 prefill = importlib.import_module(f"{kernels.__name__}.prefill_attention")
@@ -50,6 +58,72 @@ def test_split_prefix_equals_the_rule(query_len, context, splits):
     q, k, v = tensors(query_len, context, 6, 2, 8, torch.float64, seed=context + splits)
     got = prefill.split_prefix_attention(q, k, v, splits, prefill.math_attend)
     torch.testing.assert_close(got, direct(q, k, v), rtol=1e-12, atol=1e-12)
+
+
+triton_only = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (the merge kernel)"
+)
+
+
+@triton_only
+@pytest.mark.parametrize(
+    ("query_len", "context", "splits", "dtype"),
+    [
+        (5, 29, 3, torch.float64),
+        (5, 29, 24, torch.float64),
+        (17, 100, 7, torch.float64),  # more tokens than a program's 16, a remainder piece
+        (33, 70, 2, torch.float32),
+        (8, 9, 1, torch.float32),
+    ],
+)
+def test_triton_merge_equals_the_rule(query_len, context, splits, dtype):
+    q, k, v = tensors(query_len, context, 6, 2, 8, dtype, seed=3 * context + splits)
+    got = prefill.split_prefix_attention(
+        q, k, v, splits, prefill.math_attend, merge=prefill.merge_partials_triton
+    )
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got.double(), direct(q, k, v), rtol=tolerance, atol=tolerance)
+    assert got.dtype == dtype and got.shape == q.shape
+
+
+def partials(pieces, heads, tokens, dim, dtype, seed, token_major):
+    """Partial results as a flash kernel returns them (``token_major``: [B, T, H, D] storage
+    behind the [B, H, T, D] shape) with log-sum-exps spread over a wide range."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (pieces + 1, tokens, heads, dim) if token_major else (pieces + 1, heads, tokens, dim)
+    outs = torch.randn(shape, generator=generator).to(dtype)
+    if token_major:
+        outs = outs.transpose(1, 2)
+    lse = 30 * torch.randn(pieces + 1, heads, tokens, generator=generator)
+    return outs[:pieces], lse[:pieces], outs[pieces:], lse[pieces:]
+
+
+@triton_only
+@pytest.mark.parametrize("token_major", [True, False])
+def test_triton_merge_equals_the_torch_merge(token_major):
+    head_out, head_lse, tail_out, tail_lse = partials(4, 3, 21, 24, torch.float32, 5, token_major)
+    got = prefill.merge_partials_triton(head_out, head_lse, tail_out, tail_lse)
+    expected = prefill.merge_partials_torch(head_out, head_lse, tail_out, tail_lse)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # The merged value written out: sum_i exp(lse_i) o_i / sum_i exp(lse_i), in float64.
+    lse = torch.cat([head_lse, tail_lse]).double()
+    outs = torch.cat([head_out, tail_out]).double()
+    weights = torch.exp(lse - lse.max(0).values)
+    rule = (weights.unsqueeze(-1) * outs).sum(0) / weights.sum(0).unsqueeze(-1)
+    torch.testing.assert_close(got[0].double(), rule, rtol=1e-5, atol=1e-5)
+
+
+@triton_only
+def test_triton_merge_refuses_partials_that_do_not_line_up():
+    head_out, head_lse, tail_out, tail_lse = partials(2, 3, 5, 8, torch.float32, 1, False)
+    with pytest.raises(ValueError, match="line up"):
+        prefill.merge_partials_triton(head_out, head_lse[:, :, :4], tail_out, tail_lse)
+    with pytest.raises(ValueError, match="tail"):
+        prefill.merge_partials_triton(head_out, head_lse, tail_out.double(), tail_lse)
+
+
+def test_the_cpu_merges_in_torch():
+    assert prefill.default_merge(torch.device("cpu")) is prefill.merge_partials_torch
 
 
 def test_math_attend_returns_the_log_sum_exp():
@@ -96,9 +170,15 @@ def test_flash_split_equals_sdpa_on_the_gpu(query_len, context):
     whole = prefill.flash_attend(q, k, v, True, 128**-0.5)[0].float()
     torch.testing.assert_close(whole, expected, rtol=1e-2, atol=1e-2)  # heads unrepeated
     splits = max(2, prefill.prefix_splits(query_len, context - query_len, 12))
+    assert prefill.default_merge(q.device) is prefill.merge_partials_triton
     if context - query_len >= splits:
         got = prefill.split_prefix_attention(q, k, v, splits, prefill.flash_attend).float()
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+        by_torch = prefill.split_prefix_attention(
+            q, k, v, splits, prefill.flash_attend, merge=prefill.merge_partials_torch
+        ).float()
+        # Both merges round one float32 result to bf16: at most one bf16 ulp apart.
+        torch.testing.assert_close(got, by_torch, rtol=8e-3, atol=8e-3)
     # The flash kernel's log-sum-exp is the natural one of the scaled scores.
     _, lse = prefill.flash_attend(q[:, :, :4], k[:, :, :64], v[:, :, :64], False, 128**-0.5)
     _, expected_lse = prefill.math_attend(

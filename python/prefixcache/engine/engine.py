@@ -154,44 +154,57 @@ class EngineConfig:
 
 
 class _Tokens:
-    """A live sequence's token ids: its prompt, then each token it samples, in one int64 array
-    that grows by doubling.
+    """A live sequence's token ids: its prompt, then each token it samples.
 
-    The prompt is copied as an array (0.1 ms for 164K tokens), never turned into a Python list:
-    ``ndarray.tolist`` of a 164K-token prompt took 22 ms on the VM, and it ran between a
-    request's arrival and its first step, so every request's TTFT carried it whatever its new
-    tokens. A slice is a view of the array (the ids it covers never change: appending only
-    writes past them, and growing copies to a new array)."""
+    The prompt is kept as it is when it is a read-only ``int64`` array (a ``Request``'s always
+    is) and copied otherwise; the sampled ids go to an ``int64`` array of their own that grows
+    by doubling. Admission used to turn the prompt into a Python list (``ndarray.tolist`` of a
+    164K-token prompt: 22 ms on the VM under load), then to copy it (0.05 to 0.2 ms, up to 4
+    ms where its pages were new): both ran between a request's arrival and its first step, so
+    every request's TTFT carried a cost that grows with its context, not its new tokens. A
+    span inside the prompt or inside the sampled ids is a view (the ids it covers never change:
+    appending only writes past them, and growing copies to a new array); one across the two
+    is a copy."""
 
-    __slots__ = ("_ids", "_len")
+    __slots__ = ("_count", "_prompt", "_sampled")
 
     def __init__(self, prompt: np.ndarray, spare: int) -> None:
-        count = len(prompt)
-        self._ids = np.empty(count + max(16, spare), dtype=np.int64)
-        self._ids[:count] = prompt
-        self._len = count
+        if prompt.dtype != np.int64 or prompt.flags.writeable or not prompt.flags.c_contiguous:
+            prompt = np.array(prompt, dtype=np.int64)
+            prompt.flags.writeable = False
+        self._prompt = prompt
+        self._sampled = np.empty(max(16, spare), dtype=np.int64)
+        self._count = 0
 
     def __len__(self) -> int:
-        return self._len
+        return len(self._prompt) + self._count
 
     def append(self, token: int) -> None:
-        if self._len == len(self._ids):
-            grown = np.empty(2 * len(self._ids), dtype=np.int64)
-            grown[: self._len] = self._ids[: self._len]
-            self._ids = grown
-        self._ids[self._len] = token
-        self._len += 1
+        if self._count == len(self._sampled):
+            grown = np.empty(2 * len(self._sampled), dtype=np.int64)
+            grown[: self._count] = self._sampled[: self._count]
+            self._sampled = grown
+        self._sampled[self._count] = token
+        self._count += 1
 
     def span(self, start: int, end: int) -> np.ndarray:
         """The ids at positions ``start .. end - 1`` that exist (none before 0 or from
-        ``len``), a view."""
-        return self._ids[max(0, start) : max(0, min(end, self._len))]
+        ``len``): a view, or a copy when the span covers prompt and sampled ids both."""
+        prompt = len(self._prompt)
+        start, end = max(0, start), max(0, min(end, prompt + self._count))
+        if end <= prompt:
+            return self._prompt[start:end]
+        if start >= prompt:
+            return self._sampled[start - prompt : end - prompt]
+        return np.concatenate((self._prompt[start:], self._sampled[: end - prompt]))
 
     def last(self) -> int:
         """The newest id."""
-        if not self._len:
+        if self._count:
+            return int(self._sampled[self._count - 1])
+        if not len(self._prompt):
             raise IndexError("no tokens")
-        return int(self._ids[self._len - 1])
+        return int(self._prompt[-1])
 
 
 @dataclass(eq=False)
@@ -369,9 +382,9 @@ class _Loop:
             arrived.append(heapq.heappop(self.pending)[2])
         for request in arrived:
             arrival = now if request.arrival_s is None else request.arrival_s
-            self.manager.add(
-                request.request_id, request.prompt.astype(np.uint32), extends=request.extends
-            )
+            # int64 ids as they are: the bindings check each against the u32 range as they
+            # copy them out (an astype here was one more copy of the prompt in every TTFT).
+            self.manager.add(request.request_id, request.prompt, extends=request.extends)
             tokens = _Tokens(request.prompt, request.output_len)
             seq = _Sequence(request=request, tokens=tokens, arrival=arrival)
             self.live[seq.seq_id] = seq

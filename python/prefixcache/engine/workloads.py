@@ -74,7 +74,9 @@ class Request:
 
     Attributes:
         request_id: unique, non-negative; also the cache manager's sequence id.
-        prompt: token ids, ``int64`` ``[N]``, ``N >= 1``.
+        prompt: token ids, ``int64`` ``[N]``, ``N >= 1``, read-only: a read-only contiguous
+            ``int64`` array is kept as it is (the engine shares it, so nothing may write it
+            through another view), anything else is copied into one.
         output_len: tokens to generate (``>= 1``).
         round: the round (or turn, or wave) it belongs to, for per-round reports (from 1).
         arrival_s: arrival time in seconds from the start of the run; ``None`` = when it is
@@ -93,6 +95,7 @@ class Request:
     def __post_init__(self) -> None:
         if self.request_id < 0:
             raise ValueError(f"request_id must be >= 0, got {self.request_id}")
+        object.__setattr__(self, "prompt", read_only_ids(self.prompt))
         if self.prompt.ndim != 1 or self.prompt.shape[0] < 1:
             raise ValueError(
                 f"request {self.request_id}: the prompt must be a non-empty 1-D array of ids"
@@ -128,8 +131,34 @@ class Workload(ABC):
         return []
 
 
+def read_only_ids(ids: Any) -> np.ndarray:
+    """``ids`` as a read-only contiguous ``int64`` array: itself when it is one, else a copy.
+
+    A request's prompt is held this way so that the engine can keep it without a copy: at
+    admission, between a request's arrival and its first step, a copy of a 164K-token prompt
+    cost 0.05 to 0.2 ms on a 2-core VM and up to 4 ms where its pages were new.
+    """
+    if (
+        isinstance(ids, np.ndarray)
+        and ids.dtype == np.int64
+        and not ids.flags.writeable
+        and ids.flags.c_contiguous
+    ):
+        return ids
+    frozen = np.array(ids, dtype=np.int64)
+    frozen.flags.writeable = False
+    return frozen
+
+
+def _sealed(ids: np.ndarray) -> np.ndarray:
+    """A freshly built id array (nothing else refers to it) made read-only, not copied."""
+    ids.flags.writeable = False
+    return ids
+
+
 def _random_tokens(generator: np.random.Generator, vocab_size: int, count: int) -> np.ndarray:
-    return generator.integers(0, vocab_size, size=count, dtype=np.int64)
+    """Fresh random ids, read-only (nothing writes a workload's prompts)."""
+    return _sealed(generator.integers(0, vocab_size, size=count, dtype=np.int64))
 
 
 # --- growing-prefix -------------------------------------------------------------------------
@@ -277,11 +306,13 @@ class SharedPrompts(Workload):
         self._requests = [
             Request(
                 request_id=i,
-                prompt=np.concatenate(
-                    [
-                        systems[i % spec.system_prompts],
-                        _random_tokens(generator, vocab_size, suffix_len),
-                    ]
+                prompt=_sealed(
+                    np.concatenate(
+                        [
+                            systems[i % spec.system_prompts],
+                            _random_tokens(generator, vocab_size, suffix_len),
+                        ]
+                    )
                 ),
                 output_len=spec.output_len,
                 round=1 + i // spec.round_size,
@@ -383,12 +414,14 @@ class Agentic(Workload):
         if request.round >= self.spec.turns:
             return []
         conversation = request.request_id // self.spec.turns
-        prompt = np.concatenate(
-            [
-                request.prompt,
-                np.asarray(output_ids, dtype=np.int64),
-                self._user_turns[conversation][request.round],
-            ]
+        prompt = _sealed(
+            np.concatenate(
+                [
+                    request.prompt,
+                    np.asarray(output_ids, dtype=np.int64),
+                    self._user_turns[conversation][request.round],
+                ]
+            )
         )
         return [
             Request(
@@ -531,7 +564,7 @@ def load_trace(path: str | os.PathLike[str], *, vocab_size: int = 1000, seed: in
                     )
                 shared = source.prompt[:length]
                 extra = _random_tokens(generator, vocab_size, length - shared.shape[0])
-                prompt = np.concatenate([shared, extra])
+                prompt = _sealed(np.concatenate([shared, extra]))
                 extends = source.request_id
             else:
                 prompt = _random_tokens(generator, vocab_size, length)
