@@ -6,7 +6,7 @@
 #   flashkda/_flashkda_C.abi3.so   the FlashKDA op from the vllm==0.33.0 wheel
 # torch, numpy, triton and tqdm come from the machine. Stages, each under its own time limit so
 # that a slow one leaves the others' results (simulate writes its JSON after every policy):
-#   1. the model's, the kernel layer's, the Triton convolution's, the Triton paged decode
+#   1. the model's, the kernel layer's, the Triton convolution's and row move's, the Triton paged decode
 #      attention's and the split prefill attention's GPU tests;
 #   2. benchmarks/gpu_layers.py over the seed's 1K to 4K tokens a request (19 s on 2026-12-02):
 #      GPU time per token and per step of each layer kind (KDA also with the seed steps' two
@@ -40,6 +40,8 @@
 #   PREFILL_SPLIT=0 ...           # a chunk's cached prefix in one flash call (default: split,
 #                                 # unless its GPU tests fail in stage 1)
 #   KERNELS=1 ...                 # stage 2 also lists each case's kernels (gpu_layers --kernels)
+#   BASELINE=.device/baseline ... # stage 2 also times the layers with the wheel in
+#                                 # BASELINE/wheels (carried like .device), same machine
 #   CUDA_GRAPHS=0 ...             # every step eager (default: decode-only steps replay CUDA
 #                                 # graphs, unless their GPU tests fail in stage 1)
 #   REPEATS=2 ...                 # stages 4 and 5 measure each policy twice, counterbalanced,
@@ -93,8 +95,8 @@ run 1 && say "1. GPU tests"
 run 1 && {
 timeout 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_models.py \
     tests/test_kernels.py 2>&1 | tail -4 | tee -a "$log"
-timeout 45 python3 -m pytest -q -p no:cacheprovider tests/test_conv_triton.py 2>&1 | tail -3 \
-    | tee -a "$log"
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_conv_triton.py \
+    tests/test_rows_triton.py 2>&1 | tail -3 | tee -a "$log"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py 2>&1 \
     | tail -3 | tee -a "$log"
 [[ ${PIPESTATUS[0]} == 0 ]] || { decode=torch; say "decode kernel tests failed: torch decode"; }
@@ -118,6 +120,16 @@ run 2 && say "2. layer timing"
 run 2 && timeout 150 python3 benchmarks/gpu_layers.py --backend flashkda-op \
     --tokens 1024,2048,2560,3072,3584,4096 --prefixes 0,131072 ${KERNELS:+--kernels} \
     --json "$out/layers.json" 2>"$out/layers_stderr.txt" | tee -a "$log"
+# BASELINE=DIR: the same timing with the wheel in DIR/wheels (an earlier commit's), in the same
+# call, so that a change's layer times compare on one machine: $out/layers_baseline.json.
+run 2 && [[ -n ${BASELINE:-} ]] && {
+python3 -m pip install -q --upgrade --no-index --no-deps --disable-pip-version-check \
+    --target "$site-baseline" "$BASELINE"/wheels/*.whl || exit 1
+say "2b. layer timing, the baseline wheel"
+PYTHONPATH="$site-baseline" timeout 150 python3 benchmarks/gpu_layers.py --backend flashkda-op \
+    --tokens 1024,2048,2560,3072,3584,4096 --prefixes 0,131072 ${KERNELS:+--kernels} \
+    --json "$out/layers_baseline.json" 2>"$out/layers_baseline_stderr.txt" | tee -a "$log"
+}
 
 run 3 && say "3. output check: default preset, none + block + fine"
 run 3 && {

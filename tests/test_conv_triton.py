@@ -79,6 +79,45 @@ def test_triton_conv_equals_the_torch_conv(dtype, splits):
     assert torch.isnan(got_cache[untouched]).all()
 
 
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [1] * 7 + [70],  # a mixed step: decode rows, then a prefill row spanning blocks
+        [70] + [1] * 7,
+        [3, 1, 40, 1, 1, 33, 2, 1, 1, 5, 64, 1, 1, 1, 1, 1, 9],  # 17 rows: five halvings
+        [1],
+    ],
+)
+def test_every_token_finds_its_row(lengths):
+    """The kernel finds each token's row by a search of the query start locations: every row,
+    whatever its neighbours' lengths, convolves over its own tokens and initial window only."""
+    rows = len(lengths)
+    initial = [i if i % 3 else -1 for i in range(rows)]  # some rows start without a window
+    running = [rows + i for i in range(rows)]
+    slots = 2 * rows
+    params = make_params(heads=2, key_dim=8, seed=11)
+    plan = state_plan(lengths, initial, running, [[] for _ in lengths], slots)
+    x = make_batch(params, sum(lengths), seed=12, dtype=F64).x.to(DEVICE)
+    expected_cache = conv_cache(params, slots, F64, initial)
+    got_cache = expected_cache.clone()
+    expected = conv.causal_conv(x, params, expected_cache, plan)[0]
+    got = conv_triton.causal_conv_triton(x, params, got_cache, plan)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    # Row by row, the same as convolving that row alone.
+    start = 0
+    for row, length in enumerate(lengths):
+        alone_cache = conv_cache(params, slots, F64, initial)
+        alone = conv_triton.causal_conv_triton(
+            x[start : start + length].contiguous(),
+            params,
+            alone_cache,
+            state_plan([length], [initial[row]], [running[row]], [[]], slots),
+        )[0]
+        assert torch.equal(got[start : start + length], alone)
+        start += length
+    assert torch.allclose(got_cache, expected_cache, rtol=0, atol=0, equal_nan=True)
+
+
 def test_a_forward_split_at_a_cut_equals_the_unsplit_one_exactly():
     params = make_params(heads=2, key_dim=8, seed=9)
     x = make_batch(params, 40, seed=10, dtype=torch.float32).x.to(DEVICE)

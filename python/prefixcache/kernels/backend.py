@@ -27,6 +27,7 @@ from ._convert import ArrayLike, to_device
 from .errors import BackendUnavailableError
 from .params import KDALayerParams
 from .plan import StatePlan
+from .rows_triton import copy_rows_torch, default_row_copy
 from .validate import check_state_plan
 
 ConvImpl = Literal["torch", "triton"]
@@ -139,17 +140,28 @@ def read_states_at(
     recurrent: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, missing: bool
 ) -> torch.Tensor:
     """States ``[n, H, V, K]`` at device ``index`` (a copy, in ``dtype``); with ``missing``,
-    entries ``-1`` of ``index`` give zero states."""
-    if not missing:
-        return recurrent.index_select(0, index).to(dtype)
-    states = recurrent.index_select(0, index.clamp(min=0)).to(dtype)
-    return states.masked_fill_((index < 0).view(-1, *([1] * (states.dim() - 1))), 0.0)
+    entries ``-1`` of ``index`` give zero states (the Triton move zeroes them either way)."""
+    copy = default_row_copy(recurrent.device)
+    if copy is copy_rows_torch:
+        if not missing:
+            return recurrent.index_select(0, index).to(dtype)
+        states = recurrent.index_select(0, index.clamp(min=0)).to(dtype)
+        return states.masked_fill_((index < 0).view(-1, *([1] * (states.dim() - 1))), 0.0)
+    states = recurrent.new_empty((index.numel(), *recurrent.shape[1:]), dtype=dtype)
+    copy(recurrent, states, src_index=index)
+    return states
 
 
-def write_states_at(recurrent: torch.Tensor, index: torch.Tensor, states: torch.Tensor) -> None:
-    """Store ``states`` ``[n, H, V, K]`` at device ``index`` (distinct), converting the dtype."""
+def write_states_at(
+    recurrent: torch.Tensor,
+    index: torch.Tensor,
+    states: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> None:
+    """Store ``states`` ``[n, H, V, K]`` at device ``index`` (distinct), converting the dtype;
+    with ``rows``, store ``states[rows[i]]`` at ``index[i]``."""
     if index.numel():
-        recurrent.index_copy_(0, index, states.to(recurrent.dtype))
+        default_row_copy(recurrent.device)(states, recurrent, src_index=rows, dst_index=index)
 
 
 def read_states(recurrent: torch.Tensor, slots: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -293,7 +293,7 @@ def run_rounds(
             if interior is None:
                 raise RuntimeError("the kernel call returned no interior checkpoint states")
             write_states_at(
-                recurrent, prepared.exported_slots, interior.index_select(0, prepared.exported_rows)
+                recurrent, prepared.exported_slots, interior, rows=prepared.exported_rows
             )
         write_states_at(recurrent, prepared.final_slots, final)
     if out is None:

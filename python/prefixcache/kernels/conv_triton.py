@@ -2,7 +2,11 @@
 
 ``conv.causal_conv`` builds an extended copy of the batch and makes several passes over it in
 torch (a dozen launches and as many passes over the activations per layer). Here one kernel
-reads each input element W times from the packed batch (or the row's initial window in the
+covers the packed batch's tokens in blocks (each token finds its row by a binary search of the
+query start locations, so a step of decode rows beside one long prefill row launches the
+blocks of its tokens, not rows x blocks of the longest row, most of which would exit at once:
+on the H200 that grid cost 74 us a layer at 4,096 tokens beside 7 decode rows), reads each
+input element W times from the packed batch (or the row's initial window in the
 cache), accumulates in float32 (float64 for float64 inputs) in the order ``j = 0 .. W-1``,
 applies the activation and writes each channel into its split's output; a second kernel writes
 the conv window of every cut (each checkpoint, then the end of each row's query) into its slot.
@@ -68,70 +72,75 @@ def _kernels() -> tuple[Any, Any]:
     def conv_kernel(  # type: ignore[no-untyped-def]
         x_ptr, cache_ptr, w_ptr, out0_ptr, out1_ptr, out2_ptr,
         qsl_ptr, initial_ptr,
-        channels, split1, split2,
+        rows, tokens, channels, split1, split2,
         WIDTH: tl.constexpr, ACTIVATION: tl.constexpr, COMPUTE_F64: tl.constexpr,
-        BT: tl.constexpr, BC: tl.constexpr,
+        SEARCH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0)
-        start = tl.load(qsl_ptr + row).to(tl.int64)
-        length = tl.load(qsl_ptr + row + 1).to(tl.int64) - start
-        first = tl.program_id(1) * BT
-        if first < length:
-            history = WIDTH - 1
-            offset = first + tl.arange(0, BT).to(tl.int64)
-            channel = tl.program_id(2) * BC + tl.arange(0, BC).to(tl.int64)
-            in_row = offset < length
-            in_channels = channel < channels
-            slot = tl.load(initial_ptr + row).to(tl.int64)
-            # A block, not a scalar: masks combine blocks only (the interpreter needs it).
-            has_window = (offset * 0 + slot) >= 0
-            if COMPUTE_F64:
-                acc = tl.zeros((BT, BC), dtype=tl.float64)
-            else:
-                acc = tl.zeros((BT, BC), dtype=tl.float32)
-            for j in tl.static_range(WIDTH):
-                source = offset - history + j  # position in the row; < 0: the initial window
-                from_batch = in_row & (source >= 0)
-                from_window = in_row & (source < 0) & has_window
-                batch_value = tl.load(
-                    x_ptr + (start + source)[:, None] * channels + channel[None, :],
-                    mask=from_batch[:, None] & in_channels[None, :],
-                    other=0.0,
-                )
-                window_value = tl.load(
-                    cache_ptr
-                    + slot * channels * history
-                    + channel[None, :] * history
-                    + (source + history)[:, None],
-                    mask=from_window[:, None] & in_channels[None, :],
-                    other=0.0,
-                )
-                weight = tl.load(w_ptr + channel * WIDTH + j, mask=in_channels, other=0.0)
-                value = tl.where(
-                    from_batch[:, None], batch_value, window_value.to(x_ptr.dtype.element_ty)
-                )
-                if COMPUTE_F64:
-                    term = value.to(tl.float64) * weight.to(tl.float64)[None, :]
-                else:
-                    term = value.to(tl.float32) * weight.to(tl.float32)[None, :]
-                acc = acc + term  # from zero: the first term is taken exactly
-            if ACTIVATION:
-                acc = acc / (1.0 + tl.exp(-acc))
-            token = start + offset
-            mask = in_row[:, None] & in_channels[None, :]
-            width0 = split1
-            width1 = split2 - split1
-            width2 = channels - split2
-            result = acc.to(out0_ptr.dtype.element_ty)
-            c = channel[None, :]
-            t = token[:, None]
-            tl.store(out0_ptr + t * width0 + c, result, mask=mask & (c < split1))
-            tl.store(
-                out1_ptr + t * width1 + (c - split1),
-                result,
-                mask=mask & (c >= split1) & (c < split2),
+        # One program: BT consecutive tokens of the packed batch (whatever rows they belong
+        # to) by BC channels; the grid covers the batch's tokens, not rows x the longest row.
+        token = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+        channel = tl.program_id(1) * BC + tl.arange(0, BC).to(tl.int64)
+        in_batch = token < tokens
+        in_channels = channel < channels
+        # Each token's row: the last r in [0, rows) with query_start_loc[r] <= token, by a
+        # binary search of SEARCH = ceil(log2(rows)) halvings (lo <= row < hi throughout).
+        lo = token * 0
+        hi = token * 0 + rows
+        for _ in tl.static_range(SEARCH):
+            mid = (lo + hi) // 2
+            below = tl.load(qsl_ptr + mid, mask=in_batch, other=0).to(tl.int64) <= token
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        start = tl.load(qsl_ptr + lo, mask=in_batch, other=0).to(tl.int64)
+        slot = tl.load(initial_ptr + lo, mask=in_batch, other=-1).to(tl.int64)
+        position = token - start  # the token's offset in its row
+        history = WIDTH - 1
+        if COMPUTE_F64:
+            acc = tl.zeros((BT, BC), dtype=tl.float64)
+        else:
+            acc = tl.zeros((BT, BC), dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            source = position - history + j  # position in the row; < 0: the initial window
+            from_batch = in_batch & (source >= 0)
+            from_window = in_batch & (source < 0) & (slot >= 0)
+            batch_value = tl.load(
+                x_ptr + (token - history + j)[:, None] * channels + channel[None, :],
+                mask=from_batch[:, None] & in_channels[None, :],
+                other=0.0,
             )
-            tl.store(out2_ptr + t * width2 + (c - split2), result, mask=mask & (c >= split2))
+            window_value = tl.load(
+                cache_ptr
+                + (slot * channels * history)[:, None]
+                + channel[None, :] * history
+                + (source + history)[:, None],
+                mask=from_window[:, None] & in_channels[None, :],
+                other=0.0,
+            )
+            weight = tl.load(w_ptr + channel * WIDTH + j, mask=in_channels, other=0.0)
+            value = tl.where(
+                from_batch[:, None], batch_value, window_value.to(x_ptr.dtype.element_ty)
+            )
+            if COMPUTE_F64:
+                term = value.to(tl.float64) * weight.to(tl.float64)[None, :]
+            else:
+                term = value.to(tl.float32) * weight.to(tl.float32)[None, :]
+            acc = acc + term  # from zero: the first term is taken exactly
+        if ACTIVATION:
+            acc = acc / (1.0 + tl.exp(-acc))
+        mask = in_batch[:, None] & in_channels[None, :]
+        width0 = split1
+        width1 = split2 - split1
+        width2 = channels - split2
+        result = acc.to(out0_ptr.dtype.element_ty)
+        c = channel[None, :]
+        t = token[:, None]
+        tl.store(out0_ptr + t * width0 + c, result, mask=mask & (c < split1))
+        tl.store(
+            out1_ptr + t * width1 + (c - split1),
+            result,
+            mask=mask & (c >= split1) & (c < split2),
+        )
+        tl.store(out2_ptr + t * width2 + (c - split2), result, mask=mask & (c >= split2))
 
     @triton.jit  # type: ignore[untyped-decorator]
     def window_kernel(  # type: ignore[no-untyped-def]
@@ -182,7 +191,6 @@ class _Index:
     cut_rows: torch.Tensor
     cut_offsets: torch.Tensor
     cut_slots: torch.Tensor
-    longest: int
 
     @classmethod
     def build(cls, plan: StatePlan, device: torch.device) -> _Index:
@@ -199,7 +207,7 @@ class _Index:
         )
         sizes = [plan.num_rows + 1, plan.num_rows, len(cuts), len(cuts), len(cuts)]
         loc, initial, rows, offsets, slots = torch.split(to_device(host, device), sizes)
-        return cls(loc, initial, rows, offsets, slots, longest=max(plan.lengths(), default=0))
+        return cls(loc, initial, rows, offsets, slots)
 
 
 def bind_index(
@@ -215,9 +223,8 @@ def bind_index(
     """Make :func:`causal_conv_triton` read ``plan``'s launch arrays from these int64 device
     tensors instead of uploading them: a CUDA graph's static inputs, refilled before each
     replay with the values of the step replayed (``plan``'s own values then only shape the
-    launch: its rows and its longest query)."""
-    longest = max(plan.lengths(), default=0)
-    index = _Index(query_start_loc, initial, cut_rows, cut_offsets, cut_slots, longest=longest)
+    launch: its rows and its tokens)."""
+    index = _Index(query_start_loc, initial, cut_rows, cut_offsets, cut_slots)
     plan.derived(("conv-triton", device), lambda: index)
 
 
@@ -252,12 +259,14 @@ def causal_conv_triton(
     weight = params.conv_weight.to(device=device).contiguous()
     conv_kernel, window_kernel = _kernels()
     if num_tokens:
-        grid = (plan.num_rows, -(-index.longest // BLOCK_T), -(-channels // BLOCK_C))
+        rows = plan.num_rows
+        grid = (-(-num_tokens // BLOCK_T), -(-channels // BLOCK_C))
         conv_kernel[grid](
             x, conv_cache, weight, *padded, index.query_start_loc, index.initial,
-            channels, split1, split2,
+            rows, num_tokens, channels, split1, split2,
             WIDTH=width, ACTIVATION=params.conv_activation == "silu",
-            COMPUTE_F64=x.dtype == torch.float64, BT=BLOCK_T, BC=BLOCK_C,
+            COMPUTE_F64=x.dtype == torch.float64, SEARCH=(rows - 1).bit_length(),
+            BT=BLOCK_T, BC=BLOCK_C,
         )  # fmt: skip
     if history and index.cut_slots.numel():
         window_kernel[(index.cut_slots.numel(), -(-channels // BLOCK_C))](

@@ -1,0 +1,162 @@
+"""Recurrent states moved between the state cache and a kernel's packed batch, one launch a move.
+
+A chained kernel call (``chaining.run_rounds``) reads each row's initial state out of the cache
+into a packed ``[n, H, V, K]`` batch, and writes the call's final states and interior checkpoints
+back into their slots. In torch those are ``index_select`` and ``index_copy_``: for a handful of
+indices over rows of 196,608 floats (Kimi-K3's 12 heads at TP8) torch picks its small-index
+kernels, which on the H200 took 15 us (select) and 10 us (copy) a call for 8 states (6.3 MB,
+which the memory moves in about 3 us), and a checkpoint took a select of the exported rows and a
+copy; four calls, 50 us of every KDA layer of a step, whatever its tokens.
+
+:func:`copy_rows_triton` is that move as one Triton kernel: ``dst[dst_index[i]] =
+src[src_index[i]]`` for each pair ``i`` (an absent index: row ``i`` itself), zeros where
+``src_index[i] < 0`` (a row without an initial state), converted to ``dst``'s dtype, each program
+a contiguous stretch of one row. :func:`copy_rows_torch` is the same contract in torch (the CPU's
+and the rule the tests hold the kernel to); :func:`default_row_copy` picks one for a device.
+
+Index values are not checked here (that would wait for the device): callers pass slots of a plan
+the backend validated, in range, and destination indices distinct.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RowCopy", "copy_rows_torch", "copy_rows_triton", "default_row_copy"]
+
+#: ``copy(src, dst, src_index=None, dst_index=None)``: see the module docstring.
+RowCopy = Callable[..., None]
+
+#: Elements of one row a program moves.
+BLOCK = 4096
+
+
+def _pairs(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_index: torch.Tensor | None,
+    dst_index: torch.Tensor | None,
+) -> int:
+    """The number of rows moved, after checking that the arguments line up."""
+    if src.shape[1:] != dst.shape[1:]:
+        raise ValueError(f"rows differ: source {tuple(src.shape)}, destination {tuple(dst.shape)}")
+    if src.device != dst.device:
+        raise ValueError(f"source on {src.device}, destination on {dst.device}")
+    counts = set()
+    for name, index in (("src_index", src_index), ("dst_index", dst_index)):
+        if index is None:
+            continue
+        if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {index.dtype} "
+                             f"{tuple(index.shape)}")  # fmt: skip
+        if index.device != src.device:
+            raise ValueError(f"{name} is on {index.device}, the rows on {src.device}")
+        counts.add(index.numel())
+    if src_index is None:
+        counts.add(src.shape[0])
+    if dst_index is None:
+        counts.add(dst.shape[0])
+    if len(counts) != 1:
+        raise ValueError(
+            f"the pairs do not line up: source rows / indices and destination rows / indices "
+            f"give {sorted(counts)}"
+        )
+    return counts.pop()
+
+
+def copy_rows_torch(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_index: torch.Tensor | None = None,
+    dst_index: torch.Tensor | None = None,
+) -> None:
+    """The row move in torch: ``index_select`` (negative indices: zero rows) and
+    ``index_copy_``."""
+    if not _pairs(src, dst, src_index, dst_index):
+        return
+    rows = src
+    if src_index is not None:
+        rows = src.index_select(0, src_index.clamp(min=0))
+        absent = (src_index < 0).view(-1, *([1] * (src.dim() - 1)))
+        rows = rows.masked_fill(absent, 0.0)
+    rows = rows.to(dst.dtype)
+    if dst_index is None:
+        dst.copy_(rows)
+    else:
+        dst.index_copy_(0, dst_index, rows)
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def copy_rows_kernel(  # type: ignore[no-untyped-def]
+        src, dst, src_index, dst_index, size,
+        SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        pair = tl.program_id(0).to(tl.int64)
+        offset = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        inside = offset < size
+        # Blocks, not scalars: masks combine blocks only (the interpreter needs it).
+        source = offset * 0 + pair
+        if SRC_INDEXED:
+            source = offset * 0 + tl.load(src_index + pair).to(tl.int64)
+        target = offset * 0 + pair
+        if DST_INDEXED:
+            target = offset * 0 + tl.load(dst_index + pair).to(tl.int64)
+        present = source >= 0
+        value = tl.load(
+            src + tl.where(present, source, 0) * size + offset, mask=inside & present, other=0.0
+        )
+        tl.store(dst + target * size + offset, value.to(dst.dtype.element_ty), mask=inside)
+
+    return copy_rows_kernel
+
+
+def copy_rows_triton(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_index: torch.Tensor | None = None,
+    dst_index: torch.Tensor | None = None,
+) -> None:
+    """The row move in one Triton kernel (``dst`` contiguous; a strided ``src`` is made
+    contiguous first). Needs CUDA tensors, or ``TRITON_INTERPRET=1`` on the CPU."""
+    pairs = _pairs(src, dst, src_index, dst_index)
+    if not dst.is_contiguous():
+        raise ValueError("the Triton row copy writes into a contiguous destination only")
+    src = src.contiguous()
+    size = math.prod(src.shape[1:])
+    if not pairs or not size:
+        return
+    import triton
+
+    _kernel()[(pairs, triton.cdiv(size, BLOCK))](
+        src, dst,
+        src if src_index is None else src_index, dst if dst_index is None else dst_index,
+        size, SRC_INDEXED=src_index is not None, DST_INDEXED=dst_index is not None, BLOCK=BLOCK,
+    )  # fmt: skip
+
+
+@functools.cache
+def default_row_copy(device: torch.device) -> RowCopy:
+    """The row move used on ``device``: the Triton kernel on CUDA when Triton runs there (else
+    torch's, with a warning), torch's elsewhere (the CPU never imports Triton)."""
+    if device.type != "cuda":
+        return copy_rows_torch
+    from .conv_triton import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(device)
+    if reason is None:
+        return copy_rows_triton
+    logger.warning("recurrent states on %s move by torch's index kernels: %s", device, reason)
+    return copy_rows_torch
