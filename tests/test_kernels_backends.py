@@ -109,6 +109,31 @@ def test_rounds_cut_rows_at_their_checkpoints():
     ]  # fmt: skip
 
 
+def assert_chained_equals_the_reference(backend, lengths, checkpoints, with_initial, seed):
+    """``backend``'s prefill of rows of ``lengths`` (checkpoints at the given offsets, an initial
+    state where ``with_initial``) gives the torch backend's outputs, states and windows."""
+    params = make_params(seed=seed)
+    initial, running, planned, num_blocks = scenario(lengths, checkpoints, with_initial, params)
+    batch = make_batch(params, sum(lengths), seed=seed + 1)
+
+    def cache():
+        c = make_cache(params, num_blocks)
+        for slot in initial:
+            if slot >= 0:
+                fill_slot(c, slot, seed=200 + slot)
+        return c
+
+    chained, expected = cache(), cache()
+    out = prefill(backend, params, chained, batch, lengths, initial, running, planned)
+    out_ref = prefill(
+        kernels.TorchBackend(4, mode="loop"), params, expected, batch, lengths, initial, running,
+        planned,
+    )  # fmt: skip
+    assert max_difference(out, out_ref) <= 1e-12
+    assert max_difference(chained.recurrent, expected.recurrent) <= 1e-12
+    assert max_difference(chained.conv, expected.conv) <= 1e-12
+
+
 @settings(max_examples=20, deadline=None, database=None)
 @given(
     per_call=st.sampled_from([0, 1]),
@@ -124,27 +149,8 @@ def test_chained_calls_equal_the_reference(per_call, lengths, data):
         )
         checkpoints.append(chosen)
     with_initial = data.draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths)))
-    params = make_params(seed=21)
-    initial, running, planned, num_blocks = scenario(lengths, checkpoints, with_initial, params)
-    batch = make_batch(params, sum(lengths), seed=22)
-
-    def cache():
-        c = make_cache(params, num_blocks)
-        for slot in initial:
-            if slot >= 0:
-                fill_slot(c, slot, seed=200 + slot)
-        return c
-
-    chained, expected = cache(), cache()
     backend = StandInBackend(per_call, alignment=4)
-    out = prefill(backend, params, chained, batch, lengths, initial, running, planned)
-    out_ref = prefill(
-        kernels.TorchBackend(4, mode="loop"), params, expected, batch, lengths, initial, running,
-        planned,
-    )  # fmt: skip
-    assert max_difference(out, out_ref) <= 1e-12
-    assert max_difference(chained.recurrent, expected.recurrent) <= 1e-12
-    assert max_difference(chained.conv, expected.conv) <= 1e-12
+    assert_chained_equals_the_reference(backend, lengths, checkpoints, with_initial, seed=21)
     most = max(len(c) for c in checkpoints)
     expected_calls = most + 1 if per_call == 0 else most // 2 + 1
     assert len(backend.calls) == expected_calls

@@ -19,9 +19,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from kernels_support import F64, fill_slot, kernels, make_batch, make_cache, make_params
-from test_kernels import max_difference, prefill, scenario
-from test_kernels_backends import StandInBackend
+from kernels_support import F64, kernels
+from test_kernels_backends import StandInBackend, assert_chained_equals_the_reference
 
 rows_triton = importlib.import_module(f"{kernels.__name__}.rows_triton")
 backend_module = importlib.import_module(f"{kernels.__name__}.backend")
@@ -119,28 +118,10 @@ def test_chained_calls_with_the_triton_move_equal_the_reference(per_call, monkey
     monkeypatch.setattr(
         backend_module, "default_row_copy", lambda device: rows_triton.copy_rows_triton
     )
-    lengths = [40, 1, 17, 1, 24]
-    checkpoints = [[8, 24], [], [12], [], [4, 8, 16]]
-    params = make_params(seed=31)
-    initial, running, planned, num_blocks = scenario(
-        lengths, checkpoints, [True, True, False, True, False], params
+    assert_chained_equals_the_reference(
+        StandInBackend(per_call, alignment=4),
+        lengths=[40, 1, 17, 1, 24],
+        checkpoints=[[8, 24], [], [12], [], [4, 8, 16]],
+        with_initial=[True, True, False, True, False],
+        seed=31,
     )
-    batch = make_batch(params, sum(lengths), seed=32)
-
-    def cache():
-        c = make_cache(params, num_blocks)
-        for slot in initial:
-            if slot >= 0:
-                fill_slot(c, slot, seed=300 + slot)
-        return c
-
-    chained, expected = cache(), cache()
-    out = prefill(StandInBackend(per_call, alignment=4), params, chained, batch, lengths, initial,
-                  running, planned)  # fmt: skip
-    out_ref = prefill(
-        kernels.TorchBackend(4, mode="loop"), params, expected, batch, lengths, initial, running,
-        planned,
-    )  # fmt: skip
-    assert max_difference(out, out_ref) <= 1e-12
-    assert max_difference(chained.recurrent, expected.recurrent) <= 1e-12
-    assert max_difference(chained.conv, expected.conv) <= 1e-12

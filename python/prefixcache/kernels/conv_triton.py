@@ -29,6 +29,7 @@ them.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +42,9 @@ from .conv import check_conv_inputs
 from .params import KDALayerParams
 from .plan import StatePlan
 
-__all__ = ["bind_index", "causal_conv_triton", "triton_unavailable_reason"]
+__all__ = ["bind_index", "causal_conv_triton", "triton_runs_on", "triton_unavailable_reason"]
+
+logger = logging.getLogger(__name__)
 
 BLOCK_T = 32
 BLOCK_C = 64
@@ -61,6 +64,19 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
         f"the Triton kernels run on CUDA tensors (got {device}); on a CPU only through "
         "Triton's interpreter (TRITON_INTERPRET=1 before the first call)"
     )
+
+
+def triton_runs_on(device: torch.device, what: str) -> bool:
+    """Whether ``what`` (a kernel, named in the warning) runs its Triton version on ``device`` by
+    default: on CUDA whenever Triton runs there (else a warning says why torch's runs instead),
+    never elsewhere (the CPU never imports Triton; its tests call the Triton kernels themselves,
+    through the interpreter)."""
+    if device.type != "cuda":
+        return False
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        logger.warning("%s on %s runs in torch: %s", what, device, reason)
+    return reason is None
 
 
 @functools.cache

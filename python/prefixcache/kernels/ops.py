@@ -143,12 +143,10 @@ def run_prefill(
 def default_conv(device: torch.device) -> str:
     """The short convolution a backend runs by default on ``device``: ``"triton"`` on CUDA when
     Triton is installed (two fused kernels; 4 to 6x faster than the torch version on the H200
-    and a quarter of its launch time), ``"torch"`` elsewhere (the CPU never imports Triton)."""
-    if device.type != "cuda":
-        return "torch"
-    from .conv_triton import triton_unavailable_reason
+    and a quarter of its launch time), ``"torch"`` elsewhere (``conv_triton.triton_runs_on``)."""
+    from .conv_triton import triton_runs_on
 
-    return "triton" if triton_unavailable_reason(device) is None else "torch"
+    return "triton" if triton_runs_on(device, "the short convolution") else "torch"
 
 
 def conv_function(impl: str, device: torch.device) -> Callable[..., list[torch.Tensor]]:

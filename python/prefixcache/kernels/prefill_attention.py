@@ -31,13 +31,10 @@ that cost hardly change with the chunk: it was a fixed cost of every prefill ste
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "Attend",
@@ -261,16 +258,12 @@ def merge_partials_triton(
 @functools.cache
 def default_merge(device: torch.device) -> Merge:
     """The merge :func:`split_prefix_attention` uses on ``device`` by default: the Triton kernel
-    on CUDA when Triton runs there (else the torch one, with a warning), the torch one elsewhere
-    (the CPU never imports Triton)."""
-    if device.type != "cuda":
-        return merge_partials_torch
-    from .conv_triton import triton_unavailable_reason
+    where :func:`conv_triton.triton_runs_on` says so (CUDA with Triton), the torch one
+    elsewhere."""
+    from .conv_triton import triton_runs_on
 
-    reason = triton_unavailable_reason(device)
-    if reason is None:
+    if triton_runs_on(device, "the split prefill attention's merge"):
         return merge_partials_triton
-    logger.warning("split prefill attention on %s merges in torch: %s", device, reason)
     return merge_partials_torch
 
 

@@ -21,14 +21,11 @@ the backend validated, in range, and destination indices distinct.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["RowCopy", "copy_rows_torch", "copy_rows_triton", "default_row_copy"]
 
@@ -149,14 +146,12 @@ def copy_rows_triton(
 
 @functools.cache
 def default_row_copy(device: torch.device) -> RowCopy:
-    """The row move used on ``device``: the Triton kernel on CUDA when Triton runs there (else
-    torch's, with a warning), torch's elsewhere (the CPU never imports Triton)."""
-    if device.type != "cuda":
-        return copy_rows_torch
-    from .conv_triton import triton_unavailable_reason
+    """The row move used on ``device``: the Triton kernel where :func:`conv_triton.triton_runs_on`
+    says so (CUDA with Triton), torch's elsewhere."""
+    from .conv_triton import triton_runs_on
 
-    reason = triton_unavailable_reason(device)
-    if reason is None:
-        return copy_rows_triton
-    logger.warning("recurrent states on %s move by torch's index kernels: %s", device, reason)
-    return copy_rows_torch
+    return (
+        copy_rows_triton
+        if triton_runs_on(device, "the recurrent states' move")
+        else copy_rows_torch
+    )
