@@ -6,8 +6,8 @@
 #   flashkda/_flashkda_C.abi3.so   the FlashKDA op from the vllm==0.33.0 wheel
 # torch, numpy, triton and tqdm come from the machine. Stages, each under its own time limit so
 # that a slow one leaves the others' results (simulate writes its JSON after every policy):
-#   1. the model's, the kernel layer's, the Triton convolution's and row move's, the Triton paged decode
-#      attention's and the split prefill attention's GPU tests;
+#   1. the model's, the kernel layer's, the Triton convolution's and row move's, the Triton
+#      paged decode attention's and the split prefill attention's GPU tests;
 #   2. benchmarks/gpu_layers.py over the seed's 1K to 4K tokens a request (19 s on 2026-12-02):
 #      GPU time per token and per step of each layer kind (KDA also with the seed steps' two
 #      checkpoints and decode rows), the decode attention (gathering torch path against the
