@@ -26,13 +26,18 @@ if not torch.cuda.is_available():
 from kernels_support import kernels
 
 prefill = importlib.import_module(f"{kernels.__name__}.prefill_attention")
+#: Where the Triton merge runs: on CUDA where there is one, else on CPU tensors through the
+#: interpreter.
+MERGE_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def direct(q, k, v):
     """The rule, in float64: a boolean mask of what each query token sees."""
     query_len, context = q.shape[2], k.shape[2]
     groups = q.shape[1] // k.shape[1]
-    sees = torch.ones(query_len, context, dtype=torch.bool).tril(diagonal=context - query_len)
+    sees = torch.ones(query_len, context, dtype=torch.bool, device=q.device).tril(
+        diagonal=context - query_len
+    )
     return F.scaled_dot_product_attention(
         q.double(),
         k.double().repeat_interleave(groups, dim=1),
@@ -77,7 +82,9 @@ triton_only = pytest.mark.skipif(
     ],
 )
 def test_triton_merge_equals_the_rule(query_len, context, splits, dtype):
-    q, k, v = tensors(query_len, context, 6, 2, 8, dtype, seed=3 * context + splits)
+    q, k, v = tensors(
+        query_len, context, 6, 2, 8, dtype, seed=3 * context + splits, device=MERGE_DEVICE
+    )
     got = prefill.split_prefix_attention(
         q, k, v, splits, prefill.math_attend, merge=prefill.merge_partials_triton
     )
@@ -95,6 +102,7 @@ def partials(pieces, heads, tokens, dim, dtype, seed, token_major):
     if token_major:
         outs = outs.transpose(1, 2)
     lse = 30 * torch.randn(pieces + 1, heads, tokens, generator=generator)
+    outs, lse = outs.to(MERGE_DEVICE), lse.to(MERGE_DEVICE)
     return outs[:pieces], lse[:pieces], outs[pieces:], lse[pieces:]
 
 

@@ -110,6 +110,11 @@ def test_the_cpu_moves_rows_in_torch():
     assert rows_triton.default_row_copy(torch.device("cpu")) is rows_triton.copy_rows_torch
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the stand-in kernel's CPU tensors reach Triton through the interpreter only; on a GPU "
+    "the moves above run on CUDA and the engine's output check runs every path",
+)
 @pytest.mark.parametrize("per_call", [0, 1])
 def test_chained_calls_with_the_triton_move_equal_the_reference(per_call, monkeypatch):
     """A whole chained prefill (rows without an initial state, two checkpoints in a row, rows

@@ -104,16 +104,18 @@ def _kernel() -> Any:
         pair = tl.program_id(0).to(tl.int64)
         offset = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         inside = offset < size
-        # Blocks, not scalars: masks combine blocks only (the interpreter needs it).
-        source = offset * 0 + pair
+        # The rows' starts stay scalars, so that each program's addresses are one contiguous
+        # stretch the compiler can vectorize; the absent-source test is a block, since masks
+        # combine blocks only (the interpreter needs it).
+        source = pair
         if SRC_INDEXED:
-            source = offset * 0 + tl.load(src_index + pair).to(tl.int64)
-        target = offset * 0 + pair
+            source = tl.load(src_index + pair).to(tl.int64)
+        target = pair
         if DST_INDEXED:
-            target = offset * 0 + tl.load(dst_index + pair).to(tl.int64)
-        present = source >= 0
+            target = tl.load(dst_index + pair).to(tl.int64)
+        present = (offset * 0 + source) >= 0
         value = tl.load(
-            src + tl.where(present, source, 0) * size + offset, mask=inside & present, other=0.0
+            src + tl.maximum(source, 0) * size + offset, mask=inside & present, other=0.0
         )
         tl.store(dst + target * size + offset, value.to(dst.dtype.element_ty), mask=inside)
 
