@@ -11,8 +11,10 @@ copy; four calls, 50 us of every KDA layer of a step, whatever its tokens.
 :func:`copy_rows_triton` is that move as one Triton kernel: ``dst[dst_index[i]] =
 src[src_index[i]]`` for each pair ``i`` (an absent index: row ``i`` itself), zeros where
 ``src_index[i] < 0`` (a row without an initial state), converted to ``dst``'s dtype, each program
-a contiguous stretch of one row. :func:`copy_rows_torch` is the same contract in torch (the CPU's
-and the rule the tests hold the kernel to); :func:`default_row_copy` picks one for a device.
+a contiguous stretch of one row (a first version, whose rows' starts were blocks rather than
+scalars, could not be vectorized: 12 us a call on an H100, about 1 TB/s; 36.5 against torch's
+52.9 us a layer). :func:`copy_rows_torch` is the same contract in torch (the CPU's);
+:func:`default_row_copy` picks one for a device.
 
 Index values are not checked here (that would wait for the device): callers pass slots of a plan
 the backend validated, in range, and destination indices distinct.
