@@ -27,7 +27,7 @@ from ._convert import ArrayLike, to_device
 from .errors import BackendUnavailableError
 from .params import KDALayerParams
 from .plan import StatePlan
-from .rows_triton import copy_rows_torch, default_row_copy
+from .rows_triton import default_row_copy
 from .validate import check_state_plan
 
 ConvImpl = Literal["torch", "triton"]
@@ -137,18 +137,12 @@ def upload(device: torch.device, *arrays: Sequence[int] | torch.Tensor) -> list[
 
 
 def read_states_at(
-    recurrent: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, *, missing: bool
+    recurrent: torch.Tensor, index: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """States ``[n, H, V, K]`` at device ``index`` (a copy, in ``dtype``); with ``missing``,
-    entries ``-1`` of ``index`` give zero states (the Triton move zeroes them either way)."""
-    copy = default_row_copy(recurrent.device)
-    if copy is copy_rows_torch:
-        if not missing:
-            return recurrent.index_select(0, index).to(dtype)
-        states = recurrent.index_select(0, index.clamp(min=0)).to(dtype)
-        return states.masked_fill_((index < 0).view(-1, *([1] * (states.dim() - 1))), 0.0)
+    """States ``[n, H, V, K]`` at device ``index`` (a copy, in ``dtype``); entries ``-1`` give
+    zero states (``rows_triton``'s move)."""
     states = recurrent.new_empty((index.numel(), *recurrent.shape[1:]), dtype=dtype)
-    copy(recurrent, states, src_index=index)
+    default_row_copy(recurrent.device)(recurrent, states, src_index=index)
     return states
 
 
@@ -167,7 +161,7 @@ def write_states_at(
 def read_states(recurrent: torch.Tensor, slots: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """States ``[n, H, V, K]`` of ``slots`` in ``dtype``, zeros where a slot is -1 (a copy)."""
     (index,) = upload(recurrent.device, slots)
-    return read_states_at(recurrent, index, dtype, missing=min(slots, default=0) < 0)
+    return read_states_at(recurrent, index, dtype)
 
 
 def write_states(recurrent: torch.Tensor, slots: Sequence[int], states: torch.Tensor) -> None:

@@ -139,7 +139,6 @@ class _RoundInputs:
     cu_seqlens_host: torch.Tensor
     initial_slots: torch.Tensor
     final_slots: torch.Tensor
-    missing: bool
     checkpoint_offsets: torch.Tensor | None
     exported_rows: torch.Tensor | None
     exported_slots: torch.Tensor | None
@@ -178,7 +177,6 @@ class _RoundInputs:
             cu_seqlens_host=torch.tensor(cu, dtype=torch.int64),
             initial_slots=initial_d,
             final_slots=final_d,
-            missing=any(s.initial_slot < 0 for s in segments),
             checkpoint_offsets=offsets_d if exported else None,
             exported_rows=rows_d if exported else None,
             exported_slots=slots_d if exported else None,
@@ -211,7 +209,6 @@ def bind_round_inputs(
             cu_seqlens_host=torch.tensor(plan.query_start_loc, dtype=torch.int64),
             initial_slots=initial_slots,
             final_slots=final_slots,
-            missing=False,
             checkpoint_offsets=None,
             exported_rows=None,
             exported_slots=None,
@@ -273,9 +270,7 @@ def run_rounds(
             beta=parts[4].unsqueeze(0),
             cu_seqlens=prepared.cu_seqlens,
             cu_seqlens_host=prepared.cu_seqlens_host,
-            initial_state=read_states_at(
-                recurrent, prepared.initial_slots, state_dtype, missing=prepared.missing
-            ),
+            initial_state=read_states_at(recurrent, prepared.initial_slots, state_dtype),
             checkpoint_offsets=prepared.checkpoint_offsets,
         )
         o, final, interior = call(batch)

@@ -140,15 +140,13 @@ class FlaBackend(KDABackend):
             beta=beta.unsqueeze(0),
             cu_seqlens=cu_d,
             cu_seqlens_host=torch.tensor(plan.query_start_loc, dtype=torch.int64),
-            initial_state=read_states_at(
-                recurrent, initial_d, torch.float32, missing=min(plan.initial_slot) < 0
-            ),
+            initial_state=read_states_at(recurrent, initial_d, torch.float32),
             checkpoint_offsets=None,
         )
         with torch.inference_mode():
             out, final, h = self._call(params, batch, intermediate=True)
             if h is None:
                 raise RuntimeError("fla returned no intermediate states")
-            write_states_at(recurrent, slots_d, h[0].index_select(0, chunks_d))
+            write_states_at(recurrent, slots_d, h[0], rows=chunks_d)
             write_states_at(recurrent, running_d, final)
         return out.squeeze(0)

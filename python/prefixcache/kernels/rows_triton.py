@@ -81,16 +81,18 @@ def copy_rows_torch(
     ``index_copy_``."""
     if not _pairs(src, dst, src_index, dst_index):
         return
-    rows = src
-    if src_index is not None:
-        rows = src.index_select(0, src_index.clamp(min=0))
-        absent = (src_index < 0).view(-1, *([1] * (src.dim() - 1)))
-        rows = rows.masked_fill(absent, 0.0)
-    rows = rows.to(dst.dtype)
-    if dst_index is None:
-        dst.copy_(rows)
+    if src_index is None:
+        rows = src
+    elif dst_index is None and dst.dtype == src.dtype:
+        rows = torch.index_select(src, 0, src_index.clamp(min=0), out=dst)
     else:
-        dst.index_copy_(0, dst_index, rows)
+        rows = src.index_select(0, src_index.clamp(min=0))
+    if src_index is not None:
+        rows.masked_fill_((src_index < 0).view(-1, *([1] * (src.dim() - 1))), 0.0)
+    if dst_index is not None:
+        dst.index_copy_(0, dst_index, rows.to(dst.dtype))
+    elif rows is not dst:
+        dst.copy_(rows)
 
 
 @functools.cache
