@@ -2,16 +2,25 @@
 
 The kernel layer asks the core which checkpoint offsets are exportable, so its tests need the
 Rust extension like every other test (``make install`` builds it).
+
+The Triton kernels' tests run on :data:`DEVICE`: CUDA where there is one, else CPU tensors
+through Triton's interpreter (``TRITON_INTERPRET=1``, set here, before any kernel is compiled).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from prefixcache import kernels
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":  # before anything imports Triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from prefixcache import kernels  # noqa: E402
 
 F64 = torch.float64
 

@@ -1,27 +1,23 @@
 """The Triton short convolution (``kernels.conv_triton``) against the torch one.
 
 On a machine without CUDA the kernels run on CPU tensors through Triton's interpreter
-(``TRITON_INTERPRET=1``, set here before they are first compiled); on a GPU they are compiled.
+(``TRITON_INTERPRET=1``, set by ``kernels_support`` before they are first compiled); on a GPU
+they are compiled.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 
 import numpy as np
 import pytest
 import torch
+from kernels_support import DEVICE, F64, fill_slot, kernels, make_batch, make_cache, make_params
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
-from kernels_support import F64, fill_slot, kernels, make_batch, make_cache, make_params
+pytest.importorskip("triton")  # after kernels_support, which sets TRITON_INTERPRET
 
 conv = importlib.import_module(f"{kernels.__name__}.conv")
 conv_triton = importlib.import_module(f"{kernels.__name__}.conv_triton")
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 W = 4
 
 

@@ -4,7 +4,8 @@ The reference here is written out from the definition: a decode row's query toke
 every token of its context with weights ``softmax(q . k / sqrt(D))`` (its grouped key/value
 head), computed in float64 on the context read token by token through the block table. On a
 machine without CUDA the kernels run on CPU tensors through Triton's interpreter
-(``TRITON_INTERPRET=1``, set here before they are first compiled); on a GPU they are compiled.
+(``TRITON_INTERPRET=1``, set by ``kernels_support`` before they are first compiled); on a GPU
+they are compiled.
 """
 
 from __future__ import annotations
@@ -15,15 +16,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from kernels_support import DEVICE, kernels
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
-from kernels_support import kernels
+pytest.importorskip("triton")  # after kernels_support, which sets TRITON_INTERPRET
 
 decode = importlib.import_module(f"{kernels.__name__}.decode_attention")
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def reference(query, key, value, tables, lengths, tokens):

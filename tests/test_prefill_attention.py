@@ -6,29 +6,21 @@ and merging the pieces' results by their log-sum-exps must give that attention, 
 number of pieces, a remainder that does not divide evenly, or grouped heads. Checked on the CPU
 with plain softmax pieces against a direct masked softmax, and on a GPU with the flash kernel
 against torch's scaled_dot_product_attention. The merge is checked in both forms, torch and the
-Triton kernel (on the CPU through Triton's interpreter, ``TRITON_INTERPRET=1``, set here before
-the kernel is first compiled), against that rule and against each other.
+Triton kernel (on the CPU through Triton's interpreter, ``TRITON_INTERPRET=1``, set by
+``kernels_support`` before the kernel is first compiled), against that rule and against each other.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kernels_support import kernels
+from kernels_support import DEVICE, kernels
 
 prefill = importlib.import_module(f"{kernels.__name__}.prefill_attention")
-#: Where the Triton merge runs: on CUDA where there is one, else on CPU tensors through the
-#: interpreter.
-MERGE_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def direct(q, k, v):
@@ -82,9 +74,7 @@ triton_only = pytest.mark.skipif(
     ],
 )
 def test_triton_merge_equals_the_rule(query_len, context, splits, dtype):
-    q, k, v = tensors(
-        query_len, context, 6, 2, 8, dtype, seed=3 * context + splits, device=MERGE_DEVICE
-    )
+    q, k, v = tensors(query_len, context, 6, 2, 8, dtype, seed=3 * context + splits, device=DEVICE)
     got = prefill.split_prefix_attention(
         q, k, v, splits, prefill.math_attend, merge=prefill.merge_partials_triton
     )
@@ -102,7 +92,7 @@ def partials(pieces, heads, tokens, dim, dtype, seed, token_major):
     if token_major:
         outs = outs.transpose(1, 2)
     lse = 30 * torch.randn(pieces + 1, heads, tokens, generator=generator)
-    outs, lse = outs.to(MERGE_DEVICE), lse.to(MERGE_DEVICE)
+    outs, lse = outs.to(DEVICE), lse.to(DEVICE)
     return outs[:pieces], lse[:pieces], outs[pieces:], lse[pieces:]
 
 

@@ -4,27 +4,22 @@ The rule, stated here on its own: for each pair ``i``, destination row ``dst_ind
 without an index) becomes source row ``src_index[i]`` (row ``i`` without an index) converted to
 the destination's dtype, or zeros where that source index is negative; no other destination row
 changes. On a machine without CUDA the kernel runs through Triton's interpreter
-(``TRITON_INTERPRET=1``, set here before it is first compiled).
+(``TRITON_INTERPRET=1``, set by ``kernels_support`` before it is first compiled).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
+from kernels_support import DEVICE, F64, kernels
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
-
-from kernels_support import F64, kernels
+pytest.importorskip("triton")  # after kernels_support, which sets TRITON_INTERPRET
 from test_kernels_backends import StandInBackend, assert_chained_equals_the_reference
 
 rows_triton = importlib.import_module(f"{kernels.__name__}.rows_triton")
 backend_module = importlib.import_module(f"{kernels.__name__}.backend")
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 COPIES = [rows_triton.copy_rows_triton, rows_triton.copy_rows_torch]
 
 
