@@ -62,8 +62,12 @@ out=${OUT:?set OUT to the results folder}
 depth=${DEPTH:-2}
 site=${SITE:-/tmp/prefixcache-site}
 mkdir -p "$site"
+# The package from the wheel in $2/wheels, installed to $1.
+install() {
 python3 -m pip install -q --upgrade --no-index --no-deps --disable-pip-version-check \
-    --target "$site" "$device_dir"/wheels/*.whl || exit 1
+    --target "$1" "$2"/wheels/*.whl
+}
+install "$site" "$device_dir" || exit 1
 export PYTHONPATH="$site" PYTHONUNBUFFERED=1
 # Growing contexts ask the caching allocator for ever larger attention temporaries; expandable
 # segments grow in place instead of leaving a trail of cached segments that fit nothing later.
@@ -116,19 +120,20 @@ seed+=(${SEED_ARGS:-})
 run 9 && say "9. host-to-device uploads"
 run 9 && timeout 60 python3 benchmarks/gpu_uploads.py --json "$out/uploads.json" 2>>"$errors" \
     | tee -a "$log"
-run 2 && say "2. layer timing"
-run 2 && timeout 150 python3 benchmarks/gpu_layers.py --backend flashkda-op \
+# Stage 2's timing with the package on $1 (the path its wheel was installed to), into $2.
+layers() {
+PYTHONPATH="$1" timeout 150 python3 benchmarks/gpu_layers.py --backend flashkda-op \
     --tokens 1024,2048,2560,3072,3584,4096 --prefixes 0,131072 ${KERNELS:+--kernels} \
-    --json "$out/layers.json" 2>"$out/layers_stderr.txt" | tee -a "$log"
+    --json "$out/$2.json" 2>"$out/$2_stderr.txt" | tee -a "$log"
+}
+run 2 && say "2. layer timing"
+run 2 && layers "$site" layers
 # BASELINE=DIR: the same timing with the wheel in DIR/wheels (an earlier commit's), in the same
 # call, so that a change's layer times compare on one machine: $out/layers_baseline.json.
 run 2 && [[ -n ${BASELINE:-} ]] && {
-python3 -m pip install -q --upgrade --no-index --no-deps --disable-pip-version-check \
-    --target "$site-baseline" "$BASELINE"/wheels/*.whl || exit 1
+install "$site-baseline" "$BASELINE" || exit 1
 say "2b. layer timing, the baseline wheel"
-PYTHONPATH="$site-baseline" timeout 150 python3 benchmarks/gpu_layers.py --backend flashkda-op \
-    --tokens 1024,2048,2560,3072,3584,4096 --prefixes 0,131072 ${KERNELS:+--kernels} \
-    --json "$out/layers_baseline.json" 2>"$out/layers_baseline_stderr.txt" | tee -a "$log"
+layers "$site-baseline" layers_baseline
 }
 
 run 3 && say "3. output check: default preset, none + block + fine"

@@ -4,7 +4,8 @@
 For one or two ``prefixcache simulate --json`` documents of the seed preset (block and fine,
 in either order) prints, as Markdown: per round, each policy's computed prefill tokens, KDA
 time, whole-model prefill time and TTFT p50; the totals over rounds 2 to 23 against the targets
-(KDA prefill time and TTFT p50 each >= 20% lower for fine); and, given both orders, each
+(KDA prefill time and TTFT p50 each >= 20% lower for fine), with each policy's KDA time fitted
+per request and per token; and, given both orders, each
 policy's figures in the two runs side by side (the order check: within 5%); and each policy's
 measured step times (decode steps, prefill steps and their fit). A document of
 ``simulate --repeats N`` (N > 1) also gets its per-pass table (rounds 2 to 23, the median pass
@@ -81,6 +82,36 @@ def totals(document: dict[str, Any]) -> list[str]:
         )
     b, f = ttft_p50(block), ttft_p50(fine)
     lines.append(f"| TTFT p50, ms | {b:.1f} | {f:.1f} | {change(f, b)} | <= -20% |")
+    return lines
+
+
+def kda_fits(document: dict[str, Any]) -> list[str]:
+    """Block's KDA time over rounds 2 to 23 fitted per round by least squares against its
+    computed tokens, the fixed part per request (fine's rounds compute nearly the same tokens,
+    so a fit of them says nothing); and how much fixed KDA work a request, taken off both
+    policies alike, would bring fine to 20% under block."""
+    policies = document["policies"]
+    rounds = [r for r in policies["block"]["rounds"] if r["round"] > 1]
+    if len(rounds) < 2:
+        return []
+    slope, intercept = statistics.linear_regression(
+        [float(r["computed_prefill_tokens"]) for r in rounds],
+        [1e3 * r["kda_prefill_seconds"] for r in rounds],
+    )
+    lines = [
+        f"block's KDA time fits {intercept / statistics.mean(r['requests'] for r in rounds):.3f} "
+        f"ms a request + {1e3 * slope:.3f} us a token (per round, rounds 2 to 23)"
+    ]
+    b, f = (
+        later(policies["block"], "kda_prefill_seconds"),
+        later(policies["fine"], "kda_prefill_seconds"),
+    )
+    requests = later(policies["block"], "requests")
+    needed = max(0.0, (f - 0.8 * b) / (0.2 * requests)) if requests else 0.0
+    lines.append(
+        f"KDA at -20% needs {1e6 * needed:.0f} us less fixed work a request in both policies "
+        f"({1e3 * f / requests:.3f} against {1e3 * b / requests:.3f} ms a request now)"
+    )
     return lines
 
 
@@ -268,6 +299,8 @@ def main(argv: list[str]) -> int:
             print("\n".join(per_round(document)))
             print()
             print("\n".join(totals(document)))
+            print()
+            print("\n".join(kda_fits(document)))
             print()
         if document.get("repeats", 1) > 1:
             print(f"### {document['repeats']} passes, in the order {document.get('pass_order')}")
