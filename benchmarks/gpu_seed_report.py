@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -85,33 +86,56 @@ def totals(document: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _block_fit(
+    rounds: list[dict[str, Any]], value: Callable[[dict[str, Any]], float]
+) -> tuple[float, float]:
+    """``value`` of a request in each of ``rounds`` against the round's computed tokens a
+    request, by least squares: (fixed part, part a token)."""
+    slope, intercept = statistics.linear_regression(
+        [r["computed_prefill_tokens"] / r["requests"] for r in rounds], [value(r) for r in rounds]
+    )
+    return intercept, slope
+
+
+def _needed(block: float, fine: float) -> float:
+    """The fixed amount to take off both policies' figure so that fine lands 20% under block
+    (``(fine - x) = 0.8 (block - x)``); 0 where it is there already."""
+    return max(0.0, (fine - 0.8 * block) / 0.2)
+
+
 def kda_fits(document: dict[str, Any]) -> list[str]:
-    """Block's KDA time over rounds 2 to 23 fitted per round by least squares against its
-    computed tokens, the fixed part per request (fine's rounds compute nearly the same tokens,
-    so a fit of them says nothing); and how much fixed KDA work a request, taken off both
-    policies alike, would bring fine to 20% under block."""
+    """Block's KDA time over rounds 2 to 23 and its TTFT p50, each fitted per round by least
+    squares against its computed tokens a request (fine's rounds compute nearly the same tokens,
+    so a fit of them says nothing); and how much fixed work a request, taken off both policies
+    alike, would bring fine to 20% under block."""
     policies = document["policies"]
     rounds = [r for r in policies["block"]["rounds"] if r["round"] > 1]
-    if len(rounds) < 2:
-        return []
-    slope, intercept = statistics.linear_regression(
-        [float(r["computed_prefill_tokens"]) for r in rounds],
-        [1e3 * r["kda_prefill_seconds"] for r in rounds],
-    )
+    if len({r["computed_prefill_tokens"] / r["requests"] for r in rounds}) < 2:
+        return ["block's rounds compute too alike tokens a request for a fit"]
+    fixed, per_token = _block_fit(rounds, lambda r: 1e3 * r["kda_prefill_seconds"] / r["requests"])
     lines = [
-        f"block's KDA time fits {intercept / statistics.mean(r['requests'] for r in rounds):.3f} "
-        f"ms a request + {1e3 * slope:.3f} us a token (per round, rounds 2 to 23)"
+        f"block's KDA time fits {fixed:.3f} ms a request + {1e3 * per_token:.3f} us a token "
+        "(per round, rounds 2 to 23)"
     ]
     b, f = (
         later(policies["block"], "kda_prefill_seconds"),
         later(policies["fine"], "kda_prefill_seconds"),
     )
     requests = later(policies["block"], "requests")
-    needed = max(0.0, (f - 0.8 * b) / (0.2 * requests)) if requests else 0.0
-    lines.append(
-        f"KDA at -20% needs {1e6 * needed:.0f} us less fixed work a request in both policies "
-        f"({1e3 * f / requests:.3f} against {1e3 * b / requests:.3f} ms a request now)"
-    )
+    if requests:
+        lines.append(
+            f"KDA at -20% needs {1e6 * _needed(b, f) / requests:.0f} us less fixed work a request "
+            f"in both policies ({1e3 * f / requests:.3f} against {1e3 * b / requests:.3f} ms a "
+            "request now)"
+        )
+    fixed, per_token = _block_fit(rounds, lambda r: float(r["ttft_p50_ms"]))
+    b, f = ttft_p50(policies["block"]), ttft_p50(policies["fine"])
+    lines += [
+        f"block's TTFT p50 fits {fixed:.2f} ms + {1e3 * per_token:.2f} us a token of a request "
+        "(per round, rounds 2 to 23)",
+        f"TTFT p50 at -20% needs {_needed(b, f):.2f} ms less fixed time a request in both "
+        f"policies ({f:.1f} against {b:.1f} ms now)",
+    ]
     return lines
 
 

@@ -4,16 +4,15 @@ A chained kernel call (``chaining.run_rounds``) reads each row's initial state o
 into a packed ``[n, H, V, K]`` batch, and writes the call's final states and interior checkpoints
 back into their slots. In torch those are ``index_select`` and ``index_copy_``: for a handful of
 indices over rows of 196,608 floats (Kimi-K3's 12 heads at TP8) torch picks its small-index
-kernels, which on the H200 took 15 us (select) and 10 us (copy) a call for 8 states (6.3 MB,
-which the memory moves in about 3 us), and a checkpoint took a select of the exported rows and a
-copy; four calls, 50 us of every KDA layer of a step, whatever its tokens.
+kernels; in the seed's step (8 states of 786 KB) a KDA layer's two selects took 15.7 us and its
+two copies 10.6 us on an H100, and a checkpoint took a select of the exported rows and a copy.
 
 :func:`copy_rows_triton` is that move as one Triton kernel: ``dst[dst_index[i]] =
 src[src_index[i]]`` for each pair ``i`` (an absent index: row ``i`` itself), zeros where
 ``src_index[i] < 0`` (a row without an initial state), converted to ``dst``'s dtype, each program
-a contiguous stretch of one row (a first version, whose rows' starts were blocks rather than
-scalars, could not be vectorized: 12 us a call on an H100, about 1 TB/s; 36.5 against torch's
-52.9 us a layer). :func:`copy_rows_torch` is the same contract in torch (the CPU's);
+a contiguous stretch of one row: 12.2 us a layer on the H100 for the same three moves, a move of
+8 states (12.6 MB read and written) in about 5 us, near the memory's bandwidth, and one state's
+in 2 us. :func:`copy_rows_torch` is the same contract in torch (the CPU's);
 :func:`default_row_copy` picks one for a device.
 
 Index values are not checked here (that would wait for the device): callers pass slots of a plan

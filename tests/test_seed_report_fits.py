@@ -1,0 +1,83 @@
+"""The seed report's fits and what -20% needs (``benchmarks/gpu_seed_report.py``).
+
+The rule, stated here independently: over rounds 2 and later, block's figure of a request (its
+KDA seconds shared over the round's requests; its TTFT p50) is a straight line in the round's
+computed tokens a request, fitted by least squares; the fixed amount to take off both policies
+for fine to land 20% under block is the x of ``fine - x = 0.8 (block - x)``, none where fine is
+there already. Rounds built here lie on known lines, so the report must print those lines and
+the amount solved by hand.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import gpu_seed_report
+
+REQUESTS = 4
+
+
+def _policy(
+    tokens_a_request: list[int], kda_fixed_ms: float, ttft_fixed_ms: float
+) -> dict[str, Any]:
+    """Rounds 1 to N (round 1 far off every line, so including it would show) whose KDA time a
+    request is ``kda_fixed_ms`` + 0.5 us a token and whose TTFT p50 is ``ttft_fixed_ms`` + 10 us a
+    token; every request of a round at its round's TTFT."""
+    rounds, ttfts = [], []
+    for number, tokens in enumerate(tokens_a_request, start=1):
+        kda_ms = kda_fixed_ms + 0.0005 * tokens
+        ttft = ttft_fixed_ms + 0.010 * tokens
+        if number == 1:
+            kda_ms, ttft = 1000.0, 5000.0
+        rounds.append({
+            "round": number,
+            "requests": REQUESTS,
+            "computed_prefill_tokens": REQUESTS * tokens,
+            "kda_prefill_seconds": REQUESTS * kda_ms / 1e3,
+            "prefill_seconds": 1.0,
+            "ttft_p50_ms": ttft,
+        })  # fmt: skip
+        ttfts += [[number, ttft]] * REQUESTS
+    return {"rounds": rounds, "request_ttft_ms": ttfts}
+
+
+def test_fits_recover_the_lines_and_the_fixed_part_minus_20_needs() -> None:
+    block = _policy([9000, 2000, 3000, 4000, 2500], kda_fixed_ms=0.3, ttft_fixed_ms=6.0)
+    fine = _policy([9000, 1600, 1600, 1700, 1600], kda_fixed_ms=0.3, ttft_fixed_ms=6.0)
+    lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
+    assert lines[0].startswith("block's KDA time fits 0.300 ms a request + 0.500 us a token")
+    # KDA a request over rounds 2 to 5: block 0.3 + 0.0005 * 2875 = 1.7375 ms, fine 0.3 +
+    # 0.0005 * 1625 = 1.1125 ms: already 36% under, nothing needed.
+    assert "KDA at -20% needs 0 us less fixed work a request" in lines[1]
+    assert "(1.113 against 1.738 ms a request now)" in lines[1]
+    assert lines[2].startswith("block's TTFT p50 fits 6.00 ms + 10.00 us a token")
+    # TTFT p50 over rounds 2 to 5: block's requests at 26, 31, 36 and 46 ms -> 33.5; fine's at
+    # 22, 22, 22 and 23 -> 22. 22 is already under 0.8 * 33.5 = 26.8.
+    assert "needs 0.00 ms less fixed time a request" in lines[3]
+    # With 10 ms more fixed time in both (fine 32, block 43.5): x = (32 - 34.8) / 0.2 < 0,
+    # still none; with 30 ms more (52 against 63.5): (52 - 50.8) / 0.2 = 6 ms.
+    block = _policy([9000, 2000, 3000, 4000, 2500], kda_fixed_ms=0.3, ttft_fixed_ms=36.0)
+    fine = _policy([9000, 1600, 1600, 1700, 1600], kda_fixed_ms=0.3, ttft_fixed_ms=36.0)
+    lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
+    assert "TTFT p50 at -20% needs 6.00 ms less fixed time a request" in lines[3]
+    assert "(52.0 against 63.5 ms now)" in lines[3]
+
+
+def test_kda_need_solves_for_a_fixed_part_shared_by_both_policies() -> None:
+    # Fine's tokens only 10% under block's with a large fixed part: KDA a request block 2.0 +
+    # 0.0005 * 2000 = 3.0 ms, fine 2.0 + 0.0005 * 1800 = 2.9 ms; x = (2.9 - 2.4) / 0.2 = 2.5 ms.
+    block = _policy([9000, 2000, 2000, 2000], kda_fixed_ms=2.0, ttft_fixed_ms=6.0)
+    fine = _policy([9000, 1800, 1800, 1800], kda_fixed_ms=2.0, ttft_fixed_ms=6.0)
+    # Block's tokens are all alike, so its fit is undefined: the report says so, no figures.
+    assert gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}}) == [
+        "block's rounds compute too alike tokens a request for a fit"
+    ]
+    block["rounds"][1]["computed_prefill_tokens"] = REQUESTS * 2200
+    block["rounds"][1]["kda_prefill_seconds"] = REQUESTS * (2.0 + 0.0005 * 2200) / 1e3
+    lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
+    # Block now 2 + 0.0005 * 2066.67 = 3.0333 ms a request; x = (2.9 - 0.8 * 3.0333) / 0.2.
+    expected = (2.9 - 0.8 * (2.0 + 0.0005 * 6200 / 3)) / 0.2
+    assert f"needs {1e3 * expected:.0f} us less fixed work a request" in lines[1]
