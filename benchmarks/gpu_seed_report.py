@@ -110,13 +110,21 @@ def kda_fits(document: dict[str, Any]) -> list[str]:
     alike, would bring fine to 20% under block."""
     policies = document["policies"]
     rounds = [r for r in policies["block"]["rounds"] if r["round"] > 1]
-    if len({r["computed_prefill_tokens"] / r["requests"] for r in rounds}) < 2:
-        return ["block's rounds compute too alike tokens a request for a fit"]
-    fixed, per_token = _block_fit(rounds, lambda r: 1e3 * r["kda_prefill_seconds"] / r["requests"])
-    lines = [
-        f"block's KDA time fits {fixed:.3f} ms a request + {1e3 * per_token:.3f} us a token "
-        "(per round, rounds 2 to 23)"
-    ]
+    if not rounds:
+        return []
+    # A fit needs two token counts; the amounts -20% needs do not.
+    fits = len({r["computed_prefill_tokens"] / r["requests"] for r in rounds}) > 1
+    lines = []
+    if fits:
+        fixed, per_token = _block_fit(
+            rounds, lambda r: 1e3 * r["kda_prefill_seconds"] / r["requests"]
+        )
+        lines.append(
+            f"block's KDA time fits {fixed:.3f} ms a request + {1e3 * per_token:.3f} us a token "
+            "(per round, rounds 2 to 23)"
+        )
+    else:
+        lines.append("block's rounds compute too alike tokens a request for a fit")
     b, f = (
         later(policies["block"], "kda_prefill_seconds"),
         later(policies["fine"], "kda_prefill_seconds"),
@@ -128,14 +136,17 @@ def kda_fits(document: dict[str, Any]) -> list[str]:
             f"in both policies ({1e3 * f / requests:.3f} against {1e3 * b / requests:.3f} ms a "
             "request now)"
         )
-    fixed, per_token = _block_fit(rounds, lambda r: float(r["ttft_p50_ms"]))
+    if fits:
+        fixed, per_token = _block_fit(rounds, lambda r: float(r["ttft_p50_ms"]))
+        lines.append(
+            f"block's TTFT p50 fits {fixed:.2f} ms + {1e3 * per_token:.2f} us a token of a "
+            "request (per round, rounds 2 to 23)"
+        )
     b, f = ttft_p50(policies["block"]), ttft_p50(policies["fine"])
-    lines += [
-        f"block's TTFT p50 fits {fixed:.2f} ms + {1e3 * per_token:.2f} us a token of a request "
-        "(per round, rounds 2 to 23)",
+    lines.append(
         f"TTFT p50 at -20% needs {_needed(b, f):.2f} ms less fixed time a request in both "
-        f"policies ({f:.1f} against {b:.1f} ms now)",
-    ]
+        f"policies ({f:.1f} against {b:.1f} ms now)"
+    )
     return lines
 
 

@@ -57,8 +57,7 @@ def test_fits_recover_the_lines_and_the_fixed_part_minus_20_needs() -> None:
     # TTFT p50 over rounds 2 to 5: block's requests at 26, 31, 36 and 46 ms -> 33.5; fine's at
     # 22, 22, 22 and 23 -> 22. 22 is already under 0.8 * 33.5 = 26.8.
     assert "needs 0.00 ms less fixed time a request" in lines[3]
-    # With 10 ms more fixed time in both (fine 32, block 43.5): x = (32 - 34.8) / 0.2 < 0,
-    # still none; with 30 ms more (52 against 63.5): (52 - 50.8) / 0.2 = 6 ms.
+    # With 30 ms more fixed time in both (52 against 63.5): x = (52 - 50.8) / 0.2 = 6 ms.
     block = _policy([9000, 2000, 3000, 4000, 2500], kda_fixed_ms=0.3, ttft_fixed_ms=36.0)
     fine = _policy([9000, 1600, 1600, 1700, 1600], kda_fixed_ms=0.3, ttft_fixed_ms=36.0)
     lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
@@ -66,18 +65,22 @@ def test_fits_recover_the_lines_and_the_fixed_part_minus_20_needs() -> None:
     assert "(52.0 against 63.5 ms now)" in lines[3]
 
 
-def test_kda_need_solves_for_a_fixed_part_shared_by_both_policies() -> None:
+def test_the_needed_amounts_do_not_need_a_fit() -> None:
     # Fine's tokens only 10% under block's with a large fixed part: KDA a request block 2.0 +
     # 0.0005 * 2000 = 3.0 ms, fine 2.0 + 0.0005 * 1800 = 2.9 ms; x = (2.9 - 2.4) / 0.2 = 2.5 ms.
+    # TTFT: block 26, fine 24 ms; x = (24 - 20.8) / 0.2 = 16 ms.
     block = _policy([9000, 2000, 2000, 2000], kda_fixed_ms=2.0, ttft_fixed_ms=6.0)
     fine = _policy([9000, 1800, 1800, 1800], kda_fixed_ms=2.0, ttft_fixed_ms=6.0)
-    # Block's tokens are all alike, so its fit is undefined: the report says so, no figures.
-    assert gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}}) == [
-        "block's rounds compute too alike tokens a request for a fit"
-    ]
+    # Block's tokens are all alike, so its lines are undefined: the report says so, no figures.
+    lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
+    assert lines[0] == "block's rounds compute too alike tokens a request for a fit"
+    assert "KDA at -20% needs 2500 us less fixed work a request" in lines[1]
+    assert "TTFT p50 at -20% needs 16.00 ms less fixed time a request" in lines[2]
+    assert len(lines) == 3
     block["rounds"][1]["computed_prefill_tokens"] = REQUESTS * 2200
     block["rounds"][1]["kda_prefill_seconds"] = REQUESTS * (2.0 + 0.0005 * 2200) / 1e3
     lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
-    # Block now 2 + 0.0005 * 2066.67 = 3.0333 ms a request; x = (2.9 - 0.8 * 3.0333) / 0.2.
+    assert lines[0].startswith("block's KDA time fits 2.000 ms a request + 0.500 us a token")
+    # Block now 2 + 0.0005 * 6200 / 3 ms a request on average; x = (2.9 - 0.8 * that) / 0.2.
     expected = (2.9 - 0.8 * (2.0 + 0.0005 * 6200 / 3)) / 0.2
     assert f"needs {1e3 * expected:.0f} us less fixed work a request" in lines[1]

@@ -10,10 +10,10 @@ two copies 10.6 us on an H100, and a checkpoint took a select of the exported ro
 :func:`copy_rows_triton` is that move as one Triton kernel: ``dst[dst_index[i]] =
 src[src_index[i]]`` for each pair ``i`` (an absent index: row ``i`` itself), zeros where
 ``src_index[i] < 0`` (a row without an initial state), converted to ``dst``'s dtype, each program
-a contiguous stretch of one row: 12.2 us a layer on the H100 for the same three moves, a move of
-8 states (12.6 MB read and written) in about 5 us, near the memory's bandwidth, and one state's
-in 2 us. :func:`copy_rows_torch` is the same contract in torch (the CPU's);
-:func:`default_row_copy` picks one for a device.
+a contiguous stretch of one row: 12.2 us a layer on the H100 for that step's three moves (8
+states in, 8 out, one checkpoint out), each 8-state move (12.6 MB read and written) about 5 us,
+near the memory's bandwidth, the checkpoint's 2 us. :func:`copy_rows_torch` is the same
+contract in torch (the CPU's); :func:`default_row_copy` picks one for a device.
 
 Index values are not checked here (that would wait for the device): callers pass slots of a plan
 the backend validated, in range, and destination indices distinct.
