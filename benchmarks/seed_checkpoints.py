@@ -8,7 +8,9 @@ are the real ones, only the generated tokens differ (always id 0). A kernel that
 checkpoint per call (vLLM's FlashKDA op) runs a row with one interior checkpoint in one call and
 chains a second call for each further one, so this count says which shape the seed's prefill
 steps have (``benchmarks/gpu_layers.py``'s ``kda-step``). Prints, per policy, the prefill rows by
-size (up to ``--short`` tokens or more) and interior checkpoints.
+size (up to ``--short`` tokens or more) and interior checkpoints, and the host's work before a
+request's first token (TTFT less its share of the forwards, p50 over rounds 2 and later: with a
+forward that computes nothing, admission, scheduling and the plan).
 
     python3 benchmarks/seed_checkpoints.py                  # seed preset, block and fine
     python3 benchmarks/seed_checkpoints.py --preset default --alignment 16
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 from typing import Any
 
@@ -33,8 +36,11 @@ class _Alignment:
         self.max_checkpoints_per_step = None
 
 
-def count(preset: str, policy_name: str, alignment: int, short: int) -> collections.Counter[Any]:
-    """(row of at most ``short`` tokens, interior checkpoints) -> prefill rows, over one run."""
+def count(
+    preset: str, policy_name: str, alignment: int, short: int
+) -> tuple[collections.Counter[Any], float]:
+    """(row of at most ``short`` tokens, interior checkpoints) -> prefill rows, over one run;
+    and the host's milliseconds before a request's first token (p50, rounds 2 and later)."""
     from prefixcache.engine import Engine, build_model, engine_config_for
     from prefixcache.engine.policy import Policy
     from prefixcache.engine.workloads import workload_preset
@@ -55,8 +61,13 @@ def count(preset: str, policy_name: str, alignment: int, short: int) -> collecti
         return torch.zeros(len(logits_indices), model.config.vocab_size)
 
     policy = Policy.named(policy_name, block_size=geometry.block_size, fine_unit=geometry.unit)
-    Engine(model, policy, config, forward=forward).run(workload.build(model.config.vocab_size))
-    return counts
+    result = Engine(model, policy, config, forward=forward).run(
+        workload.build(model.config.vocab_size)
+    )
+    host_ms = statistics.median(
+        1e3 * (r.ttft_s - r.prefill_seconds) for r in result.requests.values() if r.round > 1
+    )
+    return counts, host_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,11 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print("| policy | prefill rows | interior checkpoints | rows |")
     print("|---|---|---|---|")
+    host = {}
     for name in args.policies.split(","):
-        counts = count(args.preset, name, args.alignment, args.short)
+        counts, host[name] = count(args.preset, name, args.alignment, args.short)
         for (is_short, interior), rows in sorted(counts.items(), reverse=True):
             size = f"<= {args.short:,} tokens" if is_short else f"> {args.short:,} tokens"
             print(f"| {name} | {size} | {interior} | {rows} |")
+    for name, ms in host.items():
+        print(f"{name}: the host's work before a request's first token, p50 {ms:.2f} ms")
     return 0
 
 
