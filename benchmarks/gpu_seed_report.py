@@ -4,8 +4,9 @@
 For one or two ``prefixcache simulate --json`` documents of the seed preset (block and fine,
 in either order) prints, as Markdown: per round, each policy's computed prefill tokens, KDA
 time, whole-model prefill time and TTFT p50; the totals over rounds 2 to 23 against the targets
-(KDA prefill time and TTFT p50 each >= 20% lower for fine), with each policy's KDA time fitted
-per request and per token; and, given both orders, each
+(KDA prefill time and TTFT p50 each >= 20% lower for fine), with block's KDA time and TTFT p50
+fitted per request and per token, the fixed amount a request each target needs taken off both
+policies, and each policy's time before a request's forward; and, given both orders, each
 policy's figures in the two runs side by side (the order check: within 5%); and each policy's
 measured step times (decode steps, prefill steps and their fit). A document of
 ``simulate --repeats N`` (N > 1) also gets its per-pass table (rounds 2 to 23, the median pass
@@ -103,11 +104,12 @@ def _needed(block: float, fine: float) -> float:
     return max(0.0, (fine - 0.8 * block) / 0.2)
 
 
-def kda_fits(document: dict[str, Any]) -> list[str]:
+def fits(document: dict[str, Any]) -> list[str]:
     """Block's KDA time over rounds 2 to 23 and its TTFT p50, each fitted per round by least
     squares against its computed tokens a request (fine's rounds compute nearly the same tokens,
-    so a fit of them says nothing); and how much fixed work a request, taken off both policies
-    alike, would bring fine to 20% under block."""
+    so a fit of them says nothing); how much fixed work a request, taken off both policies
+    alike, would bring fine to 20% under block; and each policy's time before a request's
+    forward (a round's TTFT p50 less its forward wall a request, the median round)."""
     policies = document["policies"]
     rounds = [r for r in policies["block"]["rounds"] if r["round"] > 1]
     if not rounds:
@@ -146,6 +148,18 @@ def kda_fits(document: dict[str, Any]) -> list[str]:
     lines.append(
         f"TTFT p50 at -20% needs {_needed(b, f):.2f} ms less fixed time a request in both "
         f"policies ({f:.1f} against {b:.1f} ms now)"
+    )
+    before = {
+        name: statistics.median(
+            r["ttft_p50_ms"] - 1e3 * r["prefill_seconds"] / r["requests"]
+            for r in policies[name]["rounds"]
+            if r["round"] > 1
+        )
+        for name in ("block", "fine")
+    }
+    lines.append(
+        "before the forward (TTFT p50 less the forward's wall a request, median round): "
+        + ", ".join(f"{name} {ms:.2f} ms" for name, ms in before.items())
     )
     return lines
 
@@ -335,7 +349,7 @@ def main(argv: list[str]) -> int:
             print()
             print("\n".join(totals(document)))
             print()
-            print("\n".join(kda_fits(document)))
+            print("\n".join(fits(document)))
             print()
         if document.get("repeats", 1) > 1:
             print(f"### {document['repeats']} passes, in the order {document.get('pass_order')}")

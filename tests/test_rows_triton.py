@@ -72,12 +72,11 @@ def test_a_move_follows_the_rule(copy, src_index, dst_index, src_rows, dst_rows,
         assert torch.equal(torch.nan_to_num(dst, nan=123.0), torch.nan_to_num(expected, nan=123.0))
 
 
-@pytest.mark.parametrize("copy", COPIES)
-def test_a_strided_source_moves_like_a_contiguous_one(copy):
+def test_torch_moves_a_strided_source_like_a_contiguous_one():
     base = rows(6, (4, 9), seed=2)
     src = base.transpose(1, 2)  # [6, 9, 4], not contiguous
     dst = torch.zeros(5, 9, 4, device=DEVICE)
-    copy(src, dst, src_index=index([5, 1]), dst_index=index([0, 4]))
+    rows_triton.copy_rows_torch(src, dst, src_index=index([5, 1]), dst_index=index([0, 4]))
     assert torch.equal(dst[0], src[5]) and torch.equal(dst[4], src[1])
     assert not dst[1:4].any()
 
@@ -95,10 +94,16 @@ def test_moves_that_do_not_line_up_are_refused(copy):
         copy(src, dst, src_index=torch.zeros(4, device=DEVICE))
 
 
-def test_the_triton_move_writes_into_a_contiguous_destination_only():
-    dst = rows(3, (4, 9)).transpose(1, 2)
-    with pytest.raises(ValueError, match="contiguous destination"):
-        rows_triton.copy_rows_triton(rows(3, (9, 4)), dst)
+def test_the_triton_move_refuses_strided_tensors_rather_than_copy_them():
+    strided = rows(3, (4, 9)).transpose(1, 2)
+    untouched = strided.clone()
+    with pytest.raises(ValueError, match="between contiguous tensors"):
+        rows_triton.copy_rows_triton(rows(3, (9, 4)), strided)
+    assert torch.equal(strided, untouched)
+    dst = torch.zeros(2, 9, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="between contiguous tensors"):
+        rows_triton.copy_rows_triton(strided, dst, src_index=index([2, 0]))
+    assert not dst.any()
 
 
 def test_the_cpu_moves_rows_in_torch():

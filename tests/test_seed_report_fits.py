@@ -21,11 +21,15 @@ REQUESTS = 4
 
 
 def _policy(
-    tokens_a_request: list[int], kda_fixed_ms: float, ttft_fixed_ms: float
+    tokens_a_request: list[int],
+    kda_fixed_ms: float,
+    ttft_fixed_ms: float,
+    before_ms: float = 0.7,
 ) -> dict[str, Any]:
     """Rounds 1 to N (round 1 far off every line, so including it would show) whose KDA time a
     request is ``kda_fixed_ms`` + 0.5 us a token and whose TTFT p50 is ``ttft_fixed_ms`` + 10 us a
-    token; every request of a round at its round's TTFT."""
+    token, ``before_ms`` of it before the request's forward; every request of a round at its
+    round's TTFT."""
     rounds, ttfts = [], []
     for number, tokens in enumerate(tokens_a_request, start=1):
         kda_ms = kda_fixed_ms + 0.0005 * tokens
@@ -37,7 +41,7 @@ def _policy(
             "requests": REQUESTS,
             "computed_prefill_tokens": REQUESTS * tokens,
             "kda_prefill_seconds": REQUESTS * kda_ms / 1e3,
-            "prefill_seconds": 1.0,
+            "prefill_seconds": REQUESTS * (ttft - before_ms) / 1e3,
             "ttft_p50_ms": ttft,
         })  # fmt: skip
         ttfts += [[number, ttft]] * REQUESTS
@@ -46,8 +50,9 @@ def _policy(
 
 def test_fits_recover_the_lines_and_the_fixed_part_minus_20_needs() -> None:
     block = _policy([9000, 2000, 3000, 4000, 2500], kda_fixed_ms=0.3, ttft_fixed_ms=6.0)
-    fine = _policy([9000, 1600, 1600, 1700, 1600], kda_fixed_ms=0.3, ttft_fixed_ms=6.0)
-    lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
+    fine = _policy([9000, 1600, 1600, 1700, 1600], 0.3, ttft_fixed_ms=6.0, before_ms=0.4)
+    lines = gpu_seed_report.fits({"policies": {"block": block, "fine": fine}})
+    assert lines[4].endswith("median round): block 0.70 ms, fine 0.40 ms")
     assert lines[0].startswith("block's KDA time fits 0.300 ms a request + 0.500 us a token")
     # KDA a request over rounds 2 to 5: block 0.3 + 0.0005 * 2875 = 1.7375 ms, fine 0.3 +
     # 0.0005 * 1625 = 1.1125 ms: already 36% under, nothing needed.
@@ -60,7 +65,7 @@ def test_fits_recover_the_lines_and_the_fixed_part_minus_20_needs() -> None:
     # With 30 ms more fixed time in both (52 against 63.5): x = (52 - 50.8) / 0.2 = 6 ms.
     block = _policy([9000, 2000, 3000, 4000, 2500], kda_fixed_ms=0.3, ttft_fixed_ms=36.0)
     fine = _policy([9000, 1600, 1600, 1700, 1600], kda_fixed_ms=0.3, ttft_fixed_ms=36.0)
-    lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
+    lines = gpu_seed_report.fits({"policies": {"block": block, "fine": fine}})
     assert "TTFT p50 at -20% needs 6.00 ms less fixed time a request" in lines[3]
     assert "(52.0 against 63.5 ms now)" in lines[3]
 
@@ -72,14 +77,14 @@ def test_the_needed_amounts_do_not_need_a_fit() -> None:
     block = _policy([9000, 2000, 2000, 2000], kda_fixed_ms=2.0, ttft_fixed_ms=6.0)
     fine = _policy([9000, 1800, 1800, 1800], kda_fixed_ms=2.0, ttft_fixed_ms=6.0)
     # Block's tokens are all alike, so its lines are undefined: the report says so, no figures.
-    lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
+    lines = gpu_seed_report.fits({"policies": {"block": block, "fine": fine}})
     assert lines[0] == "block's rounds compute too alike tokens a request for a fit"
     assert "KDA at -20% needs 2500 us less fixed work a request" in lines[1]
     assert "TTFT p50 at -20% needs 16.00 ms less fixed time a request" in lines[2]
-    assert len(lines) == 3
+    assert len(lines) == 4
     block["rounds"][1]["computed_prefill_tokens"] = REQUESTS * 2200
     block["rounds"][1]["kda_prefill_seconds"] = REQUESTS * (2.0 + 0.0005 * 2200) / 1e3
-    lines = gpu_seed_report.kda_fits({"policies": {"block": block, "fine": fine}})
+    lines = gpu_seed_report.fits({"policies": {"block": block, "fine": fine}})
     assert lines[0].startswith("block's KDA time fits 2.000 ms a request + 0.500 us a token")
     # Block now 2 + 0.0005 * 6200 / 3 ms a request on average; x = (2.9 - 0.8 * that) / 0.2.
     expected = (2.9 - 0.8 * (2.0 + 0.0005 * 6200 / 3)) / 0.2

@@ -107,8 +107,7 @@ def _kernel() -> Any:
         pair = tl.program_id(0).to(tl.int64)
         offset = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         inside = offset < size
-        # The rows' starts stay scalars, so that each program's addresses are one contiguous
-        # stretch the compiler can vectorize; the absent-source test is a block, since masks
+        # Each program: one stretch of one row. The absent-source test is a block, since masks
         # combine blocks only (the interpreter needs it).
         source = pair
         if SRC_INDEXED:
@@ -131,12 +130,12 @@ def copy_rows_triton(
     src_index: torch.Tensor | None = None,
     dst_index: torch.Tensor | None = None,
 ) -> None:
-    """The row move in one Triton kernel (``dst`` contiguous; a strided ``src`` is made
-    contiguous first). Needs CUDA tensors, or ``TRITON_INTERPRET=1`` on the CPU."""
+    """The row move in one Triton kernel, between contiguous tensors (a read's source is the
+    whole state cache: copying a strided one to move a few rows would cost more than the move,
+    so it is refused). Needs CUDA tensors, or ``TRITON_INTERPRET=1`` on the CPU."""
     pairs = _pairs(src, dst, src_index, dst_index)
-    if not dst.is_contiguous():
-        raise ValueError("the Triton row copy writes into a contiguous destination only")
-    src = src.contiguous()
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("the Triton row copy moves between contiguous tensors only")
     size = math.prod(src.shape[1:])
     if not pairs or not size:
         return
