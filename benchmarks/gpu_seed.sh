@@ -6,8 +6,8 @@
 #   flashkda/_flashkda_C.abi3.so   the FlashKDA op from the vllm==0.33.0 wheel
 # torch, numpy, triton and tqdm come from the machine. Stages, each under its own time limit so
 # that a slow one leaves the others' results (simulate writes its JSON after every policy):
-#   1. the model's, the kernel layer's, the Triton convolution's and row move's, the Triton
-#      paged decode attention's and the split prefill attention's GPU tests;
+#   1. the model's, the kernel layer's, the Triton convolution's, row move's and KDA decode
+#      kernel's, the Triton paged decode attention's and the split prefill attention's GPU tests;
 #   2. benchmarks/gpu_layers.py over the seed's 1K to 4K tokens a request (19 s on 2026-12-02):
 #      GPU time per token and per step of each layer kind (KDA also with the seed steps' two
 #      checkpoints and decode rows), the decode attention (gathering torch path against the
@@ -100,7 +100,7 @@ run 1 && {
 timeout 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_models.py \
     tests/test_kernels.py 2>&1 | tail -4 | tee -a "$log"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_conv_triton.py \
-    tests/test_rows_triton.py 2>&1 | tail -3 | tee -a "$log"
+    tests/test_rows_triton.py tests/test_kda_decode_triton.py 2>&1 | tail -3 | tee -a "$log"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention.py 2>&1 \
     | tail -3 | tee -a "$log"
 [[ ${PIPESTATUS[0]} == 0 ]] || { decode=torch; say "decode kernel tests failed: torch decode"; }

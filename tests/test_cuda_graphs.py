@@ -2,8 +2,9 @@
 
 On the CPU: which steps qualify and which graph they replay (stated here from the rule: one
 token a row, every row sampled in order, every row resumes a state, no checkpoint; the context
-bucket is the smallest power of two holding the longest row, at least 256 tokens), the static
-buffers' fills, and that bound index tensors are read at every call (what a replay relies on).
+bucket is the smallest power of two holding the longest row, at least 256 tokens) and the static
+buffers' fills; that the KDA decode kernel reads its bound index tensors at every call (what a
+replay relies on) is tested with the kernel (test_kda_decode_triton.py).
 On the GPU (marked ``gpu``; the FlashKDA op): a replay equals the eager step bit for bit, in
 its logits and in every cache entry it writes, for three different steps through one graph,
 and steps of fewer rows or of a longer context get graphs of their own.
@@ -18,8 +19,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prefixcache.kernels import StatePlan
-from prefixcache.kernels.chaining import bind_round_inputs, plan_rounds, run_rounds
 from prefixcache.kernels.errors import UnsupportedLayerError
 from prefixcache.kernels.step import PagedStep, StateStep, Step
 from prefixcache.models import HybridModel, ModelCaches, ModelConfig
@@ -130,50 +129,6 @@ def test_static_inputs_hold_the_latest_step_only() -> None:
     inputs.upload()
     assert inputs.tables.tolist() == [[4, 0, 0], [3, 0, 0]]
     assert inputs.running.tolist() == [5, 6]
-
-
-def test_bound_round_inputs_are_read_at_every_call() -> None:
-    # Two rows of one token; the bound slot tensors are changed in place between two calls,
-    # as a graph's static inputs are between two replays: each call reads the current values.
-    plan = StatePlan(
-        query_start_loc=(0, 1, 2), initial_slot=(0, 0), running_slot=(0, 1),
-        checkpoints=((), ()),
-    )  # fmt: skip
-    initial = torch.tensor([2, 0])
-    final = torch.tensor([4, 5])
-    bind_round_inputs(
-        plan, torch.device("cpu"), cu_seqlens=torch.tensor([0, 1, 2]),
-        initial_slots=initial, final_slots=final,
-    )  # fmt: skip
-    recurrent = torch.arange(8, dtype=torch.float32).view(8, 1, 1, 1).repeat(1, 1, 2, 2)
-    q = torch.zeros(2, 1, 2)
-
-    def call(batch):  # the output is the initial state's first entry; the final state + 10
-        return batch.initial_state[:, :, 0, :1].unsqueeze(0), batch.initial_state + 10, None
-
-    rounds = plan_rounds(plan, 1)
-    out = run_rounds(plan, rounds, q, q, q, q, q[..., 0], recurrent, call)
-    assert out[:, 0, 0].tolist() == [2.0, 0.0]
-    assert recurrent[4, 0, 0, 0].item() == 12.0 and recurrent[5, 0, 0, 0].item() == 10.0
-    initial.copy_(torch.tensor([1, 3]))
-    final.copy_(torch.tensor([6, 7]))
-    out = run_rounds(plan, rounds, q, q, q, q, q[..., 0], recurrent, call)
-    assert out[:, 0, 0].tolist() == [1.0, 3.0]
-    assert recurrent[6, 0, 0, 0].item() == 11.0 and recurrent[7, 0, 0, 0].item() == 13.0
-
-
-def test_a_plan_with_checkpoints_has_no_bound_round_inputs() -> None:
-    from prefixcache.kernels.plan import Checkpoint
-
-    plan = StatePlan(
-        query_start_loc=(0, 32), initial_slot=(0,), running_slot=(1,),
-        checkpoints=((Checkpoint(16, 2),),),
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="checkpoints"):
-        bind_round_inputs(
-            plan, torch.device("cpu"), cu_seqlens=torch.tensor([0, 32]),
-            initial_slots=torch.tensor([0]), final_slots=torch.tensor([1]),
-        )  # fmt: skip
 
 
 def test_graphs_are_off_on_the_cpu_and_refused_when_asked_for() -> None:

@@ -17,6 +17,12 @@ and a ``[N, H, V, K]`` state (fp32 here). Its chunk is 16 tokens, so A = 16.
   checkpoint and ending at the next. The op silently skips an offset off its 16-grid; the plan
   check refuses such offsets first.
 
+In both, the rows of one query token (decode rows) take one step of the Triton decode kernel
+instead (``kda_decode_triton``: their states read from and written to their slots in place, no
+state moves, no chunked call for them), and a round's states go straight between the cache and
+the kernel where its slots are consecutive (``chaining``): a prefill row beside decode rows
+moves no state at all.
+
 Measured on the H200 (docs/BENCHMARKS.md): FlashKDA's results do not depend on the packing or on
 the checkpoint arguments, and an in-kernel checkpoint equals the prefix run's final state bit for
 bit; but a run resumed from a state differs from the uninterrupted run by about one bf16 ulp in
@@ -40,6 +46,7 @@ import torch
 from .backend import KDABackend, require_cuda
 from .chaining import SegmentBatch, plan_rounds, run_rounds
 from .errors import BackendUnavailableError, UnsupportedLayerError
+from .kda_decode_triton import kda_decode_triton, one_token_rows
 from .params import KDALayerParams
 from .plan import StatePlan
 
@@ -88,6 +95,11 @@ def _lower_bound(params: KDALayerParams) -> float:
     return float(params.lower_bound)
 
 
+def _buffer(given: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Where a call writes: the destination the round gave it, else a new tensor like ``like``."""
+    return torch.empty_like(like) if given is None else given
+
+
 class _SegmentedFlashKDA(KDABackend):
     """What both FlashKDA backends share: the layer check and the segment-round driver. A
     subclass says how many interior checkpoints one kernel call writes per row and makes the
@@ -117,14 +129,22 @@ class _SegmentedFlashKDA(KDABackend):
         recurrent: torch.Tensor,
         plan: StatePlan,
     ) -> torch.Tensor:
-        """See :meth:`KDABackend.forward`; rows are chained over segment rounds, each round one
-        packed varlen call."""
+        """See :meth:`KDABackend.forward`. Rows of one token take one step of the Triton decode
+        kernel, in place in the cache (``kda_decode_triton``); the other rows are chained over
+        segment rounds, each round one packed varlen call."""
         g = g.to(q.dtype).contiguous()
         beta = beta.to(q.dtype).contiguous()
-        rounds = plan_rounds(plan, per_call=self.checkpoints_per_call)
-        return run_rounds(
-            plan, rounds, q, k, v, g, beta, recurrent, lambda batch: self._call(params, batch)
-        )
+        single, other = one_token_rows(plan)
+        out = torch.empty_like(v)
+        if single:
+            kda_decode_triton(q, k, v, g, beta, params, recurrent, plan, out)
+        if other:
+            rounds = plan_rounds(plan, per_call=self.checkpoints_per_call, rows=other)
+            run_rounds(
+                plan, rounds, q, k, v, g, beta, recurrent,
+                lambda batch: self._call(params, batch), out=out,
+            )  # fmt: skip
+        return out
 
 
 class FlashKDABackend(_SegmentedFlashKDA):
@@ -150,8 +170,8 @@ class FlashKDABackend(_SegmentedFlashKDA):
     def _call(
         self, params: KDALayerParams, batch: SegmentBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        out = torch.empty_like(batch.v)
-        final = torch.empty_like(batch.initial_state)
+        out = _buffer(batch.out, batch.v)
+        final = _buffer(batch.final_state, batch.initial_state)
         self._fwd(
             batch.q,
             batch.k,
@@ -286,11 +306,11 @@ class FlashKDAOpBackend(_SegmentedFlashKDA):
     def _call(
         self, params: KDALayerParams, batch: SegmentBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        out = torch.empty_like(batch.v)
-        final = torch.empty_like(batch.initial_state)
+        out = _buffer(batch.out, batch.v)
+        final = _buffer(batch.final_state, batch.initial_state)
         staging = None
         if batch.checkpoint_offsets is not None:
-            staging = torch.empty_like(batch.initial_state)
+            staging = _buffer(batch.checkpoint_state, batch.initial_state)
         self._run(
             batch.q, batch.k, batch.v, batch.g, batch.beta, batch.q.shape[-1] ** -0.5, out,
             params.A_log.float(), params.dt_bias.float(), _lower_bound(params),

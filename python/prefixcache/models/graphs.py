@@ -15,8 +15,9 @@ vLLM does, a step whose rows all have one query token is replayed from a CUDA gr
   overlapped worker's ids never visit the host), and in one pinned buffer uploaded without a
   stall, the KV slots, the state slots read and written, the context lengths and the block
   tables. Every index tensor the layers read is a view of these buffers: the Triton convolution's
-  and the FlashKDA rounds' index arrays are bound to them (``kernels.conv_triton.bind_index``,
-  ``kernels.chaining.bind_round_inputs``), the attention layers' slots and decode rows too. A
+  and the KDA decode kernel's index arrays are bound to them (``kernels.conv_triton.bind_index``,
+  ``kernels.kda_decode_triton.bind_decode_inputs``), the attention layers' slots and decode rows
+  too. A
   replay therefore reads the step being replayed, never the one captured.
 - **Capture** happens at a key's first step: one eager warm-up run of that very step on a side
   stream (compiles kernels, sizes workspaces), the running states it wrote restored from a copy
@@ -42,9 +43,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from ..kernels.chaining import bind_round_inputs
 from ..kernels.conv_triton import bind_index
 from ..kernels.decode_attention import DecodeRows, context_bucket
+from ..kernels.kda_decode_triton import bind_decode_inputs
 from ..kernels.plan import StatePlan
 
 if TYPE_CHECKING:
@@ -62,8 +63,8 @@ __all__ = [
 
 #: The largest decode step replayed from a graph (rows); larger steps run eagerly.
 DEFAULT_MAX_ROWS = 32
-#: The kernel backends whose decode path the graphs bind (their state rounds go through
-#: ``kernels.chaining``).
+#: The kernel backends whose decode path the graphs bind (their one-token rows go through
+#: ``kernels.kda_decode_triton``).
 GRAPH_BACKENDS = ("flashkda-op", "flashkda")
 
 
@@ -268,12 +269,8 @@ class DecodeGraphs:
             cut_offsets=ones,
             cut_slots=inputs.running,
         )
-        bind_round_inputs(
-            plan,
-            device,
-            cu_seqlens=positions,
-            initial_slots=inputs.initial,
-            final_slots=inputs.running,
+        bind_decode_inputs(
+            plan, device, token=positions[:rows], initial=inputs.initial, running=inputs.running
         )
         host_loc = np.arange(rows + 1, dtype=np.int64)
         host_lens = np.full(rows, key.context, dtype=np.int64)
