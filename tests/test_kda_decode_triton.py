@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -31,6 +32,21 @@ from test_kernels_backends import GPU_BACKENDS, FakeFlashKDAOps
 decode = importlib.import_module(f"{kernels.__name__}.kda_decode_triton")
 backend_module = importlib.import_module(f"{kernels.__name__}.backend")
 reference = kernels.reference
+
+
+def on_device(params):
+    """The layer's kernel parameters where the kernel runs (the tests' own are on the CPU)."""
+    return kernels.KDALayerParams(
+        A_log=params.A_log.to(DEVICE), dt_bias=params.dt_bias.to(DEVICE),
+        conv_weight=params.conv_weight.to(DEVICE), lower_bound=params.lower_bound,
+        conv_activation=params.conv_activation,
+    )  # fmt: skip
+
+
+# The stand-in FlashKDA op computes on the CPU, beside the decode kernel in Triton's interpreter.
+cpu_only = pytest.mark.skipif(
+    DEVICE.type != "cpu", reason="the stand-in op runs on the CPU (the real op's test is below)"
+)
 
 
 def expected_step(q, k, v, g, beta, params, state, compute=F64):
@@ -78,7 +94,7 @@ def test_one_token_rows_take_one_recurrence_step_in_place(rows, gate, state_dtyp
     before = cache.clone()
     out = torch.full((rows, heads, vd), float("nan"), dtype=F64)
     on = [x.to(DEVICE) for x in (q, k, v, g, beta, cache, out)]
-    decode.kda_decode_triton(*on[:5], params, on[5], plan, on[6])
+    decode.kda_decode_triton(*on[:5], on_device(params), on[5], plan, on[6])
     got_cache, got_out = on[5].cpu(), on[6].cpu()
     tolerance = 1e-12 if state_dtype == F64 else 1e-5
     for r in range(rows):
@@ -106,7 +122,7 @@ def test_rows_of_several_tokens_are_left_to_the_chunked_call():
     cache[0] = cache[1] = 0.1
     cache = cache.to(DEVICE)
     out = torch.full((10, 2, 8), float("nan"), dtype=F64, device=DEVICE)
-    decode.kda_decode_triton(q, k, v, g, batch.beta.to(DEVICE), params, cache, plan, out)
+    decode.kda_decode_triton(q, k, v, g, batch.beta.to(DEVICE), on_device(params), cache, plan, out)
     written = out.isnan().reshape(10, -1).all(1).cpu().tolist()
     assert written == [True] * 5 + [False] + [True] * 3 + [False]
     assert cache[[2, 4]].isnan().all() and not cache[[3, 5]].isnan().any()
@@ -132,14 +148,14 @@ def test_bound_decode_inputs_are_read_at_every_call():
     # Bound under the cache's own device (what the kernel keys on: "cuda:0", not "cuda").
     decode.bind_decode_inputs(plan, on[5].device, token=token, initial=initial, running=running)
     out = torch.empty(2, 1, 8, dtype=F64, device=DEVICE)
-    decode.kda_decode_triton(*on[:5], params, on[5], plan, out)
+    decode.kda_decode_triton(*on[:5], on_device(params), on[5], plan, out)
     _, new = expected_step(q[0], k[0], v[0], g[0], beta[0], params, start[2])
     assert max_difference(on[5][4].cpu(), new) <= 1e-12
     _, new = expected_step(q[1], k[1], v[1], g[1], beta[1], params, torch.zeros(1, 8, 8, dtype=F64))
     assert max_difference(on[5][5].cpu(), new) <= 1e-12
     initial.copy_(torch.tensor([3, 1]))
     running.copy_(torch.tensor([6, 7]))
-    decode.kda_decode_triton(*on[:5], params, on[5], plan, out)
+    decode.kda_decode_triton(*on[:5], on_device(params), on[5], plan, out)
     for row, (source, target) in enumerate(((3, 6), (1, 7))):
         _, new = expected_step(q[row], k[row], v[row], g[row], beta[row], params, start[source])
         assert max_difference(on[5][target].cpu(), new) <= 1e-12
@@ -170,6 +186,15 @@ def test_the_decode_kernel_refuses_shapes_it_cannot_run():
         decode.kda_decode_triton(x, x, x, x, torch.zeros(1, 2, dtype=F64), params,
                                  torch.zeros(2, 2, 8, 8, dtype=F64).transpose(2, 3), plan,
                                  x.clone())  # fmt: skip
+    cache = torch.zeros(2, 2, 8, 8, dtype=F64)
+    with pytest.raises(ValueError, match="block_v must be a power of two <= V = 8"):
+        decode.kda_decode_triton(x, x, x, x, torch.zeros(1, 2, dtype=F64), params, cache, plan,
+                                 x.clone(), block_v=16)  # fmt: skip
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="A_log is on cpu, the state cache on cuda"):
+            on = [t.cuda() for t in (x, torch.zeros(1, 2, dtype=F64), cache)]
+            decode.kda_decode_triton(on[0], on[0], on[0], on[0], on[1], params, on[2], plan,
+                                     on[0].clone())  # fmt: skip
 
 
 class CountingOps(FakeFlashKDAOps):
@@ -203,6 +228,7 @@ def fp32_cache(params, num_blocks, initial):
     return cache
 
 
+@cpu_only
 @pytest.mark.parametrize("order", ["decode first", "decode last", "interleaved"])
 def test_a_mixed_step_splits_its_rows_and_equals_the_reference(order):
     params = make_params(heads=2, key_dim=8, seed=13)
@@ -239,6 +265,7 @@ def test_a_mixed_step_splits_its_rows_and_equals_the_reference(order):
     assert ops.calls == [[32, 20], [5]]
 
 
+@cpu_only
 def test_a_prefill_row_beside_decode_rows_moves_no_state(monkeypatch):
     params = make_params(heads=2, key_dim=8, seed=15)
     moves: list[int] = []
@@ -271,6 +298,7 @@ def test_a_prefill_row_beside_decode_rows_moves_no_state(monkeypatch):
     assert max_difference(got.recurrent, expected.recurrent) <= 1e-5
 
 
+@cpu_only
 def test_a_plan_of_decode_rows_makes_no_chunked_call():
     params = make_params(heads=2, key_dim=8, seed=17)
     ops = CountingOps()
@@ -286,3 +314,46 @@ def test_a_plan_of_decode_rows_makes_no_chunked_call():
     assert max_difference(out, out_ref) <= 1e-5
     assert max_difference(got.recurrent, expected.recurrent) <= 1e-5
     assert np.isnan(got.recurrent[[1]].numpy()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and os.environ.get("PREFIXCACHE_FLASHKDA_LIB")),
+    reason="needs a CUDA device and the FlashKDA op (PREFIXCACHE_FLASHKDA_LIB)",
+)
+def test_flashkda_op_runs_a_mixed_step_like_the_reference():
+    # The real op and the decode kernel in bf16 with fp32 states, against the torch backend in
+    # float64 on the same (bf16-rounded) inputs: decode rows first and last, a prefill row with
+    # an interior checkpoint, one fresh decode row.
+    device = torch.device("cuda")
+    cpu_params = make_params(heads=2, key_dim=128, seed=19)
+    lengths = [1, 300, 1, 1]
+    initial, running = [0, 1, 2, -1], [4, 5, 6, 7]
+    planned = [[], [(256, 8)], [], []]
+    batch = make_batch(cpu_params, sum(lengths), seed=20, dtype=torch.bfloat16)
+
+    def run(backend, dtype, state_dtype):
+        params = kernels.KDALayerParams(
+            A_log=cpu_params.A_log.float().to(device),
+            dt_bias=cpu_params.dt_bias.float().to(device),
+            conv_weight=cpu_params.conv_weight.to(device, dtype),
+            lower_bound=cpu_params.lower_bound, conv_activation=cpu_params.conv_activation,
+        )  # fmt: skip
+        cache = kernels.StateCache.for_layer(params, 10, conv_dtype=dtype, state_dtype=state_dtype)
+        generator = torch.Generator().manual_seed(21)
+        for slot in initial[:3]:
+            cache.conv[slot] = torch.randn(cache.conv.shape[1:], generator=generator).to(dtype)
+            cache.recurrent[slot] = 0.3 * torch.randn(cache.recurrent.shape[1:],
+                                                      generator=generator)  # fmt: skip
+        on = type(batch)(*(x.to(device, dtype) for x in (batch.x, batch.g, batch.beta)))
+        out = prefill(backend, params, cache, on, lengths, initial, running, planned)
+        return out.double().cpu(), cache.recurrent.double().cpu()
+
+    out, states = run(kernels.get_backend("flashkda-op"), torch.bfloat16, torch.float32)
+    out_ref, states_ref = run(kernels.TorchBackend(16, mode="loop"), F64, F64)
+    scale = float(out_ref.abs().max())
+    assert max_difference(out, out_ref) <= 2e-2 * scale
+    written = [4, 5, 6, 7, 8]
+    assert max_difference(states[written], states_ref[written]) <= 2e-2 * float(
+        states_ref[written].abs().max()
+    )

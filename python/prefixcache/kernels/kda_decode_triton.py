@@ -37,8 +37,9 @@ from .plan import StatePlan
 
 __all__ = ["DecodeInputs", "bind_decode_inputs", "kda_decode_triton", "one_token_rows"]
 
-#: Rows of a state tile (of V) one program updates.
+#: Rows of a state tile (of V) one program updates, and the warps of a program.
 BLOCK_V = 32
+NUM_WARPS = 4
 L2_EPS = 1e-6
 
 
@@ -172,6 +173,9 @@ def kda_decode_triton(
     recurrent: torch.Tensor,
     plan: StatePlan,
     out: torch.Tensor,
+    *,
+    block_v: int | None = None,
+    num_warps: int = NUM_WARPS,
 ) -> None:
     """One recurrence step for each one-token row of ``plan`` (:func:`one_token_rows`), in place.
 
@@ -180,7 +184,9 @@ def kda_decode_triton(
     ``[slots, H, V, K]`` state cache. Writes those rows' outputs into ``out`` ``[T, H, V]`` and
     their states into their running slots; other rows are untouched.
     ``plan`` must be validated (slots in range, written slots never read). K and V must be powers
-    of two. Needs CUDA tensors, or ``TRITON_INTERPRET=1`` on the CPU.
+    of two. Needs CUDA tensors, or ``TRITON_INTERPRET=1`` on the CPU. ``block_v`` (state rows a
+    program updates, at most V; default ``min(BLOCK_V, V)``) and ``num_warps`` tune the launch,
+    not the arithmetic.
     """
     rows, _ = one_token_rows(plan)
     if not rows:
@@ -205,10 +211,17 @@ def kda_decode_triton(
     if beta.dim() != 2 or beta.shape[1] != heads:
         raise ValueError(f"beta must be [T, {heads}], got {tuple(beta.shape)}")
     device = recurrent.device
+    for name, tensor in {**tensors, "beta": beta, "A_log": params.A_log,
+                         "dt_bias": params.dt_bias}.items():  # fmt: skip
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, the state cache on {device}")
+    if block_v is None:
+        block_v = min(BLOCK_V, value_dim)
+    if not (_is_power_of_two(block_v) and block_v <= value_dim):
+        raise ValueError(f"block_v must be a power of two <= V = {value_dim}, got {block_v}")
     inputs = plan.derived(
         ("kda-decode", device, rows), lambda: DecodeInputs.build(plan, rows, device)
     )
-    block_v = min(BLOCK_V, value_dim)
     lower_bound = params.lower_bound
     _kernel()[(len(rows), heads, value_dim // block_v)](
         q, k, v, g, beta, out, recurrent, params.A_log, params.dt_bias,
@@ -217,5 +230,5 @@ def kda_decode_triton(
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         heads, float(key_dim**-0.5), 0.0 if lower_bound is None else float(lower_bound),
         K=key_dim, V=value_dim, BV=block_v, BOUNDED=lower_bound is not None,
-        COMPUTE_F64=recurrent.dtype == torch.float64, EPS=L2_EPS,
+        COMPUTE_F64=recurrent.dtype == torch.float64, EPS=L2_EPS, num_warps=num_warps,
     )  # fmt: skip
