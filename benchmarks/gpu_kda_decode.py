@@ -19,7 +19,6 @@ import statistics
 import sys
 
 import torch
-
 from prefixcache.kernels import KDALayerParams, StatePlan
 from prefixcache.kernels.kda_decode_triton import kda_decode_triton
 from prefixcache.kernels.rows_triton import copy_rows_triton
@@ -94,9 +93,8 @@ def main(argv: list[str]) -> int:
     state_bytes = rows * cache[0].numel() * cache.element_size()
     for name, us in results.items():
         print(f"{name:34s} {us:7.2f} us  ({2 * state_bytes / us / 1e6:6.0f} GB/s of states)")
-    print(
-        f"states: {rows} x {cache[0].numel() * cache.element_size() / 1024:.0f} KiB, read and written once"
-    )
+    kib = cache[0].numel() * cache.element_size() / 1024
+    print(f"states: {rows} x {kib:.0f} KiB, read and written once")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(
