@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
     )
     state_bytes = rows * cache[0].numel() * cache.element_size()
     for name, us in results.items():
-        print(f"{name:34s} {us:7.2f} us  ({2 * state_bytes / us / 1e6:6.0f} GB/s of states)")
+        print(f"{name:34s} {us:7.2f} us  ({2 * state_bytes / us / 1e3:6.0f} GB/s of states)")
     kib = cache[0].numel() * cache.element_size() / 1024
     print(f"states: {rows} x {kib:.0f} KiB, read and written once")
     if args.json:

@@ -1,17 +1,18 @@
-"""The short causal convolution as two Triton kernels: the same contract as ``conv.causal_conv``.
+"""The short causal convolution in one Triton launch: the same contract as ``conv.causal_conv``.
 
 ``conv.causal_conv`` builds an extended copy of the batch and makes several passes over it in
-torch (a dozen launches and as many passes over the activations per layer). Here one kernel
-covers the packed batch's tokens in blocks (each token finds its row by a binary search of the
-query start locations, so a step of decode rows beside one long prefill row launches the
+torch (a dozen launches and as many passes over the activations per layer). Here one kind of
+program covers the packed batch's tokens in blocks (each token finds its row by a binary search
+of the query start locations, so a step of decode rows beside one long prefill row launches the
 blocks of its tokens, not rows x blocks of the longest row, most of which would exit at once:
 on the H200 that grid cost 74 us a layer at 4,096 tokens beside 7 decode rows), reads each
 input element W times from the packed batch (or the row's initial window in the
 cache), accumulates in float32 (float64 for float64 inputs) in the order ``j = 0 .. W-1``,
-applies the activation and writes each channel into its split's output; a second kernel writes
-the conv window of every cut (each checkpoint, then the end of each row's query) into its slot.
-The plan check guarantees that no written slot is any row's initial slot, so the two kernels
-never read what the other writes.
+applies the activation and writes each channel into its split's output; the launch's other
+programs, one per cut, write the conv window of every cut (each checkpoint, then the end of each
+row's query) into its slot (until 2026-12-06 a second kernel: its launch cost 2.6 to 3.1 us of
+GPU time and a launch of host time a KDA layer). The plan check guarantees that no written slot
+is any row's initial slot, so the two kinds of program never read what the other writes.
 
 Every output element is computed from the same inputs in the same order whatever the packing,
 so a forward split at a cut reproduces the unsplit outputs exactly, as with the torch version;
@@ -80,122 +81,126 @@ def triton_runs_on(device: torch.device, what: str) -> bool:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> Any:
     import triton
     import triton.language as tl
 
     @triton.jit  # type: ignore[untyped-decorator]
     def conv_kernel(  # type: ignore[no-untyped-def]
         x_ptr, cache_ptr, w_ptr, out0_ptr, out1_ptr, out2_ptr,
-        qsl_ptr, initial_ptr,
-        rows, tokens, channels, split1, split2,
+        qsl_ptr, initial_ptr, cut_row_ptr, cut_offset_ptr, cut_slot_ptr,
+        rows, tokens, channels, split1, split2, token_blocks,
         WIDTH: tl.constexpr, ACTIVATION: tl.constexpr, COMPUTE_F64: tl.constexpr,
         SEARCH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
-        # One program: BT consecutive tokens of the packed batch (whatever rows they belong
-        # to) by BC channels; the grid covers the batch's tokens, not rows x the longest row.
-        token = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
-        channel = tl.program_id(1) * BC + tl.arange(0, BC).to(tl.int64)
-        in_batch = token < tokens
-        in_channels = channel < channels
-        # Each token's row: the last r in [0, rows) with query_start_loc[r] <= token, by a
-        # binary search of SEARCH = ceil(log2(rows)) halvings (lo <= row < hi throughout).
-        lo = token * 0
-        hi = token * 0 + rows
-        for _ in tl.static_range(SEARCH):
-            mid = (lo + hi) // 2
-            below = tl.load(qsl_ptr + mid, mask=in_batch, other=0).to(tl.int64) <= token
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid)
-        start = tl.load(qsl_ptr + lo, mask=in_batch, other=0).to(tl.int64)
-        slot = tl.load(initial_ptr + lo, mask=in_batch, other=-1).to(tl.int64)
-        position = token - start  # the token's offset in its row
-        history = WIDTH - 1
-        if COMPUTE_F64:
-            acc = tl.zeros((BT, BC), dtype=tl.float64)
-        else:
-            acc = tl.zeros((BT, BC), dtype=tl.float32)
-        for j in tl.static_range(WIDTH):
-            source = position - history + j  # position in the row; < 0: the initial window
-            from_batch = in_batch & (source >= 0)
-            from_window = in_batch & (source < 0) & (slot >= 0)
-            batch_value = tl.load(
-                x_ptr + (token - history + j)[:, None] * channels + channel[None, :],
-                mask=from_batch[:, None] & in_channels[None, :],
-                other=0.0,
-            )
-            window_value = tl.load(
-                cache_ptr
-                + (slot * channels * history)[:, None]
-                + channel[None, :] * history
-                + (source + history)[:, None],
-                mask=from_window[:, None] & in_channels[None, :],
-                other=0.0,
-            )
-            weight = tl.load(w_ptr + channel * WIDTH + j, mask=in_channels, other=0.0)
-            value = tl.where(
-                from_batch[:, None], batch_value, window_value.to(x_ptr.dtype.element_ty)
-            )
+        # One launch, two kinds of programs: the first token_blocks convolve the batch, the
+        # rest (one per cut) write the windows; neither reads what the other writes.
+        block = tl.program_id(0)
+        if block < token_blocks:
+            # One program: BT consecutive tokens of the packed batch (whatever rows they belong
+            # to) by BC channels; the grid covers the batch's tokens, not rows x the longest row.
+            token = block.to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+            channel = tl.program_id(1) * BC + tl.arange(0, BC).to(tl.int64)
+            in_batch = token < tokens
+            in_channels = channel < channels
+            # Each token's row: the last r in [0, rows) with query_start_loc[r] <= token, by a
+            # binary search of SEARCH = ceil(log2(rows)) halvings (lo <= row < hi throughout).
+            lo = token * 0
+            hi = token * 0 + rows
+            for _ in tl.static_range(SEARCH):
+                mid = (lo + hi) // 2
+                below = tl.load(qsl_ptr + mid, mask=in_batch, other=0).to(tl.int64) <= token
+                lo = tl.where(below, mid, lo)
+                hi = tl.where(below, hi, mid)
+            start = tl.load(qsl_ptr + lo, mask=in_batch, other=0).to(tl.int64)
+            slot = tl.load(initial_ptr + lo, mask=in_batch, other=-1).to(tl.int64)
+            position = token - start  # the token's offset in its row
+            history = WIDTH - 1
             if COMPUTE_F64:
-                term = value.to(tl.float64) * weight.to(tl.float64)[None, :]
+                acc = tl.zeros((BT, BC), dtype=tl.float64)
             else:
-                term = value.to(tl.float32) * weight.to(tl.float32)[None, :]
-            acc = acc + term  # from zero: the first term is taken exactly
-        if ACTIVATION:
-            acc = acc / (1.0 + tl.exp(-acc))
-        mask = in_batch[:, None] & in_channels[None, :]
-        width0 = split1
-        width1 = split2 - split1
-        width2 = channels - split2
-        result = acc.to(out0_ptr.dtype.element_ty)
-        c = channel[None, :]
-        t = token[:, None]
-        tl.store(out0_ptr + t * width0 + c, result, mask=mask & (c < split1))
-        tl.store(
-            out1_ptr + t * width1 + (c - split1),
-            result,
-            mask=mask & (c >= split1) & (c < split2),
-        )
-        tl.store(out2_ptr + t * width2 + (c - split2), result, mask=mask & (c >= split2))
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def window_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, cache_ptr, cut_row_ptr, cut_offset_ptr, cut_slot_ptr, qsl_ptr, initial_ptr,
-        channels, WIDTH: tl.constexpr, BC: tl.constexpr,
-    ):  # fmt: skip
-        cut = tl.program_id(0)
-        history = WIDTH - 1
-        row = tl.load(cut_row_ptr + cut).to(tl.int64)
-        offset = tl.load(cut_offset_ptr + cut).to(tl.int64)
-        target = tl.load(cut_slot_ptr + cut).to(tl.int64)
-        start = tl.load(qsl_ptr + row).to(tl.int64)
-        slot = tl.load(initial_ptr + row).to(tl.int64)
-        channel = tl.program_id(1) * BC + tl.arange(0, BC).to(tl.int64)
-        in_channels = channel < channels
-        has_window = (channel * 0 + slot) >= 0
-        for k in tl.static_range(WIDTH - 1):
-            source = offset - history + k
-            batch_value = tl.load(
-                x_ptr + (start + source) * channels + channel,
-                mask=in_channels & ((channel * 0 + source) >= 0),
-                other=0.0,
-            )
-            window_value = tl.load(
-                cache_ptr + slot * channels * history + channel * history + (source + history),
-                mask=in_channels & ((channel * 0 + source) < 0) & has_window,
-                other=0.0,
-            )
-            # Rows of the initial window are copied as stored (conv.causal_conv rounds them to
-            # the inputs' dtype first; both resume exactly, since each rounds them on use).
-            batch_value = batch_value.to(cache_ptr.dtype.element_ty)
-            value = tl.where(source >= 0, batch_value, window_value)
+                acc = tl.zeros((BT, BC), dtype=tl.float32)
+            for j in tl.static_range(WIDTH):
+                source = position - history + j  # position in the row; < 0: the initial window
+                from_batch = in_batch & (source >= 0)
+                from_window = in_batch & (source < 0) & (slot >= 0)
+                batch_value = tl.load(
+                    x_ptr + (token - history + j)[:, None] * channels + channel[None, :],
+                    mask=from_batch[:, None] & in_channels[None, :],
+                    other=0.0,
+                )
+                window_value = tl.load(
+                    cache_ptr
+                    + (slot * channels * history)[:, None]
+                    + channel[None, :] * history
+                    + (source + history)[:, None],
+                    mask=from_window[:, None] & in_channels[None, :],
+                    other=0.0,
+                )
+                weight = tl.load(w_ptr + channel * WIDTH + j, mask=in_channels, other=0.0)
+                value = tl.where(
+                    from_batch[:, None], batch_value, window_value.to(x_ptr.dtype.element_ty)
+                )
+                if COMPUTE_F64:
+                    term = value.to(tl.float64) * weight.to(tl.float64)[None, :]
+                else:
+                    term = value.to(tl.float32) * weight.to(tl.float32)[None, :]
+                acc = acc + term  # from zero: the first term is taken exactly
+            if ACTIVATION:
+                acc = acc / (1.0 + tl.exp(-acc))
+            mask = in_batch[:, None] & in_channels[None, :]
+            width0 = split1
+            width1 = split2 - split1
+            width2 = channels - split2
+            result = acc.to(out0_ptr.dtype.element_ty)
+            c = channel[None, :]
+            t = token[:, None]
+            tl.store(out0_ptr + t * width0 + c, result, mask=mask & (c < split1))
             tl.store(
-                cache_ptr + target * channels * history + channel * history + k,
-                value,
-                mask=in_channels,
+                out1_ptr + t * width1 + (c - split1),
+                result,
+                mask=mask & (c >= split1) & (c < split2),
             )
+            tl.store(out2_ptr + t * width2 + (c - split2), result, mask=mask & (c >= split2))
+        else:
+            # A cut's window (names prefixed: a runtime branch's two sides must give any
+            # name they share one type).
+            w_cut = block - token_blocks
+            w_history = WIDTH - 1
+            w_row = tl.load(cut_row_ptr + w_cut).to(tl.int64)
+            w_offset = tl.load(cut_offset_ptr + w_cut).to(tl.int64)
+            w_target = tl.load(cut_slot_ptr + w_cut).to(tl.int64)
+            w_start = tl.load(qsl_ptr + w_row).to(tl.int64)
+            w_slot = tl.load(initial_ptr + w_row).to(tl.int64)
+            w_channel = tl.program_id(1) * BC + tl.arange(0, BC).to(tl.int64)
+            w_in_channels = w_channel < channels
+            w_has_window = (w_channel * 0 + w_slot) >= 0
+            for k in tl.static_range(WIDTH - 1):
+                w_source = w_offset - w_history + k
+                w_batch_value = tl.load(
+                    x_ptr + (w_start + w_source) * channels + w_channel,
+                    mask=w_in_channels & ((w_channel * 0 + w_source) >= 0),
+                    other=0.0,
+                )
+                w_window_value = tl.load(
+                    cache_ptr
+                    + w_slot * channels * w_history
+                    + w_channel * w_history
+                    + (w_source + w_history),
+                    mask=w_in_channels & ((w_channel * 0 + w_source) < 0) & w_has_window,
+                    other=0.0,
+                )
+                # Rows of the initial window are copied as stored (conv.causal_conv rounds them to
+                # the inputs' dtype first; both resume exactly, since each rounds them on use).
+                w_batch_value = w_batch_value.to(cache_ptr.dtype.element_ty)
+                w_value = tl.where(w_source >= 0, w_batch_value, w_window_value)
+                tl.store(
+                    cache_ptr + w_target * channels * w_history + w_channel * w_history + k,
+                    w_value,
+                    mask=w_in_channels,
+                )
 
-    return conv_kernel, window_kernel
+    return conv_kernel
 
 
 @dataclass(frozen=True)
@@ -273,20 +278,16 @@ def causal_conv_triton(
     elif len(split_sizes) == 2:
         split2 = channels
     weight = params.conv_weight.to(device=device).contiguous()
-    conv_kernel, window_kernel = _kernels()
     if num_tokens:
         rows = plan.num_rows
-        grid = (-(-num_tokens // BLOCK_T), -(-channels // BLOCK_C))
-        conv_kernel[grid](
+        token_blocks = -(-num_tokens // BLOCK_T)
+        windows = index.cut_slots.numel() if history else 0
+        _kernels()[(token_blocks + windows, -(-channels // BLOCK_C))](
             x, conv_cache, weight, *padded, index.query_start_loc, index.initial,
-            rows, num_tokens, channels, split1, split2,
+            index.cut_rows, index.cut_offsets, index.cut_slots,
+            rows, num_tokens, channels, split1, split2, token_blocks,
             WIDTH=width, ACTIVATION=params.conv_activation == "silu",
             COMPUTE_F64=x.dtype == torch.float64, SEARCH=(rows - 1).bit_length(),
             BT=BLOCK_T, BC=BLOCK_C,
-        )  # fmt: skip
-    if history and index.cut_slots.numel():
-        window_kernel[(index.cut_slots.numel(), -(-channels // BLOCK_C))](
-            x, conv_cache, index.cut_rows, index.cut_offsets, index.cut_slots,
-            index.query_start_loc, index.initial, channels, WIDTH=width, BC=BLOCK_C,
         )  # fmt: skip
     return outputs

@@ -37,9 +37,11 @@ from .plan import StatePlan
 
 __all__ = ["DecodeInputs", "bind_decode_inputs", "kda_decode_triton", "one_token_rows"]
 
-#: Rows of a state tile (of V) one program updates, and the warps of a program.
-BLOCK_V = 32
-NUM_WARPS = 4
+#: Rows of a state tile (of V) one program updates, and the warps of a program: the fastest of
+#: ``benchmarks/gpu_kda_decode.py``'s settings on an H100 (2026-12-06, 7 rows of Kimi-K3's 12
+#: heads at TP8: 5.29 us a launch, against 5.65 at 32 rows and 4 warps).
+BLOCK_V = 16
+NUM_WARPS = 2
 L2_EPS = 1e-6
 
 

@@ -142,7 +142,7 @@ def run_prefill(
 
 def default_conv(device: torch.device) -> str:
     """The short convolution a backend runs by default on ``device``: ``"triton"`` on CUDA when
-    Triton is installed (two fused kernels; 4 to 6x faster than the torch version on the H200
+    Triton is installed (one launch; 4 to 6x faster than the torch version on the H200
     and a quarter of its launch time), ``"torch"`` elsewhere (``conv_triton.triton_runs_on``)."""
     from .conv_triton import triton_runs_on
 
