@@ -259,11 +259,14 @@ def test_a_mixed_step_splits_its_rows_and_equals_the_reference(order):
     ops = CountingOps()
     got = fp32_cache(params, num_blocks, initial)
     expected = fp32_cache(params, num_blocks, initial)
+    read = [slot for slot in initial if slot >= 0]
+    before = got.recurrent[read].clone()
     out = prefill(flashkda_op_with(ops), params, got, batch, lengths, initial, running, planned)
     out_ref = prefill(kernels.TorchBackend(16, mode="loop"), params, expected, batch, lengths,
                       initial, running, planned)  # fmt: skip
     assert max_difference(out, out_ref) <= 1e-5
     assert max_difference(got.recurrent, expected.recurrent) <= 1e-5
+    assert torch.equal(got.recurrent[read], before)  # the states read stay as they were
     # The op saw the long rows only: one call (one interior export a row), then the 37-token
     # row's last segment.
     assert ops.calls == [[32, 20], [5]]
@@ -350,7 +353,10 @@ def test_flashkda_op_runs_a_mixed_step_like_the_reference():
             cache.recurrent[slot] = 0.3 * torch.randn(cache.recurrent.shape[1:],
                                                       generator=generator)  # fmt: skip
         on = type(batch)(*(x.to(device, dtype) for x in (batch.x, batch.g, batch.beta)))
+        before = cache.recurrent[initial[:3]].clone()
         out = prefill(backend, params, cache, on, lengths, initial, running, planned)
+        # The op reads its initial states from views of the cache: they stay as they were.
+        assert torch.equal(cache.recurrent[initial[:3]], before)
         return out.double().cpu(), cache.recurrent.double().cpu()
 
     out, states = run(kernels.get_backend("flashkda-op"), torch.bfloat16, torch.float32)

@@ -240,6 +240,7 @@ def run_rounds(
     """
     device = q.device
     total = plan.num_tokens
+    own_out = out is None
     if out is None:
         out = v.new_empty((total, v.shape[1], v.shape[2]))
     elif out.shape != (total, v.shape[1], v.shape[2]) or not out.is_contiguous():
@@ -281,9 +282,9 @@ def run_rounds(
         if prepared.exported_rows is not None:
             if states is not None:
                 exported_view = _stretch(states, prepared.exported_first, count)
-            exported_buffer = (
-                exported_view if exported_view is not None else (torch.empty_like(initial))
-            )
+            exported_buffer = exported_view
+            if exported_buffer is None:
+                exported_buffer = torch.empty_like(initial)
         batch = SegmentBatch(
             q=parts[0].unsqueeze(0),
             k=parts[1].unsqueeze(0),
@@ -299,10 +300,16 @@ def run_rounds(
             checkpoint_state=exported_buffer,
         )
         o, final, interior = call(batch)
-        if o is not batch.out:
-            destination.copy_(o.squeeze(0))
+        # A kernel that returned outputs of its own: take them where no copy is needed (a whole
+        # round into an output of our own), else copy them to where they belong.
+        result = destination if o is batch.out else o.squeeze(0)
         if index_d is not None:
-            out.index_copy_(0, index_d, destination)
+            out.index_copy_(0, index_d, result)
+        elif result is not destination:
+            if whole and own_out:
+                out = result
+            else:
+                destination.copy_(result)
         if prepared.exported_rows is not None and prepared.exported_slots is not None:
             if interior is None:
                 raise RuntimeError("the kernel call returned no interior checkpoint states")
