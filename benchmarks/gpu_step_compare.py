@@ -61,7 +61,7 @@ from torch.autograd import DeviceType  # type: ignore[attr-defined]
 #: Kernel categories, in the order the rules are tried (the first whose words a name holds).
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kda", ("kda",)),
-    ("conv", ("conv_", "conv1d", "aten::conv", "window_kernel")),
+    ("conv", ("conv_", "conv1d", "aten::conv")),
     (
         "attention",
         ("flash", "fmha", "attn", "attention", "softmax", "split_kernel", "combine_kernel"),

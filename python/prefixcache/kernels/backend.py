@@ -11,7 +11,7 @@ A backend runs the recurrence part of a KDA layer (:meth:`KDABackend.forward`): 
 ``q, k, v``, raw gate input and raw beta, reading each row's initial state from the cache and
 writing every cut's state into its slot. The short convolution and its conv windows are shared
 by all backends: ``conv.causal_conv`` (torch) or, when a backend's ``conv_impl`` is
-``"triton"``, ``conv_triton.causal_conv_triton`` (two Triton kernels; CUDA tensors, or CPU tensors
+``"triton"``, ``conv_triton.causal_conv_triton`` (one Triton launch; CUDA tensors, or CPU tensors
 under ``TRITON_INTERPRET=1``).
 """
 

@@ -256,7 +256,7 @@ def causal_conv_triton(
     plan: StatePlan,
     splits: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
-    """``conv.causal_conv`` (same arguments, same results to rounding) in two Triton kernels.
+    """``conv.causal_conv`` (same arguments, same results to rounding) in one Triton launch.
 
     ``x`` and ``conv_cache`` must be contiguous; at most three splits.
     """
