@@ -219,6 +219,13 @@ def flashkda_op_with(ops):
     return backend
 
 
+def flashkda_with(ops):
+    """``flashkda`` (no checkpoint argument: chains at every cut) over the counting op."""
+    backend = GPU_BACKENDS["flashkda"]()
+    backend._fwd = flashkda_op_with(ops).fwd_without_checkpoints()
+    return backend
+
+
 def fp32_cache(params, num_blocks, initial):
     cache = kernels.StateCache.for_layer(params, num_blocks, conv_dtype=F64,
                                          state_dtype=torch.float32)  # fmt: skip
@@ -233,8 +240,17 @@ def fp32_cache(params, num_blocks, initial):
 
 
 @cpu_only
+@pytest.mark.parametrize(
+    ("backend", "calls"),
+    [
+        # One call (one interior export a row), then the 37-token row's last segment.
+        (flashkda_op_with, [[32, 20], [5]]),
+        # A call at every cut: 16 | 16 of both rows, then 16 | 4, then the last 5.
+        (flashkda_with, [[16, 16], [16, 4], [5]]),
+    ],
+)
 @pytest.mark.parametrize("order", ["decode first", "decode last", "interleaved"])
-def test_a_mixed_step_splits_its_rows_and_equals_the_reference(order):
+def test_a_mixed_step_splits_its_rows_and_equals_the_reference(order, backend, calls):
     params = make_params(heads=2, key_dim=8, seed=13)
     prefill_rows = {"lengths": [37, 20], "checkpoints": [[16, 32], [16]]}
     layouts = {
@@ -261,15 +277,13 @@ def test_a_mixed_step_splits_its_rows_and_equals_the_reference(order):
     expected = fp32_cache(params, num_blocks, initial)
     read = [slot for slot in initial if slot >= 0]
     before = got.recurrent[read].clone()
-    out = prefill(flashkda_op_with(ops), params, got, batch, lengths, initial, running, planned)
+    out = prefill(backend(ops), params, got, batch, lengths, initial, running, planned)
     out_ref = prefill(kernels.TorchBackend(16, mode="loop"), params, expected, batch, lengths,
                       initial, running, planned)  # fmt: skip
     assert max_difference(out, out_ref) <= 1e-5
     assert max_difference(got.recurrent, expected.recurrent) <= 1e-5
     assert torch.equal(got.recurrent[read], before)  # the states read stay as they were
-    # The op saw the long rows only: one call (one interior export a row), then the 37-token
-    # row's last segment.
-    assert ops.calls == [[32, 20], [5]]
+    assert ops.calls == calls  # the op saw the long rows only
 
 
 @cpu_only
