@@ -7,6 +7,7 @@ every bad plan is refused before a slot is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -580,6 +581,22 @@ def test_decode_refuses_bad_slots_before_writing():
         kernels.kda_decode(
             kernels.TorchBackend(), batch.x, batch.g, batch.beta, params, cache, [0, 1], [0, 2]
         )
+    assert bool(torch.isnan(cache.recurrent[1:]).all())
+
+
+@pytest.mark.parametrize("moved", ["g", "beta", "A_log", "dt_bias"])
+def test_a_layer_refuses_tensors_off_its_inputs_device_before_writing(moved):
+    # The checks the backends' kernels rely on (the Triton decode kernel takes raw pointers):
+    # every tensor of the layer on the inputs' device. The meta device stands for another one.
+    params = make_params()
+    batch = make_batch(params, 3)
+    cache = fresh_cache(params, 4, [0])
+    if moved in ("A_log", "dt_bias"):
+        params = dataclasses.replace(params, **{moved: getattr(params, moved).to("meta")})
+    else:
+        batch = dataclasses.replace(batch, **{moved: getattr(batch, moved).to("meta")})
+    with pytest.raises(ValueError, match=f"but {moved} is on meta"):
+        prefill(kernels.TorchBackend(), params, cache, batch, [3], [0], [1])
     assert bool(torch.isnan(cache.recurrent[1:]).all())
 
 

@@ -35,7 +35,13 @@ from .backend import upload
 from .params import KDALayerParams
 from .plan import StatePlan
 
-__all__ = ["DecodeInputs", "bind_decode_inputs", "kda_decode_triton", "one_token_rows"]
+__all__ = [
+    "DecodeInputs",
+    "bind_decode_inputs",
+    "kda_decode_triton",
+    "launch_kda_decode",
+    "one_token_rows",
+]
 
 #: Rows of a state tile (of V) one program updates, and the warps of a program: the fastest of
 #: ``benchmarks/gpu_kda_decode.py``'s settings on an H100 (2026-12-06, 7 rows of Kimi-K3's 12
@@ -221,6 +227,36 @@ def kda_decode_triton(
         block_v = min(BLOCK_V, value_dim)
     if not (_is_power_of_two(block_v) and block_v <= value_dim):
         raise ValueError(f"block_v must be a power of two <= V = {value_dim}, got {block_v}")
+    launch_kda_decode(
+        q, k, v, g, beta, params, recurrent, plan, out, block_v=block_v, num_warps=num_warps
+    )
+
+
+def launch_kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    params: KDALayerParams,
+    recurrent: torch.Tensor,
+    plan: StatePlan,
+    out: torch.Tensor,
+    *,
+    block_v: int | None = None,
+    num_warps: int = NUM_WARPS,
+) -> None:
+    """:func:`kda_decode_triton` without its checks, for a caller that has made them: a
+    backend's ``forward`` after ``run_prefill`` validated the layer's tensors (shapes, devices,
+    a contiguous cache) and ``check_layer`` its K = V = 128. Every layer of every step comes
+    through here, so the checks are not made twice."""
+    rows, _ = one_token_rows(plan)
+    if not rows:
+        return
+    heads, key_dim, value_dim = params.num_heads, params.head_dim_k, params.head_dim_v
+    if block_v is None:
+        block_v = min(BLOCK_V, value_dim)
+    device = recurrent.device
     inputs = plan.derived(
         ("kda-decode", device, rows), lambda: DecodeInputs.build(plan, rows, device)
     )

@@ -121,8 +121,10 @@ def run_prefill(
             f"state cache is [H={cache.num_heads}, V={cache.head_dim_v}, K={cache.head_dim_k}], "
             f"the layer is [H={heads}, V={value_dim}, K={key_dim}]"
         )
-    if cache.device != x.device:
-        raise ValueError(f"inputs are on {x.device} but the state cache is on {cache.device}")
+    for name, tensor in (("the state cache", cache.recurrent), ("g", g), ("beta", beta),
+                         ("A_log", params.A_log), ("dt_bias", params.dt_bias)):  # fmt: skip
+        if tensor.device != x.device:
+            raise ValueError(f"inputs are on {x.device} but {name} is on {tensor.device}")
     backend.check_layer(params, x.dtype, x.device)
     conv = conv_function(backend.conv_impl, x.device)
     q, k, v = conv(

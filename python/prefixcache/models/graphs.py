@@ -17,8 +17,7 @@ vLLM does, a step whose rows all have one query token is replayed from a CUDA gr
   tables. Every index tensor the layers read is a view of these buffers: the Triton convolution's
   and the KDA decode kernel's index arrays are bound to them (``kernels.conv_triton.bind_index``,
   ``kernels.kda_decode_triton.bind_decode_inputs``), the attention layers' slots and decode rows
-  too. A
-  replay therefore reads the step being replayed, never the one captured.
+  too. A replay therefore reads the step being replayed, never the one captured.
 - **Capture** happens at a key's first step: one eager warm-up run of that very step on a side
   stream (compiles kernels, sizes workspaces), the running states it wrote restored from a copy
   (so that the step's states advance once even where a row read a slot another row writes),
