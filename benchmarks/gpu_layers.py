@@ -288,6 +288,34 @@ def prefill_parts(
             results["merge_max_abs_difference"] = float(difference)
 
 
+def print_kernels(case: dict) -> None:
+    """One case's kernel list (an entry of the JSON key 'kernels'): each kernel's time a layer
+    call (summed over its launches in the call), then their total."""
+    kernels_ = case["kernels"]
+    print(f"    kernels of {case['kind']} T={case['tokens']} prefix={case['prefix']} (us a call):")
+    for row in kernels_:
+        print(f"    {row['us_per_call']:9.1f} x{row['per_call']:<4g} {row['kernel'][:90]}")
+    print(f"    {sum(row['us_per_call'] for row in kernels_):9.1f}       all kernels of the call")
+
+
+def show(path: str) -> int:
+    """Print the kernel lists and fits of a saved ``--json`` file."""
+    with open(path, encoding="utf-8") as handle:
+        saved = json.load(handle)
+    for case in saved.get("kernels", []):
+        print_kernels(case)
+    for entry in saved.get("fits", []):
+        busy = ""
+        if "busy_fixed_ms" in entry:
+            busy = f"  busy: {entry['busy_fixed_ms']:.3f} ms + {entry['busy_per_token_us']:.4f} us"
+        print(
+            f"{entry['kind']:<10} {entry['prefix']:>7}  fixed {entry['fixed_ms']:.3f} ms + "
+            f"{entry['per_token_us']:.4f} us a token, host {entry['host_ms_at_max']:.3f} ms and "
+            f"GPU {entry['gpu_ms_at_max']:.3f} ms at the largest T{busy}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="flashkda-op")
@@ -311,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also list the GPU kernels of the KDA, seed-step, MLP and attention cases at the "
         "two largest token counts (torch.profiler; JSON key 'kernels')",
     )
+    parser.add_argument(
+        "--show", metavar="JSON", help="print the kernel lists and fits of a saved --json file"
+    )
     args = parser.parse_args(argv)
+    if args.show:
+        return show(args.show)
 
     from prefixcache import kernels
     from prefixcache.engine import build_model
@@ -386,9 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             breakdowns.append(
                 {"kind": kind, "tokens": tokens, "prefix": prefix, "kernels": kernels_}
             )
-            print(f"    kernels of {kind} T={tokens} prefix={prefix} (us a call):")
-            for row in kernels_[:14]:
-                print(f"    {row['us_per_call']:9.1f} x{row['per_call']:<4g} {row['kernel'][:90]}")
+            print_kernels(breakdowns[-1])
 
     with torch.inference_mode():
         for tokens in token_counts:
