@@ -46,7 +46,7 @@ import torch
 from .backend import KDABackend, require_cuda
 from .chaining import SegmentBatch, plan_rounds, run_rounds
 from .errors import BackendUnavailableError, UnsupportedLayerError
-from .kda_decode_triton import launch_kda_decode, one_token_rows
+from .kda_decode_triton import kda_decode_triton, one_token_rows
 from .params import KDALayerParams
 from .plan import StatePlan
 
@@ -137,7 +137,8 @@ class _SegmentedFlashKDA(KDABackend):
         single, other = one_token_rows(plan)
         out = torch.empty_like(v)
         if single:
-            launch_kda_decode(q, k, v, g, beta, params, recurrent, plan, out)
+            # run_prefill has checked the layer's tensors, check_layer its K = V = 128.
+            kda_decode_triton(q, k, v, g, beta, params, recurrent, plan, out, checked=True)
         if other:
             rounds = plan_rounds(plan, per_call=self.checkpoints_per_call, rows=other)
             run_rounds(

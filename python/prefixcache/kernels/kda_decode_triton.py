@@ -35,13 +35,7 @@ from .backend import upload
 from .params import KDALayerParams
 from .plan import StatePlan
 
-__all__ = [
-    "DecodeInputs",
-    "bind_decode_inputs",
-    "kda_decode_triton",
-    "launch_kda_decode",
-    "one_token_rows",
-]
+__all__ = ["DecodeInputs", "bind_decode_inputs", "kda_decode_triton", "one_token_rows"]
 
 #: Rows of a state tile (of V) one program updates, and the warps of a program: the fastest of
 #: ``benchmarks/gpu_kda_decode.py``'s settings on an H100 (2026-12-06, 7 rows of Kimi-K3's 12
@@ -171,7 +165,7 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def kda_decode_triton(
+def _check(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -179,26 +173,10 @@ def kda_decode_triton(
     beta: torch.Tensor,
     params: KDALayerParams,
     recurrent: torch.Tensor,
-    plan: StatePlan,
     out: torch.Tensor,
-    *,
-    block_v: int | None = None,
-    num_warps: int = NUM_WARPS,
+    block_v: int,
 ) -> None:
-    """One recurrence step for each one-token row of ``plan`` (:func:`one_token_rows`), in place.
-
-    Inputs are the packed batch's ``[T, H, K]`` post-conv ``q``, ``k``, raw ``g``, ``[T, H, V]``
-    ``v`` and raw ``[T, H]`` ``beta`` (the last axis contiguous); ``recurrent`` is the contiguous
-    ``[slots, H, V, K]`` state cache. Writes those rows' outputs into ``out`` ``[T, H, V]`` and
-    their states into their running slots; other rows are untouched.
-    ``plan`` must be validated (slots in range, written slots never read). K and V must be powers
-    of two. Needs CUDA tensors, or ``TRITON_INTERPRET=1`` on the CPU. ``block_v`` (state rows a
-    program updates, at most V; default ``min(BLOCK_V, V)``) and ``num_warps`` tune the launch,
-    not the arithmetic.
-    """
-    rows, _ = one_token_rows(plan)
-    if not rows:
-        return
+    """:func:`kda_decode_triton`'s checks (``ValueError``)."""
     heads, key_dim, value_dim = params.num_heads, params.head_dim_k, params.head_dim_v
     if not (_is_power_of_two(key_dim) and _is_power_of_two(value_dim)):
         raise ValueError(
@@ -223,16 +201,11 @@ def kda_decode_triton(
                          "dt_bias": params.dt_bias}.items():  # fmt: skip
         if tensor.device != device:
             raise ValueError(f"{name} is on {tensor.device}, the state cache on {device}")
-    if block_v is None:
-        block_v = min(BLOCK_V, value_dim)
     if not (_is_power_of_two(block_v) and block_v <= value_dim):
         raise ValueError(f"block_v must be a power of two <= V = {value_dim}, got {block_v}")
-    launch_kda_decode(
-        q, k, v, g, beta, params, recurrent, plan, out, block_v=block_v, num_warps=num_warps
-    )
 
 
-def launch_kda_decode(
+def kda_decode_triton(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -245,17 +218,30 @@ def launch_kda_decode(
     *,
     block_v: int | None = None,
     num_warps: int = NUM_WARPS,
+    checked: bool = False,
 ) -> None:
-    """:func:`kda_decode_triton` without its checks, for a caller that has made them: a
-    backend's ``forward`` after ``run_prefill`` validated the layer's tensors (shapes, devices,
-    a contiguous cache) and ``check_layer`` its K = V = 128. Every layer of every step comes
-    through here, so the checks are not made twice."""
+    """One recurrence step for each one-token row of ``plan`` (:func:`one_token_rows`), in place.
+
+    Inputs are the packed batch's ``[T, H, K]`` post-conv ``q``, ``k``, raw ``g``, ``[T, H, V]``
+    ``v`` and raw ``[T, H]`` ``beta`` (the last axis contiguous); ``recurrent`` is the contiguous
+    ``[slots, H, V, K]`` state cache. Writes those rows' outputs into ``out`` ``[T, H, V]`` and
+    their states into their running slots; other rows are untouched.
+    ``plan`` must be validated (slots in range, written slots never read). K and V must be powers
+    of two. Needs CUDA tensors, or ``TRITON_INTERPRET=1`` on the CPU. ``block_v`` (state rows a
+    program updates, at most V; default ``min(BLOCK_V, V)``) and ``num_warps`` tune the launch,
+    not the arithmetic. ``checked``: the caller has made this function's checks (a backend's
+    ``forward`` after ``run_prefill`` validated the layer's shapes and devices and
+    ``check_layer`` its K = V = 128): every layer of every step comes through here, so they are
+    not made twice.
+    """
     rows, _ = one_token_rows(plan)
     if not rows:
         return
     heads, key_dim, value_dim = params.num_heads, params.head_dim_k, params.head_dim_v
     if block_v is None:
         block_v = min(BLOCK_V, value_dim)
+    if not checked:
+        _check(q, k, v, g, beta, params, recurrent, out, block_v)
     device = recurrent.device
     inputs = plan.derived(
         ("kda-decode", device, rows), lambda: DecodeInputs.build(plan, rows, device)
