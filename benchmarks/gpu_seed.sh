@@ -16,7 +16,8 @@
 #      Kimi-K3 proxy, none + block + fine, outputs compared with the no-cache run;
 #   4. the seed preset, block then fine, and 5. fine then block (--no-reference: the order check);
 #   6. benchmarks/gpu_step_compare.py: a block and a fine prefill step of round 4 profiled (what in
-#      a step is fixed: host before the first launch, GPU busy and idle, kernels by category);
+#      a step is fixed: host before the first launch, GPU busy and idle, the idle by the layer
+#      whose launches the GPU waited for, kernels by category);
 #   7. the warm order apart from the measured one, two processes with --warm-up full: warm
 #      block,fine and measure fine,block, then warm fine,block and measure block,fine (in a
 #      fine-first process fine was 2 to 6% slower: which of the two firsts sets it);

@@ -18,8 +18,10 @@ Per profiled step (``analyse``):
   ``step_inputs`` (``Step.from_plan`` and the token ids), ``forward``, ``sample``,
   ``to_host``, ``after_forward``) and the host time in each layer kind's forward;
 - **GPU busy**: the union of the device's kernel and copy intervals; **GPU idle inside** the
-  step: from its first kernel's start to its last one's end, less busy; the idle before the first
-  kernel and after the last one, up to the step's end;
+  step: from its first kernel's start to its last one's end, less busy, also split by where the
+  GPU waited (each idle stretch charged to the layer or phase range that launched the work
+  ending it, numbered in step order: ``layer:kda#0`` is the first KDA layer); the idle before
+  the first kernel and after the last one, up to the step's end;
 - **kernel time by category** (``category``: attention, kda, conv, matmul, norm, elementwise,
   reduce, copy, other; by kernel name).
 
@@ -220,7 +222,30 @@ def analyse(spans: Sequence[Span]) -> dict[str, Any]:
         out["gpu_idle_inside_ms"] = (last - first) * ms - busy
         out["gpu_idle_before_ms"] = (first - step.start) * ms
         out["gpu_idle_after_ms"] = max(0.0, step.end - last) * ms
+        out["gpu_idle_by_range_ms"] = _idle_by_range(inside, work)
     return out
+
+
+def _launch_time(item: Span, launched: dict[int, float], ops: dict[int, float]) -> float | None:
+    """When ``item``'s launch (its ``link``) or, where that is unknown, the operator that
+    launched it (its ``op``) started; ``None`` where neither is among the spans."""
+    at = launched.get(item.link) if item.link else None
+    if at is None and item.op:
+        at = ops.get(item.op)
+    return at
+
+
+def _holder(at: float | None, ranges: Sequence[Span]) -> Span | None:
+    """The innermost range holding time ``at`` (the latest-starting one), if any."""
+    holders = [] if at is None else [r for r in ranges if r.start <= at <= r.end]
+    return max(holders, key=lambda r: r.start) if holders else None
+
+
+def _links(inside: Sequence[Span]) -> tuple[dict[int, float], dict[int, float]]:
+    """Launch and operator start times by their correlation ids."""
+    launched = {s.link: s.start for s in inside if s.kind == "launch" and s.link}
+    ops = {s.link: s.start for s in inside if s.kind == "op" and s.link}
+    return launched, ops
 
 
 def _by_range(inside: Sequence[Span], work: Sequence[Span]) -> dict[str, float]:
@@ -228,17 +253,36 @@ def _by_range(inside: Sequence[Span], work: Sequence[Span]) -> dict[str, float]:
     time holds the work's launch (its ``link``), else the operator that launched it (its
     ``op``); ``"unattributed"`` where neither is known."""
     ranges = [s for s in inside if s.kind == "range" and s.name != STEP]
-    launched = {s.link: s.start for s in inside if s.kind == "launch" and s.link}
-    ops = {s.link: s.start for s in inside if s.kind == "op" and s.link}
+    launched, ops = _links(inside)
     out: dict[str, float] = defaultdict(float)
     for item in work:
-        at = launched.get(item.link) if item.link else None
-        if at is None and item.op:
-            at = ops.get(item.op)  # the operator that launched it, where the launch is unknown
-        holders = [] if at is None else [r for r in ranges if r.start <= at <= r.end]
-        # The innermost: the latest-starting range that holds the launch.
-        name = max(holders, key=lambda r: r.start).name if holders else "unattributed"
-        out[name] += (item.end - item.start) * 1e-3
+        holder = _holder(_launch_time(item, launched, ops), ranges)
+        out["unattributed" if holder is None else holder.name] += (item.end - item.start) * 1e-3
+    return dict(out)
+
+
+def _idle_by_range(inside: Sequence[Span], work: Sequence[Span]) -> dict[str, float]:
+    """The GPU's idle time inside the step (ms), each stretch with no work running charged to
+    the innermost range holding the launch of the work that ends it, named with its place
+    among the step's ranges of that name (``layer:kda#0`` is the step's first KDA layer):
+    where the GPU waited for the host's launches, in step order. ``"unattributed"`` as in
+    :func:`_by_range`."""
+    ranges = [s for s in inside if s.kind == "range" and s.name != STEP]
+    place: dict[int, int] = {}
+    seen: dict[str, int] = defaultdict(int)
+    for r in sorted(ranges, key=lambda r: r.start):
+        place[id(r)] = seen[r.name]
+        seen[r.name] += 1
+    launched, ops = _links(inside)
+    out: dict[str, float] = defaultdict(float)
+    ordered = sorted(work, key=lambda s: s.start)
+    reach = ordered[0].end if ordered else 0.0
+    for item in ordered[1:]:
+        if item.start > reach:
+            holder = _holder(_launch_time(item, launched, ops), ranges)
+            name = "unattributed" if holder is None else f"{holder.name}#{place[id(holder)]}"
+            out[name] += (item.start - reach) * 1e-3
+        reach = max(reach, item.end)
     return dict(out)
 
 
@@ -532,6 +576,19 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {block['kernel_ms_by_range'].get(name, 0.0):.3f} | "
             f"{fine['kernel_ms_by_range'].get(name, 0.0):.3f} |"
+        )
+    idle_block, idle_fine = (
+        block.get("gpu_idle_by_range_ms", {}),
+        fine.get("gpu_idle_by_range_ms", {}),
+    )
+    lines += [
+        "",
+        "| GPU idle inside the step (ms), by where the work after it was launched | block | fine |",
+        "|---|---|---|",
+    ]
+    for name in dict.fromkeys([*idle_block, *idle_fine]):  # in step order
+        lines.append(
+            f"| {name} | {idle_block.get(name, 0.0):.3f} | {idle_fine.get(name, 0.0):.3f} |"
         )
     lines += [
         "",

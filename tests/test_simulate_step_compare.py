@@ -7,7 +7,10 @@ count once), idle inside the step is the span from the first kernel's start to t
 end less busy, and the idle before and after are the gaps to the step's start and end; kernel
 time by category sums each kernel's own duration by the first category whose words its name
 holds; device time by range goes to the innermost host range that holds the work's launch.
-Block - fine divides each category's difference by the token difference.
+The idle time inside the step, by range: every stretch between the first kernel's start and the
+last one's end in which no work runs goes to the innermost range holding the launch of the work
+that starts after it, the range named with its place among the step's ranges of the same name
+(0 for the first). Block - fine divides each category's difference by the token difference.
 """
 
 from __future__ import annotations
@@ -83,6 +86,41 @@ def test_one_step_is_analysed_by_the_stated_rule() -> None:
     )
     assert out["phases_ms"]["schedule"] == pytest.approx(0.008)
     assert out["phases_ms"]["forward"] == pytest.approx(0.070)
+    # Idle 45-60 before the kernel launched at 50, 70-80 before the one whose operator started
+    # at 55 (both in forward), 85-86 before the one launched by nothing known.
+    assert out["gpu_idle_by_range_ms"] == pytest.approx({"forward#0": 0.025, "unattributed": 0.001})
+
+
+def test_idle_time_goes_to_the_layer_that_launched_the_work_after_it() -> None:
+    spans = [
+        Span("step", "range", 0.0, 100.0),
+        Span("forward", "range", 0.0, 100.0),
+        Span("layer:kda", "range", 10.0, 20.0),
+        Span("layer:mlp", "range", 20.0, 25.0),
+        Span("layer:kda", "range", 30.0, 40.0),
+        Span("cudaLaunchKernel", "launch", 11.0, 12.0, 1),
+        Span("cudaLaunchKernel", "launch", 21.0, 22.0, 2),
+        Span("cudaLaunchKernel", "launch", 31.0, 32.0, 3),
+        Span("cudaLaunchKernel", "launch", 32.0, 33.0, 4),
+        Span("k1", "work", 12.0, 15.0, 1),
+        Span("k2", "work", 26.0, 28.0, 2),  # after 11 idle, launched in the MLP
+        Span("k3", "work", 33.0, 50.0, 3),  # after 5 idle, launched in the second KDA layer
+        Span("k4", "work", 40.0, 45.0, 4),  # runs beside k3: no idle before it
+    ]
+    out = sc.analyse(spans)
+    assert out["gpu_idle_inside_ms"] == pytest.approx(0.016)
+    assert out["gpu_idle_by_range_ms"] == pytest.approx(
+        {"layer:mlp#0": 0.011, "layer:kda#1": 0.005}
+    )
+    report = {
+        "measure_round": 4,
+        "block": {"profiled": out | {"tokens": 3, "rows": 1}, "timed_wall_ms_p50": None},
+        "fine": {"profiled": out | {"tokens": 2, "rows": 1}, "timed_wall_ms_p50": None},
+        "difference": sc.compare(out | {"tokens": 3}, out | {"tokens": 2}),
+    }
+    text = sc.render(report)
+    assert "| layer:mlp#0 | 0.011 | 0.011 |" in text
+    assert text.index("| layer:kda#1 |") > text.index("| layer:mlp#0 |")
 
 
 def test_a_step_without_launches_or_work_and_spans_without_a_step() -> None:
@@ -151,6 +189,9 @@ def test_the_smoke_run_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[
             sum(step["kernel_ms_by_range"].values())
         )
         assert "unattributed" not in step["kernel_ms_by_range"]
+        assert sum(step["gpu_idle_by_range_ms"].values()) == pytest.approx(
+            step["gpu_idle_inside_ms"]
+        )
         assert len(report[name]["timed"]) == 2
     # Block computes more tokens of the round's request than fine (the smoke geometry's
     # block of 96 against a unit of 8).
