@@ -34,6 +34,7 @@ import torch
 from .backend import upload
 from .params import KDALayerParams
 from .plan import StatePlan
+from .reference import L2_EPS
 
 __all__ = ["DecodeInputs", "bind_decode_inputs", "kda_decode_triton", "one_token_rows"]
 
@@ -42,7 +43,6 @@ __all__ = ["DecodeInputs", "bind_decode_inputs", "kda_decode_triton", "one_token
 #: heads at TP8: 5.29 us a launch, against 5.65 at 32 rows and 4 warps).
 BLOCK_V = 16
 NUM_WARPS = 2
-L2_EPS = 1e-6
 
 
 def one_token_rows(plan: StatePlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -95,11 +95,7 @@ def bind_decode_inputs(
     if other:
         raise ValueError("only a plan of one-token rows has bound decode inputs")
     inputs = DecodeInputs(token, initial, running)
-    plan.derived(("kda-decode", device, single), functools.partial(_same, inputs))
-
-
-def _same(value: DecodeInputs) -> DecodeInputs:
-    return value
+    plan.derived(("kda-decode", device, single), lambda: inputs)
 
 
 @functools.cache
