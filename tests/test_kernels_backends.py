@@ -318,6 +318,57 @@ def test_gpu_backend_classes_execute_plans_like_the_reference(name, gate):
     assert max_difference(got.conv, expected.conv) == 0.0
 
 
+class ScratchRecordingOps(FakeFlashKDAOps):
+    """The fake op, recording each size query and each call's workspace (address, bytes)."""
+
+    def __init__(self):
+        self.size_queries = []
+        self.workspaces = []
+        self.checking = False
+
+    def get_workspace_size(self, tokens, heads, sequences):
+        if not self.checking:  # not the fake's own check inside fwd
+            self.size_queries.append((tokens, heads, sequences))
+        return super().get_workspace_size(tokens, heads, sequences)
+
+    def fwd(self, q, k, v, g, beta, scale, out, workspace, *args):
+        self.workspaces.append((workspace.data_ptr(), workspace.numel()))
+        self.checking = True
+        try:
+            super().fwd(q, k, v, g, beta, scale, out, workspace, *args)
+        finally:
+            self.checking = False
+
+
+def test_flashkda_op_sizes_its_workspace_once_a_shape_and_allocates_only_to_grow():
+    ops = ScratchRecordingOps()
+    backend = GPU_BACKENDS["flashkda-op"]()
+    backend._ops = ops
+    params = make_params(heads=2, key_dim=8, seed=41)
+    size = FakeFlashKDAOps().get_workspace_size
+
+    def layer(lengths):  # one KDA layer's call: one row, no checkpoint, so one op call
+        initial, running, planned, num_blocks = scenario(lengths, [[]], [False], params)
+        batch = make_batch(params, sum(lengths), seed=42)
+        cache = make_cache(params, num_blocks)
+        prefill(backend, params, cache, batch, lengths, initial, running, planned)
+
+    for _ in range(3):  # three layers of one step
+        layer([40])
+    layer([72])  # a larger step: the workspace grows
+    layer([24])  # a smaller one reuses the larger allocation
+    layer([24])
+    # Every call gets exactly the size the op asks for (FakeFlashKDAOps asserts it), asked
+    # once each time the shape changes, never again for the same shape.
+    assert [n for _, n in ops.workspaces] == [size(40, 2, 1)] * 3 + [size(72, 2, 1)] + [
+        size(24, 2, 1)
+    ] * 2
+    assert ops.size_queries == [(40, 2, 1), (72, 2, 1), (24, 2, 1)]
+    addresses = [address for address, _ in ops.workspaces]
+    assert addresses[0] == addresses[1] == addresses[2]
+    assert addresses[4] == addresses[5] == addresses[3]
+
+
 def test_flashkda_op_skips_an_unaligned_offset_silently_so_the_plan_check_refuses_it():
     ops = FakeFlashKDAOps()
     batch = make_batch(make_params(heads=2, key_dim=8), 40)

@@ -36,6 +36,7 @@ from prefixcache.models import (
     ModelCaches,
     ModelConfig,
     paged_causal_attention,
+    rms_norm,
 )
 
 BLOCK = 16
@@ -295,6 +296,55 @@ def test_attention_on_the_gpu_equals_the_reference() -> None:
     ours, reference = _attention_case(torch.device("cuda"), torch.bfloat16)
     ours_host = ours.float().cpu().numpy()
     assert relative_difference(ours_host, reference.float().cpu().numpy()) <= 2e-2
+
+
+def _rms_norm_case(
+    device: torch.device, dtype: torch.dtype, tokens: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of very different scales (one all zero), a weight far from one, and the norm each
+    row should get: ``x / sqrt(mean(x^2) + eps) * weight`` in float64, from the inputs as
+    rounded to ``dtype``."""
+    generator = torch.Generator().manual_seed(7)
+    scale = torch.logspace(-3, 3, tokens, dtype=torch.float64).unsqueeze(1)
+    x = (torch.randn(tokens, width, generator=generator, dtype=torch.float64) * scale).to(dtype)
+    x[tokens // 2] = 0
+    weight = (0.5 + torch.rand(width, generator=generator, dtype=torch.float64)).to(dtype)
+    exact = x.double() / torch.sqrt((x.double() ** 2).mean(-1, keepdim=True) + EPS_NORM)
+    return x.to(device), weight.to(device), exact * weight.double()
+
+
+EPS_NORM = 1e-6
+#: The most a norm rounded once to each dtype may differ from the float64 one, relative to it
+#: (a bfloat16 result within one of its ulps, 2^-7 of the value at most).
+NORM_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2.0**-7}
+
+
+def _check_rms_norm(device: torch.device, dtype: torch.dtype, tokens: int, width: int) -> None:
+    x, weight, expected = _rms_norm_case(device, dtype, tokens, width)
+    result = rms_norm(x, weight, EPS_NORM)
+    assert result.dtype == dtype and result.shape == x.shape
+    error = (result.double().cpu() - expected).abs()
+    assert bool((error <= NORM_TOLERANCE[dtype] * expected.abs() + 1e-300).all())
+    assert not bool(result[tokens // 2].any())  # a zero row stays zero (eps, no NaN)
+    # A row's norm does not depend on the rows batched with it: the output check's runs
+    # (block, fine, no cache) put a token in steps of different sizes and compare bit for bit.
+    for row in (0, tokens // 3, tokens - 1):
+        assert torch.equal(rms_norm(x[row : row + 1], weight, EPS_NORM)[0], result[row])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_formula_rounded_once_and_row_by_row(dtype: torch.dtype) -> None:
+    _check_rms_norm(torch.device("cpu"), dtype, tokens=37, width=96)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_on_the_gpu_is_the_formula_rounded_once_and_row_by_row(
+    dtype: torch.dtype,
+) -> None:
+    # The Kimi-K3 proxy's hidden width at a seed prefill's token count.
+    _check_rms_norm(torch.device("cuda"), dtype, tokens=2087, width=7168)
 
 
 def test_greedy_sampling_takes_the_argmax() -> None:

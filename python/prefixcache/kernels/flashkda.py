@@ -242,6 +242,29 @@ class FlashKDAOpBackend(_SegmentedFlashKDA):
         self.checkpoint_alignment = FLASHKDA_CHUNK
         self.max_checkpoints_per_step = None
 
+    # The op's scratch memory, kept between calls: every KDA layer of a step asks for the same
+    # size, so a step sizes it once and allocates it at most once (calls run in stream order on
+    # one device, so none can overwrite another's scratch while it runs).
+    _workspace_key: tuple[int, int, int] | None = None
+    _workspace_size = 0
+    _workspace: torch.Tensor | None = None
+
+    def _scratch(self, q: torch.Tensor, sequences: int) -> torch.Tensor:
+        """A uint8 workspace of at least the size the op needs for ``q`` and ``sequences``."""
+        key = (q.shape[0] * q.shape[1], q.shape[2], sequences)
+        if key != self._workspace_key:
+            self._workspace_size = int(self._ops.get_workspace_size(*key))
+            self._workspace_key = key
+        workspace = self._workspace
+        if (
+            workspace is None
+            or workspace.numel() < self._workspace_size
+            or workspace.device != q.device
+        ):
+            workspace = torch.empty(self._workspace_size, dtype=torch.uint8, device=q.device)
+            self._workspace = workspace
+        return workspace[: self._workspace_size]
+
     def _run(
         self,
         q: torch.Tensor,
@@ -260,9 +283,7 @@ class FlashKDAOpBackend(_SegmentedFlashKDA):
         checkpoint_state: torch.Tensor | None = None,
         checkpoint_offsets: torch.Tensor | None = None,
     ) -> None:
-        sequences = cu_seqlens.shape[0] - 1
-        size = int(self._ops.get_workspace_size(q.shape[0] * q.shape[1], q.shape[2], sequences))
-        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+        workspace = self._scratch(q, cu_seqlens.shape[0] - 1)
         self._ops.fwd(
             q, k, v, g, beta, float(scale), out, workspace, A_log, dt_bias, float(lower_bound),
             initial_state, final_state, cu_seqlens, checkpoint_state, checkpoint_offsets,
