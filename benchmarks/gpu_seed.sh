@@ -60,6 +60,7 @@ set -uo pipefail
 budget=${BUDGET:-585}
 device_dir=$(cd "${DEVICE_DIR:-.device}" && pwd)
 out=${OUT:?set OUT to the results folder}
+mkdir -p "$out"
 depth=${DEPTH:-2}
 site=${SITE:-/tmp/prefixcache-site}
 mkdir -p "$site"

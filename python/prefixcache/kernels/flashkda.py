@@ -136,15 +136,19 @@ class _SegmentedFlashKDA(KDABackend):
         beta = beta.to(q.dtype).contiguous()
         single, other = one_token_rows(plan)
         out = torch.empty_like(v)
-        if single:
-            # run_prefill has checked the layer's tensors, check_layer its K = V = 128.
-            kda_decode_triton(q, k, v, g, beta, params, recurrent, plan, out, checked=True)
         if other:
             rounds = plan_rounds(plan, per_call=self.checkpoints_per_call, rows=other)
             run_rounds(
                 plan, rounds, q, k, v, g, beta, recurrent,
                 lambda batch: self._call(params, batch), out=out,
             )  # fmt: skip
+        if single:
+            # After the rounds: the decode kernel's launch (host work) then overlaps the
+            # recurrence's GPU work instead of delaying its start. The two touch disjoint rows
+            # and slots (the plan check: no slot a step writes is one it reads), so either
+            # order gives the same results. run_prefill has checked the layer's tensors,
+            # check_layer its K = V = 128.
+            kda_decode_triton(q, k, v, g, beta, params, recurrent, plan, out, checked=True)
         return out
 
 

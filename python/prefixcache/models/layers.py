@@ -45,7 +45,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     prefill sizes: docs/BENCHMARKS.md). ``weight`` takes ``x``'s dtype first (the fused kernel
     needs the two to agree).
     """
-    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+    if weight.dtype != x.dtype:  # a no-op .to still costs a call on the host, every layer
+        weight = weight.to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def paged_causal_attention(
@@ -259,12 +261,15 @@ class KDALayer:
             gate = F.linear(gate, self.gate_up)
         gate = gate.view(tokens, heads, dim)
         beta = F.linear(x, self.beta)
+        # Launched before the kernel layer, whose host work (two Triton launches and the
+        # recurrence's) is the longest stretch of a layer without GPU work of its own: the
+        # output gate's projections are more work queued for the GPU meanwhile.
+        out_gate = F.linear(F.linear(x, self.out_gate_down), self.out_gate_up)
         if timer is None:
             o = run_prefill(backend, x_qkv, gate, beta, self.params, cache, plan)
         else:
             with timer.measure():
                 o = run_prefill(backend, x_qkv, gate, beta, self.params, cache, plan)
-        out_gate = F.linear(F.linear(x, self.out_gate_down), self.out_gate_up)
         o = rms_norm(o, self.out_norm, self.rms_eps) * torch.sigmoid(
             out_gate.view(tokens, heads, dim)
         )
