@@ -296,7 +296,9 @@ def spans_from_profile(events: Any, device: str) -> list[Span]:
         name = event.name
         on_device = event.device_type != DeviceType.CPU
         if on_device:
-            if device == "cuda":
+            # The profiler mirrors each host range onto the GPU's timeline (a user annotation
+            # spanning the kernels launched inside it): not work of the device's own.
+            if device == "cuda" and name not in ranges:
                 op = int(getattr(event, "linked_correlation_id", 0) or 0)
                 spans.append(Span(name, "work", start, end, int(event.id), op))
             continue

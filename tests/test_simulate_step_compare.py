@@ -132,6 +132,48 @@ def test_a_step_without_launches_or_work_and_spans_without_a_step() -> None:
         sc.analyse([Span("forward", "range", 0.0, 1.0)])
 
 
+def test_profile_events_become_spans_and_ranges_mirrored_on_the_gpu_are_not_work() -> None:
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType  # type: ignore[attr-defined]
+
+    def event(name, device_type, start, end, id_=0, linked=0, parent=None):
+        return SimpleNamespace(
+            name=name,
+            device_type=device_type,
+            time_range=SimpleNamespace(start=start, end=end),
+            id=id_,
+            linked_correlation_id=linked,
+            cpu_parent=parent,
+        )
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        event("step", cpu, 0, 100),
+        event("layer:kda", cpu, 10, 40),
+        event("aten::mm", cpu, 11, 20, 7),
+        event("cudaLaunchKernel", cpu, 12, 13, 8),
+        # On the GPU: the kernel, and the ranges the profiler mirrors there (they span it).
+        event("nvjet_sm90_gemm", gpu, 30, 60, 8, 7),
+        event("layer:kda", gpu, 30, 60),
+        event("step", gpu, 30, 60),
+    ]
+    spans = sc.spans_from_profile(events, "cuda")
+    assert [s for s in spans if s.kind == "work"] == [
+        Span("nvjet_sm90_gemm", "work", 30.0, 60.0, 8, 7)
+    ]
+    assert {(s.name, s.kind) for s in spans} == {
+        ("step", "range"),
+        ("layer:kda", "range"),
+        ("aten::mm", "op"),
+        ("cudaLaunchKernel", "launch"),
+        ("nvjet_sm90_gemm", "work"),
+    }
+    result = sc.analyse(spans)
+    assert result["gpu_busy_ms"] == pytest.approx(0.030)
+    assert result["kernel_ms_by_range"] == {"layer:kda": pytest.approx(0.030)}
+
+
 def test_block_minus_fine_per_token() -> None:
     block = sc.analyse(_step(scale=3.0)) | {"tokens": 300}
     fine = sc.analyse(_step()) | {"tokens": 200}
