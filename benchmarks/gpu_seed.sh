@@ -27,7 +27,11 @@
 #      GPU-side spin (--layers-backlog): the step's layers time without waits for the host;
 #   9. benchmarks/gpu_uploads.py: the host time of a step's index uploads (a pageable
 #      non-blocking copy, as to_device makes them, against one through pinned memory), GPU idle
-#      and busy.
+#      and busy;
+#   h. the host's side of a prefill step: benchmarks/gpu_host_profile.py (a KDA + MLP group's
+#      host time by function against its GPU work, at fine's and block's p50 prefill tokens),
+#      benchmarks/gpu_op_sync.py (the FlashKDA op's host time a call) and gpu_norms.py (about
+#      40 s in all).
 #
 # The figures of docs/BENCHMARKS.md (2026-12-02 12:54: both orders, counterbalanced passes,
 # 2 x 190 to 205 s, with stage 9; KDA GPU work is stage 8, about 175 s, a call of its own):
@@ -119,6 +123,15 @@ seed=(--preset seed "${common[@]}" ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${W
     ${REPEATS:+--repeats "$REPEATS"})
 # shellcheck disable=SC2206  # SEED_ARGS="--no-overlap ...": more options of the seed runs
 seed+=(${SEED_ARGS:-})
+run h && say "h. the host's side of a prefill step"
+run h && for tokens in 2087 2727; do
+timeout 60 python3 benchmarks/gpu_host_profile.py --tokens "$tokens" \
+    --json "$out/host_profile_$tokens.json" 2>>"$errors" | head -30 | tee -a "$log"
+done
+run h && timeout 60 python3 benchmarks/gpu_op_sync.py --json "$out/op_host.json" 2>>"$errors" \
+    | tee -a "$log"
+run h && timeout 60 python3 benchmarks/gpu_norms.py --json "$out/norms.json" 2>>"$errors" \
+    | tee -a "$log"
 run 9 && say "9. host-to-device uploads"
 run 9 && timeout 60 python3 benchmarks/gpu_uploads.py --json "$out/uploads.json" 2>>"$errors" \
     | tee -a "$log"

@@ -10,7 +10,8 @@ times narrower, for the CPU). Its KDA layers run through the kernel layer
 (:mod:`prefixcache.kernels`: short conv + KDA recurrence, reading and writing a ``StateCache`` at
 the slots of the step plan, checkpoints included); its attention layer writes and reads a paged
 KV cache through ``slot_mapping`` and block tables (on CUDA, decode rows through the Triton paged
-decode kernel, which reads the blocks in place). Nothing bypasses a cache: a wrong block id, a
+decode kernel, which reads the blocks in place); its RMS norms are torch's fused one (one
+kernel on CUDA). Nothing bypasses a cache: a wrong block id, a
 stale checkpoint or a missed copy-on-write changes the logits.
 
 What it represents: the cache traffic of a hybrid model (which states and blocks a step reads
