@@ -10,9 +10,9 @@ times narrower, for the CPU). Its KDA layers run through the kernel layer
 (:mod:`prefixcache.kernels`: short conv + KDA recurrence, reading and writing a ``StateCache`` at
 the slots of the step plan, checkpoints included); its attention layer writes and reads a paged
 KV cache through ``slot_mapping`` and block tables (on CUDA, decode rows through the Triton paged
-decode kernel, which reads the blocks in place); its RMS norms are torch's fused one (one
-kernel on CUDA). Nothing bypasses a cache: a wrong block id, a
-stale checkpoint or a missed copy-on-write changes the logits.
+decode kernel, which reads the blocks in place); its RMS norms are torch's fused one (one kernel
+on CUDA). Nothing bypasses a cache: a wrong block id, a stale checkpoint or a missed
+copy-on-write changes the logits.
 
 What it represents: the cache traffic of a hybrid model (which states and blocks a step reads
 and writes, in which order), the exact numerics of resuming a recurrent state from a checkpoint,
