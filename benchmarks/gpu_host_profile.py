@@ -20,16 +20,14 @@ import argparse
 import cProfile
 import json
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_layers import kda_plans
+from gpu_layers import BACKLOG_CYCLES, host_ms, kda_plans
 
 
 def main(argv: list[str]) -> int:
@@ -56,36 +54,29 @@ def main(argv: list[str]) -> int:
         h = x + kda.forward(rms_norm(x, model.mixer_norms[0], eps), model.backend, state, plan)
         return h + mlp.forward(rms_norm(h, model.mlp_norms[0], eps))
 
-    def behind_spin(rounds: int, profiler: cProfile.Profile | None = None) -> list[float]:
-        """Host us a group in each of ``rounds`` rounds of ``--calls`` groups behind a spin."""
-        times = []
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(int(2e8))  # type: ignore[no-untyped-call]  # ~0.1 s of spin
-            if profiler is not None:
-                profiler.enable()
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                group()
-            times.append((time.perf_counter() - start) / args.calls * 1e6)
-            if profiler is not None:
-                profiler.disable()
-        torch.cuda.synchronize()
-        return times
+    def groups() -> None:
+        for _ in range(args.calls):
+            group()
+
+    profiler = cProfile.Profile()
+
+    def profiled_groups() -> None:
+        profiler.enable()
+        groups()
+        profiler.disable()
 
     rounds = 5
     with torch.inference_mode():
         for _ in range(3):
             group()
-        plain_us = statistics.median(behind_spin(rounds))
-        profiler = cProfile.Profile()
-        behind_spin(rounds, profiler)
+        # Host time behind a spin (gpu_layers.host_ms): the launches of --calls groups, a round.
+        plain_us = host_ms(groups, device, rounds, backlog=True) * 1e3 / args.calls
+        host_ms(profiled_groups, device, rounds, backlog=True)
         start_event = torch.cuda.Event(enable_timing=True)
         end_event = torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(2e8))  # type: ignore[no-untyped-call]
+        torch.cuda._sleep(BACKLOG_CYCLES)  # type: ignore[no-untyped-call]
         start_event.record()
-        for _ in range(args.calls):
-            group()
+        groups()
         end_event.record()
         torch.cuda.synchronize()
         gpu_us = start_event.elapsed_time(end_event) / args.calls * 1e3

@@ -187,12 +187,25 @@ def kernel_breakdown(fn: Callable[[], object], calls: int = 5) -> list[dict[str,
     return sorted(rows, key=lambda row: -row["us_per_call"])
 
 
-def host_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median host time of one call in ms (launches only: the GPU is drained before each)."""
+#: A GPU-side spin of about 0.1 s at an H100's or H200's clock: longer than any call timed here.
+BACKLOG_CYCLES = 200_000_000
+
+
+def host_ms(
+    fn: Callable[[], object], device: torch.device, reps: int, *, backlog: bool = False
+) -> float:
+    """Median host time of one call in ms (launches only: the GPU is drained before each).
+
+    With ``backlog`` each call starts behind a GPU-side spin of :data:`BACKLOG_CYCLES`, so a
+    call that waits for the GPU takes the spin's time (tens of ms) and one that only queues
+    work takes its own host time; ``fn`` may launch many steps' worth of work (up to CUDA's
+    queue of pending launches, about a thousand, past which a launch blocks)."""
     times = []
     for _ in range(reps):
         if device.type == "cuda":
             torch.cuda.synchronize()
+            if backlog:
+                torch.cuda._sleep(BACKLOG_CYCLES)  # type: ignore[no-untyped-call]
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)

@@ -30,8 +30,9 @@
 #      and busy;
 #   h. the host's side of a prefill step: benchmarks/gpu_host_profile.py (a KDA + MLP group's
 #      host time by function against its GPU work, at fine's and block's p50 prefill tokens),
-#      benchmarks/gpu_op_sync.py (the FlashKDA op's host time a call) and gpu_norms.py (about
-#      40 s in all).
+#      benchmarks/gpu_op_host.py (the FlashKDA op's host time a call), gpu_norms.py and
+#      gpu_step_profile.py (whole steps' host and GPU time, and any call inside a step's forward
+#      that waits for the GPU; about 2 minutes in all).
 #
 # The figures of docs/BENCHMARKS.md (2026-12-02 12:54: both orders, counterbalanced passes,
 # 2 x 190 to 205 s, with stage 9; KDA GPU work is stage 8, about 175 s, a call of its own):
@@ -128,10 +129,12 @@ run h && for tokens in 2087 2727; do
 timeout 60 python3 benchmarks/gpu_host_profile.py --tokens "$tokens" \
     --json "$out/host_profile_$tokens.json" 2>>"$errors" | head -30 | tee -a "$log"
 done
-run h && timeout 60 python3 benchmarks/gpu_op_sync.py --json "$out/op_host.json" 2>>"$errors" \
+run h && timeout 60 python3 benchmarks/gpu_op_host.py --json "$out/op_host.json" 2>>"$errors" \
     | tee -a "$log"
 run h && timeout 60 python3 benchmarks/gpu_norms.py --json "$out/norms.json" 2>>"$errors" \
     | tee -a "$log"
+run h && timeout 120 python3 benchmarks/gpu_step_profile.py --depth "$depth" \
+    --json "$out/step_profile.json" 2>>"$errors" | tail -12 | tee -a "$log"
 run 9 && say "9. host-to-device uploads"
 run 9 && timeout 60 python3 benchmarks/gpu_uploads.py --json "$out/uploads.json" 2>>"$errors" \
     | tee -a "$log"

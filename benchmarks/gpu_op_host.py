@@ -1,41 +1,45 @@
 #!/usr/bin/env python3
 """The host time of one FlashKDA op call, and whether the call waits for the GPU.
 
-One call of ``torch.ops._flashkda_C.fwd`` over one sequence of ``--tokens`` (12 heads of 128,
-bf16, fp32 states), launched behind a GPU-side spin of about 0.1 s: a call that returns after
-the spin (tens of ms) waited for the GPU; one that returns before it queued its work, and its
-time is the host work of the call itself (what a prefill step's GPU waits for when the work
-queued before the call runs out first). Variants: varlen (``cu_seqlens`` ``[0, T]`` on the
-device, as the backend calls it), the same with a checkpoint, and batch mode (``q`` ``[1, T, H,
-K]``, no ``cu_seqlens``), with and without a checkpoint. Each variant's outputs, final and
-checkpoint states are compared with the varlen call's.
+One call of ``torch.ops._flashkda_C.fwd`` over one sequence of ``--tokens`` (the Kimi-K3 proxy's
+12 heads of 128 a GPU, bf16, fp32 states), launched behind a GPU-side spin of about 0.1 s
+(``gpu_layers.host_ms`` with a backlog): a call that returns after the spin (tens of ms) waited
+for the GPU; one that returns before it queued its work, and its time is the host work of the
+call itself (what a prefill step's GPU waits for when the work queued before the call runs out
+first). Variants: varlen (``cu_seqlens`` ``[0, T]`` on the device, as the backend calls it), the
+same with a checkpoint, and batch mode (``q`` ``[1, T, H, K]``, no ``cu_seqlens``), with and
+without a checkpoint. Each variant's outputs, final and checkpoint states are compared with the
+varlen call's.
 
-    PREFIXCACHE_FLASHKDA_LIB=<_flashkda_C.abi3.so> python3 benchmarks/gpu_op_sync.py
+    PREFIXCACHE_FLASHKDA_LIB=<_flashkda_C.abi3.so> python3 benchmarks/gpu_op_host.py
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_layers import host_ms
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     from prefixcache.kernels.flashkda import load_flashkda_op
+    from prefixcache.models import ModelConfig
 
     ops = load_flashkda_op()
     device = torch.device("cuda")
-    t, h, d = args.tokens, args.heads, 128
+    config = ModelConfig.kimi_k3_tp8()  # its KDA heads and head width, per GPU
+    t, h, d = args.tokens, config.kda_heads, config.kda_head_dim
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -80,16 +84,9 @@ def main(argv: list[str]) -> int:
         torch.cuda.synchronize()
         reference.setdefault(checkpoint, first)
         same = all(torch.equal(a, b) for a, b in zip(first, reference[checkpoint], strict=True))
-        hosts = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(int(2e8))  # type: ignore[no-untyped-call]
-            start = time.perf_counter()
-            call(varlen, checkpoint)
-            hosts.append((time.perf_counter() - start) * 1e6)
-            torch.cuda.synchronize()
-        results[name] = {"host_us": statistics.median(hosts), "equal_to_varlen": same}
-        print(f"{name:<20} host {statistics.median(hosts):10.1f} us a call   equal: {same}")
+        host = host_ms(lambda v=varlen, c=checkpoint: call(v, c), device, 5, backlog=True) * 1e3
+        results[name] = {"host_us": host, "equal_to_varlen": same}
+        print(f"{name:<20} host {host:10.1f} us a call   equal: {same}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(results, handle, separators=(",", ":"))
