@@ -75,6 +75,34 @@ def test_triton_conv_equals_the_torch_conv(dtype, splits):
     assert torch.isnan(got_cache[untouched]).all()
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_a_column_slice_of_a_wider_tensor_is_read_where_it_lies(dtype):
+    """The KDA layer hands the convolution ``q|k|v`` as columns of its merged input projection:
+    rows one ``stride(0)`` apart, wider than the channels. The results, outputs and windows,
+    are those of the same values packed contiguously, bit for bit; the columns beside the slice
+    (filled with NaN) are never read."""
+    params = make_params(heads=2, key_dim=8, seed=17)
+    plan = state_plan(LENGTHS, INITIAL, RUNNING, CHECKPOINTS, SLOTS)
+    x = make_batch(params, sum(LENGTHS), seed=18, dtype=dtype).x.to(DEVICE)
+    channels = x.shape[1]
+    wide = torch.full((x.shape[0], channels + 13), float("nan"), dtype=dtype, device=DEVICE)
+    wide[:, 5 : 5 + channels] = x
+    sliced = wide[:, 5 : 5 + channels]
+    assert not sliced.is_contiguous() and sliced.stride() == (channels + 13, 1)
+    packed_cache = conv_cache(params, SLOTS, dtype, INITIAL)
+    sliced_cache = packed_cache.clone()
+    packed = conv_triton.causal_conv_triton(x, params, packed_cache, plan, (16, 16, 16))
+    got = conv_triton.causal_conv_triton(sliced, params, sliced_cache, plan, (16, 16, 16))
+    for a, b in zip(got, packed, strict=True):
+        assert a.is_contiguous() and torch.equal(a, b)
+    assert torch.allclose(sliced_cache, packed_cache, rtol=0, atol=0, equal_nan=True)
+    torch_cache = conv_cache(params, SLOTS, dtype, INITIAL)
+    by_torch = conv.causal_conv(sliced, params, torch_cache, plan, (16, 16, 16))
+    rtol = 1e-12 if dtype == F64 else 1e-5
+    for a, b in zip(got, by_torch, strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol)
+
+
 @pytest.mark.parametrize(
     "lengths",
     [
@@ -167,8 +195,10 @@ def test_bad_arguments_are_refused():
     plan = state_plan([6], [-1], [0], [[]], 2)
     cache = conv_cache(params, 2, F64, [])
     x = make_batch(params, 6, seed=14).x.to(DEVICE)
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="contiguous rows"):
         conv_triton.causal_conv_triton(x.t().contiguous().t(), params, cache, plan)
+    with pytest.raises(ValueError, match="contiguous conv"):
+        conv_triton.causal_conv_triton(x, params, cache.transpose(1, 2).contiguous().transpose(1, 2), plan)
     with pytest.raises(ValueError, match="1 to 3 sizes"):
         conv_triton.causal_conv_triton(x, params, cache, plan, splits=(12, 12, 12, 12))
     backend = kernels.TorchBackend(1)

@@ -23,9 +23,11 @@ from prefixcache.kernels import (
     KernelPlanError,
     PagedKVCache,
     PagedStep,
+    StateCache,
     StateStep,
     Step,
     TorchBackend,
+    kda_prefill,
     paged_attention,
 )
 from prefixcache.models import (
@@ -480,6 +482,72 @@ def test_the_multiply_adds_per_token_are_the_layers_weights() -> None:
     assert macs["attention"] == attention.qkv.numel() + attention.out.numel()
     assert macs["mlp"] == model.mlps[0].gate_up.numel() + model.mlps[0].down.numel()
     assert macs["stack"] == 3 * macs["kda"] + macs["attention"] + 4 * macs["mlp"]
+
+
+@pytest.mark.parametrize("full_rank_gate", [True, False])
+def test_a_kda_layer_projects_its_input_as_four_separate_projections_would(
+    full_rank_gate: bool,
+) -> None:
+    """The layer runs its four input projections (q|k|v, gate, beta, the output gate's down
+    projection) as one GEMM over one stacked matrix. Stated here without it: the same matrices
+    drawn one by one, in Kimi's order, from the same seed, each applied by its own product (the
+    kernel layer given packed copies), give the layer's output and caches (float64)."""
+    config = ModelConfig.kimi_k3_tp8(1, divisor=32)
+    if not full_rank_gate:
+        config = ModelConfig.tiny(seed=5)
+    assert config.kda_full_rank_gate == full_rank_gate
+    layer = KDALayer.random(
+        config,
+        torch.Generator().manual_seed(11),
+        0.5,
+        params_generator=torch.Generator().manual_seed(12),
+    ).to(torch.device("cpu"), torch.float64)
+    d, heads, dim = config.hidden_size, config.kda_heads, config.kda_head_dim
+    generator = torch.Generator().manual_seed(11)
+
+    def draw(rows: int, columns: int) -> torch.Tensor:
+        return (torch.randn(rows, columns, generator=generator) / columns**0.5).double()
+
+    qkv = draw(3 * heads * dim, d)
+    gate_down = draw(heads * dim if full_rank_gate else dim, d)
+    gate_up = None if full_rank_gate else draw(heads * dim, dim)
+    beta = draw(heads, d)
+    out_gate_down, out_gate_up = draw(dim, d), draw(heads * dim, dim)
+    out = draw(d, heads * dim) * 0.5
+    backend = TorchBackend(chunk_size=8)
+    lengths, initial, running = [37, 1, 20], [-1, 0, -1], [1, 2, 3]
+    loc = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    x = torch.randn(int(loc[-1]), d, generator=torch.Generator().manual_seed(13)).double()
+    caches = []
+    for _ in range(2):
+        cache = StateCache.for_layer(
+            layer.params, 6, conv_dtype=torch.float64, state_dtype=torch.float64
+        )
+        cache.conv[0].normal_(generator=torch.Generator().manual_seed(14))
+        cache.recurrent[0].normal_(generator=torch.Generator().manual_seed(15))
+        caches.append(cache)
+    plan = backend.check_plan(
+        query_start_loc=loc,
+        initial_slot=initial,
+        running_slot=running,
+        checkpoint_offsets=[[16], [0], [0]],
+        checkpoint_slots=[[4], [-1], [-1]],
+        num_slots=6,
+        num_tokens=int(loc[-1]),
+    )
+    got = layer.forward(x, backend, caches[0], plan)
+
+    gate = x @ gate_down.T if gate_up is None else (x @ gate_down.T) @ gate_up.T
+    o = kda_prefill(
+        backend, x @ qkv.T, gate.view(-1, heads, dim), x @ beta.T, layer.params, caches[1],
+        loc, initial, running, [[16], [0], [0]], [[4], [-1], [-1]],
+    )  # fmt: skip
+    o = o / (o.pow(2).mean(-1, keepdim=True) + config.rms_eps).sqrt()
+    o = o * torch.sigmoid(((x @ out_gate_down.T) @ out_gate_up.T).view(-1, heads, dim))
+    expected = o.reshape(x.shape[0], -1) @ out.T
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    for a, b in ((caches[0].conv, caches[1].conv), (caches[0].recurrent, caches[1].recurrent)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 def test_model_names_choose_the_size_and_depth() -> None:

@@ -108,8 +108,9 @@ class KDABackend(ABC):
     ) -> torch.Tensor:
         """Run the recurrence over a packed batch and store the states the plan asks for.
 
-        ``q``, ``k`` ``[T, H, K]`` and ``v`` ``[T, H, V]`` are post-conv and contiguous, ``g``
-        ``[T, H, K]`` is the raw gate input and ``beta`` ``[T, H]`` the raw beta logits.
+        ``q``, ``k`` ``[T, H, K]`` and ``v`` ``[T, H, V]`` are post-conv, ``g`` ``[T, H, K]`` is
+        the raw gate input and ``beta`` ``[T, H]`` the raw beta logits, all five contiguous
+        (``run_prefill`` makes them so).
         ``recurrent`` is the ``StateCache.recurrent`` tensor; ``plan`` was validated by this
         backend. Reads every row's initial state before writing any slot, writes each
         checkpoint's state and then each running state, and touches no other slot.

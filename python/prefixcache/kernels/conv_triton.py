@@ -89,7 +89,7 @@ def _kernels() -> Any:
     def conv_kernel(  # type: ignore[no-untyped-def]
         x_ptr, cache_ptr, w_ptr, out0_ptr, out1_ptr, out2_ptr,
         qsl_ptr, initial_ptr, cut_row_ptr, cut_offset_ptr, cut_slot_ptr,
-        rows, tokens, channels, split1, split2, token_blocks,
+        rows, tokens, channels, x_stride, split1, split2, token_blocks,
         WIDTH: tl.constexpr, ACTIVATION: tl.constexpr, COMPUTE_F64: tl.constexpr,
         SEARCH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
@@ -125,7 +125,7 @@ def _kernels() -> Any:
                 from_batch = in_batch & (source >= 0)
                 from_window = in_batch & (source < 0) & (slot >= 0)
                 batch_value = tl.load(
-                    x_ptr + (token - history + j)[:, None] * channels + channel[None, :],
+                    x_ptr + (token - history + j)[:, None] * x_stride + channel[None, :],
                     mask=from_batch[:, None] & in_channels[None, :],
                     other=0.0,
                 )
@@ -178,7 +178,7 @@ def _kernels() -> Any:
             for k in tl.static_range(WIDTH - 1):
                 w_source = w_offset - w_history + k
                 w_batch_value = tl.load(
-                    x_ptr + (w_start + w_source) * channels + w_channel,
+                    x_ptr + (w_start + w_source) * x_stride + w_channel,
                     mask=w_in_channels & ((w_channel * 0 + w_source) >= 0),
                     other=0.0,
                 )
@@ -258,12 +258,17 @@ def causal_conv_triton(
 ) -> list[torch.Tensor]:
     """``conv.causal_conv`` (same arguments, same results to rounding) in one Triton launch.
 
-    ``x`` and ``conv_cache`` must be contiguous; at most three splits.
+    ``x``'s rows must be contiguous (its channels one after the other) but may lie apart: a
+    column slice of a wider projection's output is read where it lies, without a copy. The
+    conv cache must be contiguous; at most three splits.
     """
     num_tokens, channels, history = check_conv_inputs(x, params, conv_cache, plan)
     width = params.conv_width
-    if not (x.is_contiguous() and conv_cache.is_contiguous()):
-        raise ValueError("the Triton conv needs a contiguous x and conv cache")
+    if not ((x.stride(1) == 1 or channels == 1) and conv_cache.is_contiguous()):
+        raise ValueError(
+            "the Triton conv needs x with contiguous rows (channel stride 1) and a contiguous "
+            f"conv cache, got x strides {tuple(x.stride())}"
+        )
     split_sizes = [channels] if splits is None else list(splits)
     if sum(split_sizes) != channels or not 1 <= len(split_sizes) <= 3:
         raise ValueError(f"splits {split_sizes} must be 1 to 3 sizes adding up to {channels}")
@@ -285,7 +290,7 @@ def causal_conv_triton(
         _kernels()[(token_blocks + windows, -(-channels // BLOCK_C))](
             x, conv_cache, weight, *padded, index.query_start_loc, index.initial,
             index.cut_rows, index.cut_offsets, index.cut_slots,
-            rows, num_tokens, channels, split1, split2, token_blocks,
+            rows, num_tokens, channels, x.stride(0), split1, split2, token_blocks,
             WIDTH=width, ACTIVATION=params.conv_activation == "silu",
             COMPUTE_F64=x.dtype == torch.float64, SEARCH=(rows - 1).bit_length(),
             BT=BLOCK_T, BC=BLOCK_C,

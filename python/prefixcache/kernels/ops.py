@@ -7,6 +7,10 @@ state group's plan arrays (NumPy or torch; see ``validate``). They validate the 
 backend's rules *before writing anything*, run the short convolution (storing conv windows at
 every cut), then the backend's recurrence (storing states at every cut), and return the output
 ``[T, H, V]`` in ``x_qkv``'s dtype. The output gate / norm / output projection belong to the model.
+
+The inputs may be column slices of a wider tensor (the model computes them in one GEMM): the
+convolution reads ``x_qkv``'s rows where they lie (each row's channels must be contiguous), and
+``g`` and ``beta`` are made contiguous once before the backend sees them.
 """
 
 from __future__ import annotations
@@ -134,8 +138,10 @@ def run_prefill(
         q.view(tokens, heads, key_dim),
         k.view(tokens, heads, key_dim),
         v.view(tokens, heads, value_dim),
-        g.reshape(tokens, heads, key_dim),
-        beta.reshape(tokens, heads),
+        # Contiguous for every backend (a no-op where they are): the model's projections
+        # hand over column slices of one GEMM's output.
+        g.reshape(tokens, heads, key_dim).contiguous(),
+        beta.reshape(tokens, heads).contiguous(),
         params,
         cache.recurrent,
         plan,

@@ -3,8 +3,9 @@
 Each layer is a frozen dataclass of weights plus a ``forward`` that works on a packed batch
 (``[T, hidden]``, several sequences back to back) and on the caches of the step:
 
-- :class:`KDALayer` follows Kimi-Linear's KDA block: fused ``q|k|v`` projection, low-rank gate
-  and output-gate projections, a beta projection, the kernel layer's short conv + recurrence
+- :class:`KDALayer` follows Kimi-Linear's KDA block: ``q|k|v``, gate (low-rank or full), beta and
+  low-rank output-gate projections of its input (merged into one GEMM), the kernel layer's
+  short conv + recurrence
   (:func:`prefixcache.kernels.run_prefill`, reading and writing a :class:`StateCache`), a gated
   per-head RMS norm and the output projection.
 - :class:`AttentionLayer` is causal grouped-query attention without positional encoding (Kimi
@@ -163,16 +164,43 @@ class MLP:
 class KDALayer:
     """One Kimi Delta Attention layer (weights); its recurrent state lives in a StateCache."""
 
-    qkv: torch.Tensor  # [2HK + HV, d]
-    gate_down: torch.Tensor  # [K, d] low-rank gate input projection (f_a); [HK, d] full rank
+    # The four projections of the layer's input, stacked by rows into one matrix so that a step
+    # runs them as one GEMM (one launch and one read of the input instead of four), as engines
+    # merge q|k|v: ``in_proj = [qkv; gate_down; beta; out_gate_down]``, ``in_splits`` their
+    # row counts (see the properties of the same names).
+    in_proj: torch.Tensor  # [2HK + HV + (K or HK) + H + V, d]
+    in_splits: tuple[int, int, int, int]
     gate_up: torch.Tensor | None  # [HK, K] (f_b); None with a full-rank gate
-    beta: torch.Tensor  # [H, d]
-    out_gate_down: torch.Tensor  # [V, d]   low-rank output gate (g_a)
     out_gate_up: torch.Tensor  # [HV, V]  (g_b)
     out_norm: torch.Tensor  # [V]
     out: torch.Tensor  # [d, HV]
     params: KDALayerParams
     rms_eps: float
+
+    def _input_part(self, index: int) -> torch.Tensor:
+        start = sum(self.in_splits[:index])
+        return self.in_proj[start : start + self.in_splits[index]]
+
+    @property
+    def qkv(self) -> torch.Tensor:
+        """``[2HK + HV, d]``: the q|k|v projection (rows of :attr:`in_proj`, a view)."""
+        return self._input_part(0)
+
+    @property
+    def gate_down(self) -> torch.Tensor:
+        """``[K, d]`` the low-rank gate's input projection (f_a), ``[HK, d]`` a full-rank gate's
+        (a view)."""
+        return self._input_part(1)
+
+    @property
+    def beta(self) -> torch.Tensor:
+        """``[H, d]``: the beta projection (a view)."""
+        return self._input_part(2)
+
+    @property
+    def out_gate_down(self) -> torch.Tensor:
+        """``[V, d]``: the low-rank output gate's input projection (g_a; a view)."""
+        return self._input_part(3)
 
     @classmethod
     def random(
@@ -201,12 +229,13 @@ class KDALayer:
         else:
             gate_down = _linear_weight(dim, d, generator)
             gate_up = _linear_weight(heads * dim, dim, generator)
+        beta = _linear_weight(heads, d, generator)
+        out_gate_down = _linear_weight(dim, d, generator)
+        inputs = (qkv, gate_down, beta, out_gate_down)
         return cls(
-            qkv=qkv,
-            gate_down=gate_down,
+            in_proj=torch.cat(inputs),
+            in_splits=(qkv.shape[0], gate_down.shape[0], heads, dim),
             gate_up=gate_up,
-            beta=_linear_weight(heads, d, generator),
-            out_gate_down=_linear_weight(dim, d, generator),
             out_gate_up=_linear_weight(heads * dim, dim, generator),
             out_norm=torch.ones(dim),
             out=_linear_weight(d, heads * dim, generator) * depth_scale,
@@ -227,11 +256,9 @@ class KDALayer:
             conv_activation=self.params.conv_activation,
         )
         return KDALayer(
-            qkv=self.qkv.to(device, dtype),
-            gate_down=self.gate_down.to(device, dtype),
+            in_proj=self.in_proj.to(device, dtype),
+            in_splits=self.in_splits,
             gate_up=None if self.gate_up is None else self.gate_up.to(device, dtype),
-            beta=self.beta.to(device, dtype),
-            out_gate_down=self.out_gate_down.to(device, dtype),
             out_gate_up=self.out_gate_up.to(device, dtype),
             out_norm=self.out_norm.to(device, dtype),
             out=self.out.to(device, dtype),
@@ -255,24 +282,22 @@ class KDALayer:
         """
         tokens = x.shape[0]
         heads, dim = self.params.num_heads, self.params.head_dim_k
-        x_qkv = F.linear(x, self.qkv)
-        gate = F.linear(x, self.gate_down)
+        # One GEMM for the four input projections; each part is a column slice of its output
+        # (rows apart by the merged width), which the kernel layer reads where it lies.
+        x_qkv, gate, beta, out_gate = torch.split(F.linear(x, self.in_proj), self.in_splits, -1)
         if self.gate_up is not None:
             gate = F.linear(gate, self.gate_up)
         gate = gate.view(tokens, heads, dim)
-        beta = F.linear(x, self.beta)
         # Launched before the kernel layer, whose host work (two Triton launches and the
         # recurrence's) is the longest stretch of a layer without GPU work of its own: the
-        # output gate's projections are more work queued for the GPU meanwhile.
-        out_gate = F.linear(F.linear(x, self.out_gate_down), self.out_gate_up)
+        # output gate (its up projection and sigmoid) is more work queued for the GPU meanwhile.
+        out_gate = torch.sigmoid(F.linear(out_gate, self.out_gate_up).view(tokens, heads, dim))
         if timer is None:
             o = run_prefill(backend, x_qkv, gate, beta, self.params, cache, plan)
         else:
             with timer.measure():
                 o = run_prefill(backend, x_qkv, gate, beta, self.params, cache, plan)
-        o = rms_norm(o, self.out_norm, self.rms_eps) * torch.sigmoid(
-            out_gate.view(tokens, heads, dim)
-        )
+        o = rms_norm(o, self.out_norm, self.rms_eps) * out_gate
         return F.linear(o.reshape(tokens, heads * dim), self.out)
 
 
