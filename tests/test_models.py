@@ -536,6 +536,16 @@ def test_a_kda_layer_projects_its_input_as_four_separate_projections_would(
         num_tokens=int(loc[-1]),
     )
     got = layer.forward(x, backend, caches[0], plan)
+    # Every part starts 128-byte aligned in a bf16 output row as wide as a multiple of 64 (an
+    # odd width made the H100's GEMM and convolution twice as slow); the rows between are zero.
+    assert layer.in_proj.shape[0] % 64 == 0
+    covered = torch.zeros(layer.in_proj.shape[0], dtype=torch.bool)
+    for (start, rows), matrix in zip(
+        layer.in_parts, (qkv, gate_down, beta, out_gate_down), strict=True
+    ):
+        assert start % 64 == 0 and rows == matrix.shape[0]
+        covered[start : start + rows] = True
+    assert not layer.in_proj[~covered].any()
 
     gate = x @ gate_down.T if gate_up is None else (x @ gate_down.T) @ gate_up.T
     o = kda_prefill(
