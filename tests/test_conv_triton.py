@@ -198,7 +198,8 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="contiguous rows"):
         conv_triton.causal_conv_triton(x.t().contiguous().t(), params, cache, plan)
     with pytest.raises(ValueError, match="contiguous conv"):
-        conv_triton.causal_conv_triton(x, params, cache.transpose(1, 2).contiguous().transpose(1, 2), plan)
+        strided_cache = cache.transpose(1, 2).contiguous().transpose(1, 2)
+        conv_triton.causal_conv_triton(x, params, strided_cache, plan)
     with pytest.raises(ValueError, match="1 to 3 sizes"):
         conv_triton.causal_conv_triton(x, params, cache, plan, splits=(12, 12, 12, 12))
     backend = kernels.TorchBackend(1)

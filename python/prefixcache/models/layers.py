@@ -197,7 +197,7 @@ class KDALayer:
     # zero rows up to a multiple of IN_PROJ_ALIGN, ``in_parts`` each part's (first row, rows)
     # (see the properties of the same names).
     in_proj: torch.Tensor  # [~ 2HK + HV + (K or HK) + H + V, d]
-    in_parts: tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]
+    in_parts: tuple[tuple[int, int], ...]
     gate_up: torch.Tensor | None  # [HK, K] (f_b); None with a full-rank gate
     out_gate_up: torch.Tensor  # [HV, V]  (g_b)
     out_norm: torch.Tensor  # [V]
@@ -262,7 +262,7 @@ class KDALayer:
         in_proj, in_parts = _stack_aligned((qkv, gate_down, beta, out_gate_down))
         return cls(
             in_proj=in_proj,
-            in_parts=in_parts,  # type: ignore[arg-type]
+            in_parts=in_parts,
             gate_up=gate_up,
             out_gate_up=_linear_weight(heads * dim, dim, generator),
             out_norm=torch.ones(dim),
