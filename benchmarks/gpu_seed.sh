@@ -30,9 +30,10 @@
 #      and busy;
 #   h. the host's side of a prefill step: benchmarks/gpu_host_profile.py (a KDA + MLP group's
 #      host time by function against its GPU work, at fine's and block's p50 prefill tokens),
-#      benchmarks/gpu_op_host.py (the FlashKDA op's host time a call), gpu_norms.py and
-#      gpu_step_profile.py (whole steps' host and GPU time, and any call inside a step's forward
-#      that waits for the GPU; about 2 minutes in all).
+#      benchmarks/gpu_op_host.py (the FlashKDA op's host time a call), gpu_op_graph.py (whether
+#      the op replays from a CUDA graph over a padded token bucket, and its host time then),
+#      gpu_norms.py and gpu_step_profile.py (whole steps' host and GPU time, and any call inside
+#      a step's forward that waits for the GPU; about 2 minutes in all).
 #
 # The figures of docs/BENCHMARKS.md (2026-12-02 12:54: both orders, counterbalanced passes,
 # 2 x 190 to 205 s, with stage 9; KDA GPU work is stage 8, about 175 s, a call of its own):
@@ -130,6 +131,8 @@ timeout 60 python3 benchmarks/gpu_host_profile.py --tokens "$tokens" \
     --json "$out/host_profile_$tokens.json" 2>>"$errors" | head -30 | tee -a "$log"
 done
 run h && timeout 60 python3 benchmarks/gpu_op_host.py --json "$out/op_host.json" 2>>"$errors" \
+    | tee -a "$log"
+run h && timeout 60 python3 benchmarks/gpu_op_graph.py --json "$out/op_graph.json" 2>>"$errors" \
     | tee -a "$log"
 run h && timeout 60 python3 benchmarks/gpu_norms.py --json "$out/norms.json" 2>>"$errors" \
     | tee -a "$log"

@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Can a CUDA graph take the FlashKDA op's host time out of a prefill step? A probe.
+
+One op call costs the host 290 to 360 us (``gpu_op_host.py``, an H100), about half of a KDA + MLP
+layer group's launches at the seed's prefill size, and the GPU waits for it inside the KDA
+layers. A graph replay costs the host a few microseconds, but a graph holds fixed addresses and
+shapes while every prefill step has its own token count. This probe tries what a prefill step
+padded to a token bucket would run:
+
+- **capture** one op call over static buffers of ``--bucket`` tokens holding two sequences:
+  the step's row (T tokens, one interior checkpoint) and a padding sequence from T to the bucket
+  (zeros, its own initial, final and checkpoint state rows, whose results nobody reads);
+- **replay** it for several T below the bucket (the buffers filled, ``cu_seqlens`` rewritten on
+  the device), and compare the row's output, final state and checkpoint with an eager call over
+  exactly T tokens: equal bit for bit, or the largest difference;
+- **time** the host per call behind a GPU-side spin (eager at T against a replay, and a replay
+  with the fills a step would add) and the GPU's time per call (eager at T against the padded
+  replay).
+
+If the replays equal the eager calls for every T, the op can run from one graph per bucket and a
+prefill step keeps only the fills' launches of its host time. Nothing in the package uses this
+yet; it tells whether the next step (the kernel layer writing its inputs into a bucket's static
+buffers and replaying the op) is worth building.
+
+    PREFIXCACHE_FLASHKDA_LIB=<_flashkda_C.abi3.so> python3 benchmarks/gpu_op_graph.py \\
+        --json "$OUT/op_graph.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_layers import host_ms
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bucket", type=int, default=2176, help="the graph's tokens (17 x 128)")
+    parser.add_argument(
+        "--tokens",
+        default="2048,2087,2119,1920,2160",
+        help="the rows' token counts replayed (each below the bucket)",
+    )
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    from prefixcache.kernels.flashkda import load_flashkda_op
+    from prefixcache.models import ModelConfig
+
+    ops = load_flashkda_op()
+    device = torch.device("cuda")
+    config = ModelConfig.kimi_k3_tp8()  # its KDA heads and head width, per GPU
+    h, d, bucket = config.kda_heads, config.kda_head_dim, args.bucket
+    counts = [int(t) for t in args.tokens.split(",")]
+    if any(not 16 < t < bucket for t in counts):
+        raise SystemExit(f"every --tokens value must be in (16, {bucket})")
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(torch.bfloat16)
+
+    a_log = torch.zeros(h, device=device)
+    dt_bias = torch.zeros(h, d, device=device)
+    scale, lower_bound = d**-0.5, -5.0
+
+    def workspace(tokens: int, sequences: int) -> torch.Tensor:
+        size = int(ops.get_workspace_size(tokens, h, sequences))
+        return torch.empty(size, dtype=torch.uint8, device=device)
+
+    # The row's inputs at the largest T; a smaller T takes their first T tokens.
+    longest = max(counts)
+    row = {
+        "q": rnd(1, longest, h, d),
+        "k": rnd(1, longest, h, d),
+        "v": rnd(1, longest, h, d),
+        "g": rnd(1, longest, h, d),
+        "beta": rnd(1, longest, h),
+    }
+    initial_row = torch.randn(1, h, d, d, generator=gen, device=device) * 0.1
+
+    def offset_of(tokens: int) -> int:
+        return tokens // 2 // 16 * 16
+
+    def eager(tokens: int) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """An op call over exactly ``tokens`` (its inputs built once), and where it writes."""
+        inputs = [row[name][:, :tokens].contiguous() for name in ("q", "k", "v", "g", "beta")]
+        out = torch.empty_like(inputs[2])
+        final = torch.empty_like(initial_row)
+        staging = torch.zeros_like(initial_row)
+        cu = torch.tensor([0, tokens], dtype=torch.int64, device=device)
+        offsets = torch.tensor([offset_of(tokens)], dtype=torch.int64, device=device)
+        scratch = workspace(tokens, 1)
+
+        def call() -> None:
+            ops.fwd(
+                *inputs, scale, out, scratch, a_log, dt_bias, lower_bound, initial_row, final,
+                cu, staging, offsets,
+            )  # fmt: skip
+
+        return call, (out, final, staging)
+
+    # The bucket's static buffers: two sequences, the row and the padding after it.
+    static = {
+        "q": torch.zeros(1, bucket, h, d, dtype=torch.bfloat16, device=device),
+        "k": torch.zeros(1, bucket, h, d, dtype=torch.bfloat16, device=device),
+        "v": torch.zeros(1, bucket, h, d, dtype=torch.bfloat16, device=device),
+        "g": torch.zeros(1, bucket, h, d, dtype=torch.bfloat16, device=device),
+        "beta": torch.zeros(1, bucket, h, dtype=torch.bfloat16, device=device),
+    }
+    out_s = torch.empty_like(static["v"])
+    initial_s = torch.zeros(2, h, d, d, device=device)
+    final_s = torch.empty_like(initial_s)
+    staging_s = torch.zeros_like(initial_s)
+    cu_s = torch.zeros(3, dtype=torch.int64, device=device)
+    offsets_s = torch.zeros(2, dtype=torch.int64, device=device)
+    workspace_s = workspace(bucket, 2)
+
+    def fill(tokens: int) -> None:
+        for name, buffer in static.items():
+            buffer[:, :tokens].copy_(row[name][:, :tokens])
+            buffer[:, tokens:].zero_()
+        initial_s[0].copy_(initial_row[0])
+        initial_s[1].zero_()
+        cu_s.copy_(torch.tensor([0, tokens, bucket], dtype=torch.int64), non_blocking=True)
+        offsets_s.copy_(torch.tensor([offset_of(tokens), 0], dtype=torch.int64), non_blocking=True)
+
+    def op_static() -> None:
+        ops.fwd(
+            static["q"], static["k"], static["v"], static["g"], static["beta"], scale, out_s,
+            workspace_s, a_log, dt_bias, lower_bound, initial_s, final_s, cu_s, staging_s,
+            offsets_s,
+        )  # fmt: skip
+
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device),
+        "bucket": bucket,
+        "heads": h,
+        "head_dim": d,
+    }
+    fill(counts[0])
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op_static()  # compiles nothing, but lets the op set up whatever it sets up once
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            op_static()
+    except Exception as error:  # the op cannot be captured: that is the answer
+        results["captured"] = False
+        results["capture_error"] = str(error).split("\n")[0][:300]
+        print(f"capture refused: {results['capture_error']}")
+        return _write(args.json, results)
+    results["captured"] = True
+
+    cases = []
+    for tokens in counts:
+        call, reference = eager(tokens)
+        call()
+        fill(tokens)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = (out_s[:, :tokens], final_s[:1], staging_s[:1])
+        equal = [torch.equal(a, b) for a, b in zip(got, reference, strict=True)]
+        worst = [
+            float((a.float() - b.float()).abs().max()) for a, b in zip(got, reference, strict=True)
+        ]
+        case = {
+            "tokens": tokens,
+            "checkpoint_offset": offset_of(tokens),
+            "equal_out_final_checkpoint": equal,
+            "max_abs_difference": worst,
+        }
+        cases.append(case)
+        print(
+            f"T={tokens:5d} in a bucket of {bucket}: out / final / checkpoint equal {equal}, "
+            f"largest differences {', '.join(f'{w:.3g}' for w in worst)}"
+        )
+    results["cases"] = cases
+
+    tokens = counts[0]
+    call, _ = eager(tokens)
+    fill(tokens)
+
+    def fill_and_replay() -> None:
+        fill(tokens)
+        graph.replay()
+
+    timing = {
+        "eager_host_us": host_ms(call, device, 7, backlog=True) * 1e3,
+        "replay_host_us": host_ms(graph.replay, device, 7, backlog=True) * 1e3,
+        "fill_and_replay_host_us": host_ms(fill_and_replay, device, 7, backlog=True) * 1e3,
+        "eager_gpu_us": _gpu_us(call),
+        "replay_gpu_us": _gpu_us(graph.replay),
+    }
+    results["timing_at_tokens"] = tokens
+    results["timing"] = timing
+    print(
+        f"T={tokens}: host {timing['eager_host_us']:.1f} us eager, "
+        f"{timing['replay_host_us']:.1f} us a replay, {timing['fill_and_replay_host_us']:.1f} us "
+        f"with the fills; GPU {timing['eager_gpu_us']:.1f} us eager, "
+        f"{timing['replay_gpu_us']:.1f} us a padded replay"
+    )
+    return _write(args.json, results)
+
+
+def _gpu_us(fn: Any, calls: int = 20) -> float:
+    """Mean GPU time of one call of ``fn`` over ``calls`` back to back, by CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) * 1e3 / calls
+
+
+def _write(path: str | None, results: dict[str, Any]) -> int:
+    if path:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, separators=(",", ":"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
