@@ -12,7 +12,8 @@ padded to a token bucket would run:
   (zeros, its own initial, final and checkpoint state rows, whose results nobody reads);
 - **replay** it for several T below the bucket (the buffers filled, ``cu_seqlens`` rewritten on
   the device), and compare the row's output, final state and checkpoint with an eager call over
-  exactly T tokens: equal bit for bit, or the largest difference;
+  exactly T tokens (equal bit for bit, or the largest difference) and with the same padded call
+  run eagerly (what padding changes, apart from what the graph does);
 - **time** the host per call behind a GPU-side spin (eager at T against a replay, and a replay
   with the fills a step would add) and the GPU's time per call (eager at T against the padded
   replay).
@@ -38,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_layers import host_ms
+from gpu_op_host import op_setup
 
 
 def main(argv: list[str]) -> int:
@@ -50,23 +52,13 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    from prefixcache.kernels.flashkda import load_flashkda_op
-    from prefixcache.models import ModelConfig
-
-    ops = load_flashkda_op()
-    device = torch.device("cuda")
-    config = ModelConfig.kimi_k3_tp8()  # its KDA heads and head width, per GPU
-    h, d, bucket = config.kda_heads, config.kda_head_dim, args.bucket
+    bucket = args.bucket
     counts = [int(t) for t in args.tokens.split(",")]
     if any(not 16 < t < bucket for t in counts):
         raise SystemExit(f"every --tokens value must be in (16, {bucket})")
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(torch.bfloat16)
-
-    a_log = torch.zeros(h, device=device)
-    dt_bias = torch.zeros(h, d, device=device)
+    setup = op_setup()
+    ops, device, rnd = setup.ops, setup.device, setup.randn
+    h, d, a_log, dt_bias = setup.heads, setup.head_dim, setup.a_log, setup.dt_bias
     scale, lower_bound = d**-0.5, -5.0
 
     def workspace(tokens: int, sequences: int) -> torch.Tensor:
@@ -82,7 +74,7 @@ def main(argv: list[str]) -> int:
         "g": rnd(1, longest, h, d),
         "beta": rnd(1, longest, h),
     }
-    initial_row = torch.randn(1, h, d, d, generator=gen, device=device) * 0.1
+    initial_row = rnd(1, h, d, d, dtype=torch.float32) * 0.1
 
     def offset_of(tokens: int) -> int:
         return tokens // 2 // 16 * 16
@@ -165,11 +157,17 @@ def main(argv: list[str]) -> int:
     for tokens in counts:
         call, reference = eager(tokens)
         call()
+        # The same padded call eagerly, then from the graph: padding's effect apart from the
+        # graph's.
+        fill(tokens)
+        op_static()
+        padded = tuple(x.clone() for x in (out_s[:, :tokens], final_s[:1], staging_s[:1]))
         fill(tokens)
         graph.replay()
         torch.cuda.synchronize()
         got = (out_s[:, :tokens], final_s[:1], staging_s[:1])
         equal = [torch.equal(a, b) for a, b in zip(got, reference, strict=True)]
+        replay_equals_padded = all(torch.equal(a, b) for a, b in zip(got, padded, strict=True))
         worst = [
             float((a.float() - b.float()).abs().max()) for a, b in zip(got, reference, strict=True)
         ]
@@ -177,12 +175,14 @@ def main(argv: list[str]) -> int:
             "tokens": tokens,
             "checkpoint_offset": offset_of(tokens),
             "equal_out_final_checkpoint": equal,
+            "replay_equals_padded_eager": replay_equals_padded,
             "max_abs_difference": worst,
         }
         cases.append(case)
         print(
             f"T={tokens:5d} in a bucket of {bucket}: out / final / checkpoint equal {equal}, "
-            f"largest differences {', '.join(f'{w:.3g}' for w in worst)}"
+            f"largest differences {', '.join(f'{w:.3g}' for w in worst)}; the replay equals the "
+            f"padded call run eagerly: {replay_equals_padded}"
         )
     results["cases"] = cases
 

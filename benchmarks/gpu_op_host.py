@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,28 +28,54 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_layers import host_ms
 
 
+class OpSetup(NamedTuple):
+    """The FlashKDA op and what a call over the Kimi-K3 proxy's KDA layer needs."""
+
+    ops: Any  # torch.ops._flashkda_C
+    device: torch.device
+    heads: int
+    head_dim: int
+    generator: torch.Generator
+    a_log: torch.Tensor  # [H] float32
+    dt_bias: torch.Tensor  # [H, K] float32
+
+    def randn(self, *shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A standard-normal tensor of ``shape`` on the device, drawn from ``generator``."""
+        return torch.randn(*shape, generator=self.generator, device=self.device).to(dtype)
+
+
+def op_setup(seed: int = 0) -> OpSetup:
+    """The op (``PREFIXCACHE_FLASHKDA_LIB``), the proxy's KDA heads and head width a GPU, a seeded
+    generator on the GPU and zero gate parameters."""
+    from prefixcache.kernels.flashkda import load_flashkda_op
+    from prefixcache.models import ModelConfig
+
+    device = torch.device("cuda")
+    config = ModelConfig.kimi_k3_tp8()  # its KDA heads and head width, per GPU
+    h, d = config.kda_heads, config.kda_head_dim
+    return OpSetup(
+        ops=load_flashkda_op(),
+        device=device,
+        heads=h,
+        head_dim=d,
+        generator=torch.Generator(device=device).manual_seed(seed),
+        a_log=torch.zeros(h, device=device),
+        dt_bias=torch.zeros(h, d, device=device),
+    )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    from prefixcache.kernels.flashkda import load_flashkda_op
-    from prefixcache.models import ModelConfig
-
-    ops = load_flashkda_op()
-    device = torch.device("cuda")
-    config = ModelConfig.kimi_k3_tp8()  # its KDA heads and head width, per GPU
-    t, h, d = args.tokens, config.kda_heads, config.kda_head_dim
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(torch.bfloat16)
-
+    setup = op_setup()
+    ops, device, rnd = setup.ops, setup.device, setup.randn
+    t, h, d = args.tokens, setup.heads, setup.head_dim
     q, k, v = rnd(1, t, h, d), rnd(1, t, h, d), rnd(1, t, h, d)
     g, beta = rnd(1, t, h, d), rnd(1, t, h)
-    a_log = torch.zeros(h, device=device)
-    dt_bias = torch.zeros(h, d, device=device)
-    initial = torch.randn(1, h, d, d, generator=gen, device=device) * 0.1
+    a_log, dt_bias = setup.a_log, setup.dt_bias
+    initial = rnd(1, h, d, d, dtype=torch.float32) * 0.1
     cu = torch.tensor([0, t], dtype=torch.int64, device=device)
     offsets = torch.tensor([t // 2 // 16 * 16], dtype=torch.int64, device=device)
     size = int(ops.get_workspace_size(t * 1, h, 1))
