@@ -131,7 +131,8 @@ def paged_causal_attention(
 #: The merged GEMM's output rows are then as wide as a multiple of 64 and every part's columns
 #: start aligned, which keeps cuBLAS's and the Triton convolution's vectorised paths (a part of
 #: Kimi's 12-row beta projection left unpadded made each output row start 8 bytes off, and the
-#: KDA layer took twice its GPU time on the H100).
+#: KDA layer took twice its GPU time on the H100). For the Kimi-K3 proxy the padding is beta's
+#: 52 zero rows, 0.8% of the stacked matrix's 6,336.
 IN_PROJ_ALIGN = 64
 
 
@@ -196,7 +197,7 @@ class KDALayer:
     # merge q|k|v: ``in_proj = [qkv; gate_down; beta; out_gate_down]``, each part followed by
     # zero rows up to a multiple of IN_PROJ_ALIGN, ``in_parts`` each part's (first row, rows)
     # (see the properties of the same names).
-    in_proj: torch.Tensor  # [~ 2HK + HV + (K or HK) + H + V, d]
+    in_proj: torch.Tensor  # [2HK + HV, K or HK, H, V rows, each rounded up to the alignment; d]
     in_parts: tuple[tuple[int, int], ...]
     gate_up: torch.Tensor | None  # [HK, K] (f_b); None with a full-rank gate
     out_gate_up: torch.Tensor  # [HV, V]  (g_b)
