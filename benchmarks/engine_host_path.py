@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""The reference engine's host time between a request's arrival and its forward, without a model.
+
+Runs ``prefixcache simulate`` (one policy, one step at a time) with the model's ``execute``
+replaced by a stub that returns fixed logits at once, so that a whole seed preset takes seconds
+on a CPU and what is timed is the engine alone. On a GPU these parts run while the GPU waits,
+in every request's time to first token:
+
+- ``add``: the admission of a request whose prompt has at least ``--min-prompt`` tokens
+  (``CacheManager.add``, which hashes only the tail a follow-up adds to the prompt it extends),
+  per request;
+- per step that schedules (every step with a prefill row): ``schedule`` (the engine's loop over
+  its sequences and the manager's calls), ``apply_plan`` (the block tables), ``from_plan`` (the
+  kernels' step) and ``inputs`` (the step's token ids on the device).
+
+Medians, in microseconds. The stub changes when requests arrive (every step is instant), not
+what each part does.
+
+    python3 benchmarks/engine_host_path.py --preset seed --policy fine
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+STEP_PARTS = ("schedule", "apply_plan", "from_plan", "inputs")
+
+
+class _TimedAdds:
+    """A ``CacheManager`` whose ``add`` is timed (every other attribute is the manager's)."""
+
+    def __init__(self, manager: Any, min_prompt: int, times: list[float]) -> None:
+        self._manager, self._min_prompt, self._times = manager, min_prompt, times
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def add(self, seq_id: int, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        added = self._manager.add(seq_id, tokens, *args, **kwargs)
+        if len(tokens) >= self._min_prompt:
+            self._times.append(1e6 * (time.perf_counter() - start))
+        return added
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="seed", choices=("default", "seed"))
+    parser.add_argument("--policy", default="fine")
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--min-prompt", type=int, default=100_000)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    engine = importlib.import_module("prefixcache.engine.engine")
+    hybrid = importlib.import_module("prefixcache.models.hybrid")
+    tables = importlib.import_module("prefixcache.kernels.block_tables")
+    step_module = importlib.import_module("prefixcache.kernels.step")
+    from prefixcache.engine.cli import main as cli
+
+    def stub_execute(
+        model: Any, step: Any, token_ids: Any, caches: Any, logits_indices: Any = None
+    ) -> torch.Tensor:
+        if logits_indices is None:
+            logits_indices = np.asarray(step.query_start_loc[1:], dtype=np.int64) - 1
+        logits = torch.zeros(len(logits_indices), model.config.vocab_size)
+        logits[:, 7] = 1.0  # every sampled token is 7: the workload does not depend on it
+        return logits
+
+    times: dict[str, list[float]] = {part: [] for part in ("add", *STEP_PARTS)}
+
+    def timed(function: Callable[..., Any], part: str) -> Callable[..., Any]:
+        def wrapper(*call_args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = function(*call_args, **kwargs)
+            times[part].append(1e6 * (time.perf_counter() - start))
+            return result
+
+        return wrapper
+
+    loop = engine._Loop
+    saved = {
+        "execute": hybrid.HybridModel.execute,
+        "init": loop.__init__,
+        "schedule": loop.schedule,
+        "inputs": loop.inputs,
+        "apply_plan": tables.BlockTables.apply_plan,
+        "from_plan": step_module.Step.__dict__["from_plan"],
+    }
+
+    def init(self: Any, *init_args: Any, **kwargs: Any) -> None:
+        saved["init"](self, *init_args, **kwargs)
+        self.manager = _TimedAdds(self.manager, args.min_prompt, times["add"])
+
+    hybrid.HybridModel.execute = stub_execute
+    loop.__init__ = init
+    loop.schedule = timed(loop.schedule, "schedule")
+    loop.inputs = timed(loop.inputs, "inputs")
+    tables.BlockTables.apply_plan = timed(tables.BlockTables.apply_plan, "apply_plan")
+    step_module.Step.from_plan = classmethod(timed(saved["from_plan"].__func__, "from_plan"))
+    try:
+        cli(
+            [
+                "simulate", "--preset", args.preset, "--policies", args.policy,
+                "--no-reference", "--no-overlap", "--output-len", str(args.output_len),
+            ]
+        )  # fmt: skip
+    finally:
+        hybrid.HybridModel.execute = saved["execute"]
+        loop.__init__ = saved["init"]
+        loop.schedule = saved["schedule"]
+        loop.inputs = saved["inputs"]
+        tables.BlockTables.apply_plan = saved["apply_plan"]
+        step_module.Step.from_plan = saved["from_plan"]
+    results: dict[str, Any] = {"preset": args.preset, "policy": args.policy}
+    print(f"{args.preset} preset, {args.policy}: median us (count)")
+    for part, values in times.items():
+        results[part] = {
+            "count": len(values),
+            "median_us": statistics.median(values) if values else None,
+        }
+        median = "-" if not values else f"{statistics.median(values):8.1f}"
+        print(f"  {part:<12} {median} ({len(values)})")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
