@@ -9,9 +9,10 @@ in every request's time to first token:
 - ``add``: the admission of a request whose prompt has at least ``--min-prompt`` tokens
   (``CacheManager.add``, which hashes only the tail a follow-up adds to the prompt it extends),
   per request;
-- per step that schedules (every step with a prefill row): ``schedule`` (the engine's loop over
-  its sequences and the manager's calls), ``apply_plan`` (the block tables), ``from_plan`` (the
-  kernels' step) and ``inputs`` (the step's token ids on the device).
+- ``schedule`` (the engine's loop over its sequences and the manager's calls), per step that
+  schedules that way (every step with a prefill row; decode-only steps take ``decode_step``);
+- ``apply_plan`` (the block tables), ``from_plan`` (the kernels' step) and ``inputs`` (the
+  step's token ids on the device), per step of any kind.
 
 Medians, in microseconds. The stub changes when requests arrive (every step is instant), not
 what each part does.

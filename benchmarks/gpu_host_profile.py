@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_layers import BACKLOG_CYCLES, host_ms, kda_plans
+from gpu_layers import gpu_ms, host_ms, kda_plans
 
 
 def main(argv: list[str]) -> int:
@@ -72,15 +72,11 @@ def main(argv: list[str]) -> int:
         # Host time behind a spin (gpu_layers.host_ms): the launches of --calls groups, a round.
         plain_us = host_ms(groups, device, rounds, backlog=True) * 1e3 / args.calls
         host_ms(profiled_groups, device, rounds, backlog=True)
-        start_event = torch.cuda.Event(enable_timing=True)
-        end_event = torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(BACKLOG_CYCLES)  # type: ignore[no-untyped-call]
-        start_event.record()
-        groups()
-        end_event.record()
-        torch.cuda.synchronize()
-        gpu_us = start_event.elapsed_time(end_event) / args.calls * 1e3
-    print(f"{plan.num_tokens} tokens: host {plain_us:.1f} us a group, GPU {gpu_us:.1f} us a group")
+        # The GPU's execution of --calls groups behind a spin (None: the launches outlasted it).
+        groups_ms = gpu_ms(groups, device, rounds, backlog=True)
+    gpu_us = None if groups_ms is None else groups_ms * 1e3 / args.calls
+    gpu = "-" if gpu_us is None else f"{gpu_us:.1f}"
+    print(f"{plan.num_tokens} tokens: host {plain_us:.1f} us a group, GPU {gpu} us a group")
     stats = pstats.Stats(profiler)
     rows: list[dict[str, Any]] = []
     for (filename, line, name), (calls, _, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_layers import host_ms
+from gpu_layers import gpu_ms, host_ms
 from gpu_op_host import op_setup
 
 
@@ -198,32 +198,23 @@ def main(argv: list[str]) -> int:
         "eager_host_us": host_ms(call, device, 7, backlog=True) * 1e3,
         "replay_host_us": host_ms(graph.replay, device, 7, backlog=True) * 1e3,
         "fill_and_replay_host_us": host_ms(fill_and_replay, device, 7, backlog=True) * 1e3,
-        "eager_gpu_us": _gpu_us(call),
-        "replay_gpu_us": _gpu_us(graph.replay),
+        "eager_gpu_us": _us(gpu_ms(call, device, 7, backlog=True)),
+        "replay_gpu_us": _us(gpu_ms(graph.replay, device, 7, backlog=True)),
     }
     results["timing_at_tokens"] = tokens
     results["timing"] = timing
     print(
         f"T={tokens}: host {timing['eager_host_us']:.1f} us eager, "
         f"{timing['replay_host_us']:.1f} us a replay, {timing['fill_and_replay_host_us']:.1f} us "
-        f"with the fills; GPU {timing['eager_gpu_us']:.1f} us eager, "
-        f"{timing['replay_gpu_us']:.1f} us a padded replay"
+        f"with the fills; GPU {timing['eager_gpu_us']} us eager, "
+        f"{timing['replay_gpu_us']} us a padded replay"
     )
     return _write(args.json, results)
 
 
-def _gpu_us(fn: Any, calls: int = 20) -> float:
-    """Mean GPU time of one call of ``fn`` over ``calls`` back to back, by CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end)) * 1e3 / calls
+def _us(ms: float | None) -> float | None:
+    """``gpu_ms``'s figure in us (None: the call's launches outlasted the spin)."""
+    return None if ms is None else ms * 1e3
 
 
 def _write(path: str | None, results: dict[str, Any]) -> int:

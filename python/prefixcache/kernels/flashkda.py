@@ -132,8 +132,8 @@ class _SegmentedFlashKDA(KDABackend):
         """See :meth:`KDABackend.forward`. Rows of one token take one step of the Triton decode
         kernel, in place in the cache (``kda_decode_triton``); the other rows are chained over
         segment rounds, each round one packed varlen call."""
-        g = g.to(q.dtype).contiguous()
-        beta = beta.to(q.dtype).contiguous()
+        g = g.to(q.dtype)  # contiguous already (run_prefill), and so after a conversion
+        beta = beta.to(q.dtype)
         single, other = one_token_rows(plan)
         out = torch.empty_like(v)
         if other:

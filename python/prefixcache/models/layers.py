@@ -195,8 +195,7 @@ class KDALayer:
     # The four projections of the layer's input, stacked by rows into one matrix so that a step
     # runs them as one GEMM (one launch and one read of the input instead of four), as engines
     # merge q|k|v: ``in_proj = [qkv; gate_down; beta; out_gate_down]``, each part followed by
-    # zero rows up to a multiple of IN_PROJ_ALIGN, ``in_parts`` each part's (first row, rows)
-    # (see the properties of the same names).
+    # zero rows up to a multiple of IN_PROJ_ALIGN, ``in_parts`` each part's (first row, rows).
     in_proj: torch.Tensor  # [2HK + HV, K or HK, H, V rows, each rounded up to the alignment; d]
     in_parts: tuple[tuple[int, int], ...]
     gate_up: torch.Tensor | None  # [HK, K] (f_b); None with a full-rank gate
@@ -205,31 +204,6 @@ class KDALayer:
     out: torch.Tensor  # [d, HV]
     params: KDALayerParams
     rms_eps: float
-
-    def _input_part(self, index: int) -> torch.Tensor:
-        start, rows = self.in_parts[index]
-        return self.in_proj[start : start + rows]
-
-    @property
-    def qkv(self) -> torch.Tensor:
-        """``[2HK + HV, d]``: the q|k|v projection (rows of :attr:`in_proj`, a view)."""
-        return self._input_part(0)
-
-    @property
-    def gate_down(self) -> torch.Tensor:
-        """``[K, d]`` the low-rank gate's input projection (f_a), ``[HK, d]`` a full-rank gate's
-        (a view)."""
-        return self._input_part(1)
-
-    @property
-    def beta(self) -> torch.Tensor:
-        """``[H, d]``: the beta projection (a view)."""
-        return self._input_part(2)
-
-    @property
-    def out_gate_down(self) -> torch.Tensor:
-        """``[V, d]``: the low-rank output gate's input projection (g_a; a view)."""
-        return self._input_part(3)
 
     @classmethod
     def random(
