@@ -81,3 +81,54 @@ def test_torch_backend_on_the_gpu_agrees_with_the_cpu():
         states.append(cache.recurrent.cpu())
     assert torch.allclose(outs[0], outs[1], atol=1e-10)
     assert torch.allclose(states[0], states[1], atol=1e-10)
+
+
+def test_flashkda_op_graphs_replay_what_the_eager_op_computes():
+    """The op's calls from CUDA graphs (kernels.op_graphs) against the op called eagerly, bit
+    for bit: rows with and without initial states and checkpoints, one-row, multi-row and
+    chained rounds, two layers sharing the graphs' buffers, the buffers' tails poisoned."""
+    from kernels_support import fill_slot, make_batch
+    from test_kernels import prefill, scenario
+
+    graphed = build("flashkda-op")
+    eager = kernels.get_backend("flashkda-op", graphs=False)
+    assert graphed.graphs is not None and eager.graphs is None
+    for backend in (graphed, eager):
+        backend.conv_impl = "triton"
+    device = torch.device("cuda")
+    layers = [
+        kernels.KDALayerParams.random(
+            4, 128, generator=torch.Generator().manual_seed(s), device=device
+        )
+        for s in (5, 6)
+    ]
+    cases = [
+        ([2087], [[1024]], [True]),  # the seed's shape: one row, one interior checkpoint
+        ([1920], [[]], [True]),
+        ([700, 300], [[512], [128]], [True, False]),  # two rows in a round
+        ([600, 40, 200], [[256, 512], [16], []], [True, True, False]),  # chained rounds
+    ]
+    for index, (lengths, checkpoints, with_initial) in enumerate(cases):
+        initial, running, planned, num_blocks = scenario(
+            lengths, checkpoints, with_initial, layers[0]
+        )
+        for layer_index, params in enumerate(layers):
+            batch = make_batch(params, sum(lengths), seed=40 + index, dtype=torch.bfloat16)
+            batch = type(batch)(*(x.to(device) for x in (batch.x, batch.g, batch.beta)))
+            results = []
+            for backend in (graphed, eager):
+                cache = kernels.StateCache.for_layer(params, num_blocks)
+                cache.fill_(float("nan"))
+                for slot in initial:
+                    if slot >= 0:
+                        fill_slot(cache, slot, seed=200 + slot)
+                out = prefill(backend, params, cache, batch, lengths, initial, running, planned)
+                results.append((out, cache.recurrent.nan_to_num(7.0)))
+            (out_g, states_g), (out_e, states_e) = results
+            assert torch.equal(out_g, out_e), (lengths, layer_index)
+            assert torch.equal(states_g, states_e), (lengths, layer_index)
+            # What lies past a call's tokens in the static buffers is read by nobody.
+            buffers = graphed.graphs._buffers
+            for tensor in (buffers.q, buffers.k, buffers.v, buffers.g, buffers.beta):
+                tensor.fill_(float("nan"))
+    assert len(graphed.graphs) > 0
