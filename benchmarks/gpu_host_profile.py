@@ -35,12 +35,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=int, default=2087)
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--backend", default="flashkda-op")
-    parser.add_argument(
-        "--kda-op-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the FlashKDA op's calls from CUDA graphs (default) or eager",
-    )
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     from prefixcache import kernels
@@ -48,12 +42,7 @@ def main(argv: list[str]) -> int:
     from prefixcache.models import KDALayer, ModelConfig
     from prefixcache.models.layers import rms_norm
 
-    model = build_model(
-        "cuda",
-        args.backend,
-        config=ModelConfig.kimi_k3_tp8(1),
-        kda_op_graphs=args.kda_op_graphs if args.backend == "flashkda-op" else "auto",
-    )
+    model = build_model("cuda", args.backend, config=ModelConfig.kimi_k3_tp8(1))
     device, dtype = model.device, model.dtype
     kda = next(layer for layer in model.mixers if isinstance(layer, KDALayer))
     mlp, eps = model.mlps[0], model.config.rms_eps

@@ -50,11 +50,7 @@
 #   BASELINE=.device/baseline ... # stage 2 also times the layers with the wheel in
 #                                 # BASELINE/wheels (carried like .device), same machine
 #   CUDA_GRAPHS=0 ...             # every step eager (default: decode-only steps replay CUDA
-#                                 # graphs, unless their GPU tests fail in stage 1; and so the
-#                                 # FlashKDA op's prefill calls)
-#   KDA_OP_GRAPHS=0 ...           # the FlashKDA op called eagerly in prefill steps (default: its
-#                                 # calls replay CUDA graphs per token bucket, unless
-#                                 # tests/test_kernels_gpu.py fails in stage 1)
+#                                 # graphs, unless their GPU tests fail in stage 1)
 #   REPEATS=2 ...                 # stages 4 and 5 measure each policy twice, counterbalanced,
 #                                 # after the warm pass (simulate --repeats: the JSON keeps every
 #                                 # pass; gpu_seed_report.py prints them and pass 1 vs pass 2)
@@ -103,8 +99,6 @@ decode=${DECODE_ATTENTION:-auto}  # the attention of decode rows (auto: the Trit
 split=()  # a prefill chunk's cached prefix split across the GPU (--no-prefill-split: one call)
 graphs=()  # decode-only steps from CUDA graphs (--no-cuda-graphs: every step eager)
 [[ ${CUDA_GRAPHS:-1} == 1 ]] || graphs=(--no-cuda-graphs)
-op_graphs=()  # the FlashKDA op's prefill calls from CUDA graphs (KDA_OP_GRAPHS=0: eager)
-[[ ${KDA_OP_GRAPHS:-1} == 1 ]] || op_graphs=(--no-kda-op-graphs)
 [[ ${PREFILL_SPLIT:-1} == 1 ]] || split=(--no-prefill-split)
 stages=${STAGES:-12345}  # which stages to run, e.g. STAGES=45
 run() { [[ $stages == *"$1"* ]]; }
@@ -124,12 +118,9 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_attention
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 \
     | tee -a "$out/tests.txt" | tail -3 | tee -a "$log"
 [[ ${PIPESTATUS[0]} == 0 ]] || { graphs=(--no-cuda-graphs); say "graph tests failed: eager"; }
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 \
-    | tee -a "$out/tests.txt" | tail -3 | tee -a "$log"
-[[ ${PIPESTATUS[0]} == 0 ]] || { op_graphs=(--no-kda-op-graphs); say "op tests failed: eager op"; }
 }
 common=(--device cuda --backend flashkda-op --model kimi-k3-tp8 --depth "$depth"
-    --decode-attention "$decode" "${split[@]}" "${graphs[@]}" "${op_graphs[@]}")
+    --decode-attention "$decode" "${split[@]}" "${graphs[@]}")
 seed=(--preset seed "${common[@]}" ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${WARM_UP:+--warm-up "$WARM_UP"}
     ${REPEATS:+--repeats "$REPEATS"})
 # shellcheck disable=SC2206  # SEED_ARGS="--no-overlap ...": more options of the seed runs

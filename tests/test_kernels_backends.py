@@ -14,7 +14,6 @@ are tested without a GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import numpy as np
@@ -32,7 +31,6 @@ from kernels_support import (
     pad_checkpoints,
     reference_kernel,
 )
-from prefixcache.kernels.op_graphs import OpGraphs
 from test_kernels import max_difference, prefill, scenario
 
 chaining = kernels.chaining
@@ -282,17 +280,6 @@ GPU_BACKENDS = {
         kernels.FlashKDAOpBackend, _ops=FakeFlashKDAOps(), checkpoint_alignment=16,
         max_checkpoints_per_step=None,
     ),
-    # The op's calls replayed over the static buffers of OpGraphs (a "capture" that calls
-    # again): small buckets, at most two sequences a graph, so that the plans' rounds of three
-    # rows run eagerly beside replayed ones.
-    "flashkda-op-graphs": lambda: fake_backend(
-        kernels.FlashKDAOpBackend, _ops=FakeFlashKDAOps(), checkpoint_alignment=16,
-        max_checkpoints_per_step=None,
-        graphs=OpGraphs(
-            FakeFlashKDAOps().fwd, FakeFlashKDAOps().get_workspace_size,
-            capture=lambda call: call, max_tokens=128, max_sequences=2, bucket_tokens=32,
-        ),
-    ),
     "flashkda": lambda: fake_backend(
         kernels.FlashKDABackend,
         _fwd=GPU_BACKENDS["flashkda-op"]().fwd_without_checkpoints(),
@@ -309,11 +296,6 @@ def test_gpu_backend_classes_execute_plans_like_the_reference(name, gate):
     backend = GPU_BACKENDS[name]()
     grid = backend.checkpoint_alignment
     params = make_params(heads=2, key_dim=8, gate=gate, seed=31)
-    if name == "flashkda-op-graphs":
-        # The gate's parameters in float32, the op's dtype: a graph reads the layer's own
-        # tensors, so the backend replays only where it need not convert them.
-        params = dataclasses.replace(params, A_log=params.A_log.float(),
-                                     dt_bias=params.dt_bias.float())  # fmt: skip
     lengths = [3 * grid + 5, 2 * grid, 4 * grid + 1, 7]
     checkpoints = [[3 * grid, grid], [grid], [grid, 2 * grid, 3 * grid], []]
     initial, running, planned, num_blocks = scenario(

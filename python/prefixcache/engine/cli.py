@@ -230,14 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
         "decode attention; prefixcache.models.graphs). --no-cuda-graphs runs every step eagerly",
     )
     simulate.add_argument(
-        "--kda-op-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="replay the flashkda-op backend's prefill calls from CUDA graphs, one per layer and "
-        "token bucket (default: on with that backend unless --no-cuda-graphs; "
-        "prefixcache.kernels.op_graphs)",
-    )
-    simulate.add_argument(
         "--warm-up",
         # "auto" + prefixcache.engine.simulate.WARM_UPS (imported lazily)
         choices=("auto", "none", "shapes", "full"),
@@ -597,7 +589,6 @@ def _simulate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             decode_attention=args.decode_attention,
             split_prefill=not args.no_prefill_split,
             cuda_graphs="auto" if args.cuda_graphs is None else args.cuda_graphs,
-            kda_op_graphs="auto" if args.kda_op_graphs is None else args.kda_op_graphs,
         )
         model.set_layers_backlog(args.layers_backlog)
         workload = workload_preset(

@@ -33,13 +33,7 @@ import torch
 
 import prefixcache as pc
 
-from ..kernels import (
-    FlashKDAOpBackend,
-    KDABackend,
-    KDALayerParams,
-    UnsupportedLayerError,
-    get_backend,
-)
+from ..kernels import KDABackend, KDALayerParams, get_backend
 from ..kernels.backend import ConvImpl
 from ..kernels.ops import conv_function, default_conv
 from ..models import HybridModel, KernelTimer, ModelConfig
@@ -109,7 +103,6 @@ def build_model(
     decode_attention: str = "auto",
     split_prefill: bool = True,
     cuda_graphs: bool | str = "auto",
-    kda_op_graphs: bool | str = "auto",
 ) -> HybridModel:
     """The reference model on ``device`` with the kernel backend ``backend``.
 
@@ -127,9 +120,7 @@ def build_model(
     ``prefixcache.kernels.decode_attention``); ``split_prefill`` whether a prefill chunk's
     cached prefix is split across the GPU (``prefixcache.kernels.prefill_attention``);
     ``cuda_graphs`` whether decode-only steps replay CUDA graphs (``"auto"``: where they can run;
-    ``prefixcache.models.graphs``); ``kda_op_graphs`` whether the ``flashkda-op`` backend replays
-    its prefill calls from CUDA graphs per token bucket (``"auto"``: unless ``cuda_graphs`` is
-    False; ``prefixcache.kernels.op_graphs``). Raises
+    ``prefixcache.models.graphs``). Raises
     ``BackendUnavailableError`` when the backend cannot run here, ``UnsupportedLayerError`` when
     the convolution or the decode attention cannot.
     """
@@ -150,17 +141,6 @@ def build_model(
         kernel_backend = get_backend("auto", params=probe, dtype=torch.bfloat16, **options)
     else:
         kernel_backend = get_backend(backend, **options)
-    if kda_op_graphs not in (True, False, "auto"):
-        raise ValueError(f"kda_op_graphs must be True, False or 'auto', got {kda_op_graphs!r}")
-    if isinstance(kernel_backend, FlashKDAOpBackend):
-        kernel_backend.use_graphs(
-            cuda_graphs is not False if kda_op_graphs == "auto" else bool(kda_op_graphs)
-        )
-    elif kda_op_graphs is True:
-        raise UnsupportedLayerError(
-            f"kda_op_graphs: the flashkda-op backend's calls replay from graphs, the model runs "
-            f"{kernel_backend.name!r}"
-        )
     conv_impl = default_conv(torch_device) if conv == "auto" else conv
     conv_function(conv_impl, torch_device)  # refuses an unknown name, or triton where it cannot run
     kernel_backend.conv_impl = cast(ConvImpl, conv_impl)
@@ -241,8 +221,6 @@ class SimulationReport:
     decode_attention: str = "torch"
     split_prefill: bool = True
     cuda_graphs: bool = False
-    #: Whether the flashkda-op backend replayed its prefill calls from CUDA graphs.
-    kda_op_graphs: bool = False
     warm_up: str = "none"
     #: The policies of the warm pass in the order they ran (empty without one).
     warm_order: list[str] = field(default_factory=list)
@@ -392,7 +370,6 @@ class SimulationReport:
             "decode_attention": self.decode_attention,
             "split_prefill": self.split_prefill,
             "cuda_graphs": self.cuda_graphs,
-            "kda_op_graphs": self.kda_op_graphs,
             "warm_up": self.warm_up,
             "warm_order": self.warm_order,
             "pools": None
@@ -634,7 +611,6 @@ def simulate(
         decode_attention=model.decode_attention,
         split_prefill=model.split_prefill,
         cuda_graphs=model.graphs is not None,
-        kda_op_graphs=getattr(model.backend, "graphs", None) is not None,
         repeats=repeats,
     )
     report.warm_up = mode

@@ -47,7 +47,6 @@ from .backend import KDABackend, require_cuda
 from .chaining import SegmentBatch, plan_rounds, run_rounds
 from .errors import BackendUnavailableError, UnsupportedLayerError
 from .kda_decode_triton import kda_decode_triton, one_token_rows
-from .op_graphs import OpGraphs
 from .params import KDALayerParams
 from .plan import StatePlan
 
@@ -232,19 +231,12 @@ def load_flashkda_op(library: str | os.PathLike[str] | None = None) -> Any:
 
 
 class FlashKDAOpBackend(_SegmentedFlashKDA):
-    """vLLM's FlashKDA op with one checkpoint per call (``get_backend("flashkda-op")``).
-
-    ``graphs`` (default True): replay the op's calls from CUDA graphs, one per layer and token
-    bucket (:mod:`prefixcache.kernels.op_graphs`; the same results bit for bit, a tenth of the
-    host time a call); False calls the op eagerly every time. :meth:`use_graphs` switches later.
-    """
+    """vLLM's FlashKDA op with one checkpoint per call (``get_backend("flashkda-op")``)."""
 
     name = "flashkda-op"
     checkpoints_per_call = 1
-    #: The calls' graphs, or None: every call eager.
-    graphs: OpGraphs | None = None
 
-    def __init__(self, library: str | os.PathLike[str] | None = None, graphs: bool = True) -> None:
+    def __init__(self, library: str | os.PathLike[str] | None = None) -> None:
         device = require_cuda(self.name, SM90)
         if torch.cuda.get_device_capability(device)[0] != 9:
             raise BackendUnavailableError(
@@ -253,17 +245,6 @@ class FlashKDAOpBackend(_SegmentedFlashKDA):
         self._ops = load_flashkda_op(library)
         self.checkpoint_alignment = FLASHKDA_CHUNK
         self.max_checkpoints_per_step = None
-        self.use_graphs(graphs)
-
-    def use_graphs(self, on: bool) -> None:
-        """Replay the op's calls from CUDA graphs (``on``) or call it eagerly; switching off
-        drops the graphs captured so far."""
-        if not isinstance(on, bool):
-            raise TypeError(f"graphs must be True or False, got {on!r}")
-        if not on:
-            self.graphs = None
-        elif self.graphs is None:
-            self.graphs = OpGraphs(self._ops.fwd, self._ops.get_workspace_size)
 
     # The op's scratch memory, kept between calls: every KDA layer of a step asks for the same
     # size, so a step sizes it once and allocates it at most once (calls run in stream order on
@@ -305,15 +286,7 @@ class FlashKDAOpBackend(_SegmentedFlashKDA):
         cu_seqlens: torch.Tensor,
         checkpoint_state: torch.Tensor | None = None,
         checkpoint_offsets: torch.Tensor | None = None,
-        replayable: bool = False,
     ) -> None:
-        """The op's call; from its graph where ``replayable`` (``A_log`` and ``dt_bias`` are the
-        layer's own tensors, which a graph reads where they lie) and the graphs take it."""
-        graphs = self.graphs if replayable else None
-        if graphs is not None and initial_state is not None and final_state is not None:
-            states = (initial_state, final_state, cu_seqlens, checkpoint_state, checkpoint_offsets)
-            if graphs.run(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, *states):
-                return
         workspace = self._scratch(q, cu_seqlens.shape[0] - 1)
         self._ops.fwd(
             q, k, v, g, beta, float(scale), out, workspace, A_log, dt_bias, float(lower_bound),
@@ -364,12 +337,9 @@ class FlashKDAOpBackend(_SegmentedFlashKDA):
         staging = None
         if batch.checkpoint_offsets is not None:
             staging = _buffer(batch.checkpoint_state, batch.initial_state)
-        a_log, dt_bias = params.A_log.float(), params.dt_bias.float()
         self._run(
             batch.q, batch.k, batch.v, batch.g, batch.beta, batch.q.shape[-1] ** -0.5, out,
-            a_log, dt_bias, _lower_bound(params), batch.initial_state, final, batch.cu_seqlens,
-            staging, batch.checkpoint_offsets,
-            # Converted copies live for this call only: no graph may keep their addresses.
-            replayable=a_log is params.A_log and dt_bias is params.dt_bias,
+            params.A_log.float(), params.dt_bias.float(), _lower_bound(params),
+            batch.initial_state, final, batch.cu_seqlens, staging, batch.checkpoint_offsets,
         )  # fmt: skip
         return out, final, staging
