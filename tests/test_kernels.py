@@ -650,6 +650,65 @@ def test_paged_kv_write_gather_and_copy_on_write():
             kernels.apply_copies(np.array(rows, dtype=np.int64), {1: kv})
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    subset=st.booleans(),
+    rows=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(0, 4)), max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_stacked_caches_behave_as_caches_of_their_own(layers, subset, rows, seed):
+    """Layers of one ``PagedKVCache.stacked`` storage, written and copied as a group (one copy
+    for all of them) or a subset of them (a copy each), hold exactly what separate caches given
+    the same writes and copies hold; no layer's writes reach another's."""
+    generator = torch.Generator().manual_seed(seed)
+    stacked = kernels.PagedKVCache.stacked(layers, 6, 4, 2, 3, dtype=F64)
+    separate = [kernels.PagedKVCache(6, 4, 2, 3, dtype=F64) for _ in range(layers)]
+    for layer in range(layers):
+        slots = torch.randperm(24, generator=generator)[:10].numpy()
+        key = torch.randn(10, 2, 3, generator=generator, dtype=F64)
+        value = torch.randn(10, 2, 3, generator=generator, dtype=F64)
+        for caches in (stacked, separate):
+            caches[layer].write(slots, key, value)
+    # Valid copy rows: a destination written once and never a source (check_copies' rule).
+    copies, sources, destinations = [], set(), set()
+    for src, dst, tokens in rows:
+        if src != dst and dst not in destinations | sources and src not in destinations:
+            copies.append([0, src, dst, tokens])
+            sources.add(src)
+            destinations.add(dst)
+    chosen = slice(0, max(1, layers - 1)) if subset else slice(None)
+    for caches in (stacked, separate):
+        kernels.apply_copies(np.array(copies, dtype=np.int64).reshape(-1, 4), {0: caches[chosen]})
+    for got, expected in zip(stacked, separate, strict=True):
+        assert torch.equal(got.key, expected.key) and torch.equal(got.value, expected.value)
+        assert got.key.is_contiguous() and got.value.is_contiguous()
+        assert got.key.shape == expected.key.shape
+
+
+def test_a_group_of_layers_from_two_stacks_copies_each_layer():
+    """One copy covers a storage only when the group is exactly its layers: layer 0 of two
+    storages of two layers each are copied one by one, and neither storage's layer 1 moves."""
+    first, second = (kernels.PagedKVCache.stacked(2, 4, 2, 1, 1, dtype=F64) for _ in range(2))
+    for caches in (first, second):
+        for cache in caches:
+            cache.key.copy_(torch.randn(cache.key.shape, dtype=F64))
+            cache.value.copy_(torch.randn(cache.value.shape, dtype=F64))
+    before = [(c.key.clone(), c.value.clone()) for c in (*first, *second)]
+    kernels.apply_copies(np.array([[0, 1, 3, 2]]), {0: [first[0], second[0]]})
+    for cache, (key, value) in zip((first[0], second[0]), before[::2], strict=True):
+        assert torch.equal(cache.key[3], key[1]) and torch.equal(cache.value[3], value[1])
+    for cache, (key, value) in zip((first[1], second[1]), before[1::2], strict=True):
+        assert torch.equal(cache.key, key) and torch.equal(cache.value, value)
+
+
+def test_stacked_caches_refuse_bad_sizes():
+    with pytest.raises(ValueError, match="layers must be >= 1"):
+        kernels.PagedKVCache.stacked(0, 6, 4, 2, 3)
+    with pytest.raises(ValueError, match="must all be >= 1, got 0, 4, 2, 3"):
+        kernels.PagedKVCache.stacked(2, 0, 4, 2, 3)
+
+
 def test_paged_attention_matches_dense_causal_attention():
     torch.manual_seed(0)
     kv = kernels.PagedKVCache(num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=F64)

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ._convert import ArrayLike, to_device
-from .paged_kv import PagedKVCache
+from .paged_kv import PagedKVCache, copy_prefix_all
 from .state_cache import StateCache
 from .validate import check_copies, check_snapshots
 
@@ -91,5 +91,4 @@ def copy_checked_blocks(
     """Run copies already checked by ``check_copies`` (rows ``(group, src, dst, num_tokens)``)."""
     layers = _layers_by_group(kv_caches)
     for group, src, dst, num_tokens in rows:
-        for cache in layers[group]:
-            cache.copy_prefix(src, dst, num_tokens)
+        copy_prefix_all(layers[group], src, dst, num_tokens)

@@ -7,6 +7,12 @@ token ``i`` lives in ``block_table_row[i // block_size]`` at offset ``i % block_
 
 Layout: ``key`` and ``value`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``. This is a
 reference (correctness, CPU tests, the tiny model), not a fast attention kernel.
+
+:meth:`PagedKVCache.stacked` makes the caches of several layers of one shape as views of one
+tensor ``[layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (each layer's key and
+value contiguous, as a cache of its own): a copy-on-write copy then moves a block's tokens in
+every layer in one launch (:func:`copy_prefix_all`) instead of two a layer, which a resumed
+request pays before its forward starts.
 """
 
 from __future__ import annotations
@@ -16,7 +22,18 @@ import torch
 
 from ._convert import index_where_it_is, to_device
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "copy_prefix_all"]
+
+
+def _checked_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    if num_blocks < 1 or block_size < 1 or num_kv_heads < 1 or head_dim < 1:
+        raise ValueError(
+            "num_blocks, block_size, num_kv_heads and head_dim must all be >= 1, got "
+            f"{num_blocks}, {block_size}, {num_kv_heads}, {head_dim}"
+        )
+    return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
 class PagedKVCache:
@@ -31,14 +48,37 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        if num_blocks < 1 or block_size < 1 or num_kv_heads < 1 or head_dim < 1:
-            raise ValueError(
-                "num_blocks, block_size, num_kv_heads and head_dim must all be >= 1, got "
-                f"{num_blocks}, {block_size}, {num_kv_heads}, {head_dim}"
-            )
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = _checked_shape(num_blocks, block_size, num_kv_heads, head_dim)
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)
+        #: ``(storage, layer)`` when the cache is one layer of :meth:`stacked` storage.
+        self.stack: tuple[torch.Tensor, int] | None = None
+
+    @classmethod
+    def stacked(
+        cls,
+        layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> list[PagedKVCache]:
+        """``layers`` caches of one shape whose keys and values are views of one zeroed tensor
+        ``[layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (see the module
+        docstring); each behaves as a cache of its own."""
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        shape = _checked_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        storage = torch.zeros((layers, 2, *shape), dtype=dtype, device=device)
+        caches = []
+        for layer in range(layers):
+            cache = cls.__new__(cls)
+            cache.key, cache.value = storage[layer, 0], storage[layer, 1]
+            cache.stack = (storage, layer)
+            caches.append(cache)
+        return caches
 
     @property
     def num_blocks(self) -> int:
@@ -166,3 +206,21 @@ class PagedKVCache:
         """Copy the first ``num_tokens`` token slots of block ``src_block`` into ``dst_block``."""
         self.key[dst_block, :num_tokens] = self.key[src_block, :num_tokens]
         self.value[dst_block, :num_tokens] = self.value[src_block, :num_tokens]
+
+
+def copy_prefix_all(
+    caches: list[PagedKVCache], src_block: int, dst_block: int, num_tokens: int
+) -> None:
+    """:meth:`PagedKVCache.copy_prefix` in every cache of ``caches`` (blocks already checked,
+    ``src_block != dst_block``): one copy when they are all the layers of one
+    :meth:`PagedKVCache.stacked` storage, two a cache otherwise."""
+    stacks = [cache.stack for cache in caches]
+    first = stacks[0] if stacks else None
+    if first is not None and len(caches) == first[0].shape[0]:
+        storage = first[0]
+        layers = sorted(stack[1] for stack in stacks if stack is not None and stack[0] is storage)
+        if layers == list(range(len(caches))):
+            storage[:, :, dst_block, :num_tokens] = storage[:, :, src_block, :num_tokens]
+            return
+    for cache in caches:
+        cache.copy_prefix(src_block, dst_block, num_tokens)

@@ -256,18 +256,27 @@ class HybridModel:
             StateCache.for_layer(layer.params, state_blocks, device=self.device)
             for layer in self.kda_layers
         ]
-        kv = [
-            PagedKVCache(
-                paged_blocks,
-                block_size,
-                layer.num_kv_heads,
-                layer.head_dim,
-                dtype=self.dtype,
-                device=self.device,
+        attention = [layer for layer in self.mixers if isinstance(layer, AttentionLayer)]
+        shapes = {(layer.num_kv_heads, layer.head_dim) for layer in attention}
+        kv: list[PagedKVCache] = []
+        if len(shapes) == 1:
+            # One tensor for every layer: a copy-on-write copy is one launch, not two a layer.
+            ((heads, dim),) = shapes
+            kv = PagedKVCache.stacked(
+                len(attention), paged_blocks, block_size, heads, dim, self.dtype, self.device
             )
-            for layer in self.mixers
-            if isinstance(layer, AttentionLayer)
-        ]
+        elif attention:
+            kv = [
+                PagedKVCache(
+                    paged_blocks,
+                    block_size,
+                    layer.num_kv_heads,
+                    layer.head_dim,
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+                for layer in attention
+            ]
         return ModelCaches(states=states, kv=kv, paged_group=paged_group, state_group=state_group)
 
     def set_layers_backlog(self, cycles: int) -> None:
