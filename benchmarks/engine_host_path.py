@@ -14,10 +14,15 @@ in every request's time to first token:
 - ``apply_plan`` (the block tables), ``from_plan`` (the kernels' step) and ``inputs`` (the
   step's token ids on the device), per step of any kind.
 
+With ``--prep``, only the model's layers are stubbed (``forward_layers``) and ``execute`` is
+timed as well: a prefill step's preparation before its layers (the plan's and the slots'
+checks, the copy-on-write copies, the decode rows' tables, the uploads; the snapshots after),
+on the CPU model of the seed geometry (tiny widths, so the copies move little).
+
 Medians, in microseconds. The stub changes when requests arrive (every step is instant), not
 what each part does.
 
-    python3 benchmarks/engine_host_path.py --preset seed --policy fine
+    python3 benchmarks/engine_host_path.py --preset seed --policy fine [--prep]
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--policy", default="fine")
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--min-prompt", type=int, default=100_000)
+    parser.add_argument(
+        "--prep",
+        action="store_true",
+        help="stub the layers only, and time execute's preparation of each prefill step",
+    )
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     engine = importlib.import_module("prefixcache.engine.engine")
@@ -77,7 +87,22 @@ def main(argv: list[str]) -> int:
         logits[:, 7] = 1.0  # every sampled token is 7: the workload does not depend on it
         return logits
 
-    times: dict[str, list[float]] = {part: [] for part in ("add", *STEP_PARTS)}
+    def stub_layers(model: Any, token_ids: Any, caches: Any, **kwargs: Any) -> torch.Tensor:
+        logits = torch.zeros(len(kwargs["logits_index"]), model.config.vocab_size)
+        logits[:, 7] = 1.0
+        return logits
+
+    parts = ("add", *STEP_PARTS, *(("prefill_execute",) if args.prep else ()))
+    times: dict[str, list[float]] = {part: [] for part in parts}
+
+    def timed_execute(
+        model: Any, step: Any, token_ids: Any, caches: Any, logits_indices: Any = None
+    ) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = saved["execute"](model, step, token_ids, caches, logits_indices)
+        if int(np.diff(np.asarray(step.query_start_loc)).max()) > 1:
+            times["prefill_execute"].append(1e6 * (time.perf_counter() - start))
+        return logits
 
     def timed(function: Callable[..., Any], part: str) -> Callable[..., Any]:
         def wrapper(*call_args: Any, **kwargs: Any) -> Any:
@@ -91,6 +116,7 @@ def main(argv: list[str]) -> int:
     loop = engine._Loop
     saved = {
         "execute": hybrid.HybridModel.execute,
+        "forward_layers": hybrid.HybridModel.forward_layers,
         "init": loop.__init__,
         "schedule": loop.schedule,
         "inputs": loop.inputs,
@@ -102,7 +128,11 @@ def main(argv: list[str]) -> int:
         saved["init"](self, *init_args, **kwargs)
         self.manager = _TimedAdds(self.manager, args.min_prompt, times["add"])
 
-    hybrid.HybridModel.execute = stub_execute
+    if args.prep:
+        hybrid.HybridModel.forward_layers = stub_layers
+        hybrid.HybridModel.execute = timed_execute
+    else:
+        hybrid.HybridModel.execute = stub_execute
     loop.__init__ = init
     loop.schedule = timed(loop.schedule, "schedule")
     loop.inputs = timed(loop.inputs, "inputs")
@@ -117,6 +147,7 @@ def main(argv: list[str]) -> int:
         )  # fmt: skip
     finally:
         hybrid.HybridModel.execute = saved["execute"]
+        hybrid.HybridModel.forward_layers = saved["forward_layers"]
         loop.__init__ = saved["init"]
         loop.schedule = saved["schedule"]
         loop.inputs = saved["inputs"]

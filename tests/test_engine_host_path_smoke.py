@@ -33,3 +33,16 @@ def test_every_request_and_step_is_timed_once_and_the_engine_is_restored(tmp_pat
     assert all(result[part]["median_us"] > 0 for part in ("add", *engine_host_path.STEP_PARTS))
     after = (HybridModel.execute, _Loop.__init__, _Loop.schedule, Step.__dict__["from_plan"])
     assert after == before
+
+
+def test_prep_times_each_prefill_step_with_the_layers_stubbed(tmp_path: Path) -> None:
+    before = (HybridModel.execute, HybridModel.forward_layers)
+    out = tmp_path / "host_path.json"
+    argv = ["--preset", "default", "--policy", "fine", "--prep", "--json", str(out)]
+    assert engine_host_path.main(argv) == 0
+    result = json.loads(out.read_text())
+    prefill = result["prefill_execute"]
+    # The steps with a prefill row, and only those: some, not the decode-only ones.
+    assert 0 < prefill["count"] < result["inputs"]["count"]
+    assert prefill["median_us"] > 0
+    assert (HybridModel.execute, HybridModel.forward_layers) == before
