@@ -45,6 +45,8 @@
 # -22.1% block first at depth 6, 280 s a process). Depth 6, one call per order:
 #   DEPTH=6 STAGES=4 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=380 OUT=$OUT bash ...
 #   DEPTH=6 STAGES=5 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=380 OUT=$OUT bash ...
+# or both orders as counterbalanced passes of one process (block, fine, fine, block; an
+# estimated 400 s, not yet run): DEPTH=6 STAGES=4 REPEATS=2 ... BUDGET=560.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_seed.sh            # DEPTH=2 layer groups by default
 #   STAGES=45 OUTPUT_LEN=16 ...                         # the seed runs only, 16 decode tokens
