@@ -49,10 +49,13 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = _checked_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        self.key = torch.zeros(shape, dtype=dtype, device=device)
-        self.value = torch.zeros(shape, dtype=dtype, device=device)
-        #: ``(storage, layer)`` when the cache is one layer of :meth:`stacked` storage.
-        self.stack: tuple[torch.Tensor, int] | None = None
+        self._attach(torch.zeros((1, 2, *shape), dtype=dtype, device=device), 0)
+
+    def _attach(self, storage: torch.Tensor, layer: int) -> None:
+        #: ``(storage, layer)``: the cache is layer ``layer`` of ``storage`` (one of its own, or
+        #: of :meth:`stacked`).
+        self.stack = (storage, layer)
+        self.key, self.value = storage[layer, 0], storage[layer, 1]
 
     @classmethod
     def stacked(
@@ -75,8 +78,7 @@ class PagedKVCache:
         caches = []
         for layer in range(layers):
             cache = cls.__new__(cls)
-            cache.key, cache.value = storage[layer, 0], storage[layer, 1]
-            cache.stack = (storage, layer)
+            cache._attach(storage, layer)
             caches.append(cache)
         return caches
 
@@ -212,14 +214,13 @@ def copy_prefix_all(
     caches: list[PagedKVCache], src_block: int, dst_block: int, num_tokens: int
 ) -> None:
     """:meth:`PagedKVCache.copy_prefix` in every cache of ``caches`` (blocks already checked,
-    ``src_block != dst_block``): one copy when they are all the layers of one
-    :meth:`PagedKVCache.stacked` storage, two a cache otherwise."""
-    stacks = [cache.stack for cache in caches]
-    first = stacks[0] if stacks else None
-    if first is not None and len(caches) == first[0].shape[0]:
-        storage = first[0]
-        layers = sorted(stack[1] for stack in stacks if stack is not None and stack[0] is storage)
-        if layers == list(range(len(caches))):
+    ``src_block != dst_block``): one copy when they are exactly the layers of one storage (a
+    cache made on its own is a storage of one layer; :meth:`PagedKVCache.stacked` makes one of
+    several), two a cache otherwise."""
+    if caches:
+        storage = caches[0].stack[0]
+        layers = sorted(cache.stack[1] for cache in caches if cache.stack[0] is storage)
+        if layers == list(range(storage.shape[0])) and len(caches) == len(layers):
             storage[:, :, dst_block, :num_tokens] = storage[:, :, src_block, :num_tokens]
             return
     for cache in caches:
