@@ -617,3 +617,17 @@ def test_the_model_on_the_gpu_resumes_exactly_through_checked_slots() -> None:
     assert relative_difference(resumed.numpy(), whole.numpy()) <= 1e-4
     moved = run([Row(seq, 0, 100, [9, 30, 11, 12, 13, 14, 15], -1, 1)], gpu_caches())
     assert relative_difference(moved.numpy(), whole.numpy()) <= 1e-5
+
+
+def test_the_attention_layers_caches_share_one_storage():
+    """A model's attention layers' caches are the layers of one stacked storage, so a
+    copy-on-write copy runs once for all of them; each layer's keys and values stay its own."""
+    model = HybridModel(ModelConfig.kimi_k3_tp8(2, divisor=64), TorchBackend(chunk_size=32))
+    caches = model.allocate_caches(paged_blocks=8, block_size=BLOCK, state_blocks=4)
+    assert len(caches.kv) == 2
+    storage = caches.kv[0].stack[0]
+    assert all(cache.stack[0] is storage for cache in caches.kv)
+    assert [cache.stack[1] for cache in caches.kv] == [0, 1]
+    assert storage.shape[:3] == (2, 2, 8)
+    caches.kv[1].key.fill_(1.0)
+    assert not caches.kv[0].key.any() and not caches.kv[1].value.any()
