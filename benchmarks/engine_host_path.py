@@ -17,7 +17,8 @@ in every request's time to first token:
 With ``--prep``, only the model's layers are stubbed (``forward_layers``) and ``execute`` is
 timed as well: a prefill step's preparation before its layers (the plan's and the slots'
 checks, the copy-on-write copies, the decode rows' tables, the uploads; the snapshots after),
-on the CPU model of the seed geometry (tiny widths, so the copies move little).
+on the CPU model of the seed geometry (tiny widths, so the copies move little), and the prefill
+steps that carry a copy-on-write copy are counted.
 
 Medians, in microseconds. The stub changes when requests arrive (every step is instant), not
 what each part does.
@@ -78,22 +79,24 @@ def main(argv: list[str]) -> int:
     step_module = importlib.import_module("prefixcache.kernels.step")
     from prefixcache.engine.cli import main as cli
 
+    def fixed_logits(model: Any, rows: int) -> torch.Tensor:
+        logits = torch.zeros(rows, model.config.vocab_size)
+        logits[:, 7] = 1.0  # every sampled token is 7: the workload does not depend on it
+        return logits
+
     def stub_execute(
         model: Any, step: Any, token_ids: Any, caches: Any, logits_indices: Any = None
     ) -> torch.Tensor:
         if logits_indices is None:
             logits_indices = np.asarray(step.query_start_loc[1:], dtype=np.int64) - 1
-        logits = torch.zeros(len(logits_indices), model.config.vocab_size)
-        logits[:, 7] = 1.0  # every sampled token is 7: the workload does not depend on it
-        return logits
+        return fixed_logits(model, len(logits_indices))
 
     def stub_layers(model: Any, token_ids: Any, caches: Any, **kwargs: Any) -> torch.Tensor:
-        logits = torch.zeros(len(kwargs["logits_index"]), model.config.vocab_size)
-        logits[:, 7] = 1.0
-        return logits
+        return fixed_logits(model, len(kwargs["logits_index"]))
 
     parts = ("add", *STEP_PARTS, *(("prefill_execute",) if args.prep else ()))
     times: dict[str, list[float]] = {part: [] for part in parts}
+    copy_rows: list[int] = []  # with --prep: each prefill step's copy-on-write rows
 
     def timed_execute(
         model: Any, step: Any, token_ids: Any, caches: Any, logits_indices: Any = None
@@ -102,6 +105,7 @@ def main(argv: list[str]) -> int:
         logits = saved["execute"](model, step, token_ids, caches, logits_indices)
         if int(np.diff(np.asarray(step.query_start_loc)).max()) > 1:
             times["prefill_execute"].append(1e6 * (time.perf_counter() - start))
+            copy_rows.append(len(step.copies))
         return logits
 
     def timed(function: Callable[..., Any], part: str) -> Callable[..., Any]:
@@ -162,6 +166,10 @@ def main(argv: list[str]) -> int:
         }
         median = "-" if not values else f"{statistics.median(values):8.1f}"
         print(f"  {part:<12} {median} ({len(values)})")
+    if args.prep:
+        with_copies = sum(rows > 0 for rows in copy_rows)
+        results["prefill_steps_with_copies"] = with_copies
+        print(f"  prefill steps with a copy-on-write copy: {with_copies} of {len(copy_rows)}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=1)

@@ -45,4 +45,6 @@ def test_prep_times_each_prefill_step_with_the_layers_stubbed(tmp_path: Path) ->
     # The steps with a prefill row, and only those: some, not the decode-only ones.
     assert 0 < prefill["count"] < result["inputs"]["count"]
     assert prefill["median_us"] > 0
+    # Fine resumes inside paged blocks, so some of its prefill steps copy one first.
+    assert 0 < result["prefill_steps_with_copies"] <= prefill["count"]
     assert (HybridModel.execute, HybridModel.forward_layers) == before

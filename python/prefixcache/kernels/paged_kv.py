@@ -11,7 +11,7 @@ reference (correctness, CPU tests, the tiny model), not a fast attention kernel.
 :meth:`PagedKVCache.stacked` makes the caches of several layers of one shape as views of one
 tensor ``[layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (each layer's key and
 value contiguous, as a cache of its own): a copy-on-write copy then moves a block's tokens in
-every layer in one launch (:func:`copy_prefix_all`) instead of two a layer, which a resumed
+every layer in one launch (:func:`copy_prefix_all`) instead of one a layer, which a resumed
 request pays before its forward starts.
 """
 
@@ -205,22 +205,23 @@ class PagedKVCache:
         return key, value
 
     def copy_prefix(self, src_block: int, dst_block: int, num_tokens: int) -> None:
-        """Copy the first ``num_tokens`` token slots of block ``src_block`` into ``dst_block``."""
-        self.key[dst_block, :num_tokens] = self.key[src_block, :num_tokens]
-        self.value[dst_block, :num_tokens] = self.value[src_block, :num_tokens]
+        """Copy the first ``num_tokens`` token slots of block ``src_block`` into ``dst_block``
+        (keys and values in one copy)."""
+        storage, layer = self.stack
+        storage[layer, :, dst_block, :num_tokens] = storage[layer, :, src_block, :num_tokens]
 
 
 def copy_prefix_all(
     caches: list[PagedKVCache], src_block: int, dst_block: int, num_tokens: int
 ) -> None:
     """:meth:`PagedKVCache.copy_prefix` in every cache of ``caches`` (blocks already checked,
-    ``src_block != dst_block``): one copy when they are exactly the layers of one storage (a
-    cache made on its own is a storage of one layer; :meth:`PagedKVCache.stacked` makes one of
-    several), two a cache otherwise."""
+    ``src_block != dst_block``): one copy when they are exactly the layers of one
+    :meth:`PagedKVCache.stacked` storage, one a cache otherwise."""
     if caches:
         storage = caches[0].stack[0]
-        layers = sorted(cache.stack[1] for cache in caches if cache.stack[0] is storage)
-        if layers == list(range(storage.shape[0])) and len(caches) == len(layers):
+        if all(cache.stack[0] is storage for cache in caches) and sorted(
+            cache.stack[1] for cache in caches
+        ) == list(range(storage.shape[0])):
             storage[:, :, dst_block, :num_tokens] = storage[:, :, src_block, :num_tokens]
             return
     for cache in caches:

@@ -256,27 +256,15 @@ class HybridModel:
             StateCache.for_layer(layer.params, state_blocks, device=self.device)
             for layer in self.kda_layers
         ]
-        attention = [layer for layer in self.mixers if isinstance(layer, AttentionLayer)]
-        shapes = {(layer.num_kv_heads, layer.head_dim) for layer in attention}
-        kv: list[PagedKVCache] = []
-        if len(shapes) == 1:
-            # One tensor for every layer: a copy-on-write copy is one launch, not two a layer.
-            ((heads, dim),) = shapes
+        # One storage for every attention layer (the config gives them one shape): a
+        # copy-on-write copy is one launch for all of them, not two a layer.
+        config = self.config
+        kv = []
+        if config.num_attention_layers:
             kv = PagedKVCache.stacked(
-                len(attention), paged_blocks, block_size, heads, dim, self.dtype, self.device
-            )
-        elif attention:
-            kv = [
-                PagedKVCache(
-                    paged_blocks,
-                    block_size,
-                    layer.num_kv_heads,
-                    layer.head_dim,
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-                for layer in attention
-            ]
+                config.num_attention_layers, paged_blocks, block_size, config.attention_kv_heads,
+                config.attention_head_dim, self.dtype, self.device,
+            )  # fmt: skip
         return ModelCaches(states=states, kv=kv, paged_group=paged_group, state_group=state_group)
 
     def set_layers_backlog(self, cycles: int) -> None:
