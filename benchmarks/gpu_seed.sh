@@ -40,13 +40,16 @@
 #   STAGES=945 REPEATS=2 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=575 OUT=$OUT \
 #       bash benchmarks/gpu_seed.sh
 #
-# More layers dilute what a request pays whatever its tokens (2026-12-06, one H100: TTFT fine
+# More layers dilute what a request pays whatever its tokens (2026-12-06, H100s: TTFT fine
 # against block -18.4% / -20.2% at depth 2, -19.6% / -19.9% at depth 4 in one call of 426 s,
-# -22.1% block first at depth 6, 280 s a process). Depth 6, one call per order:
+# -21.6% / -20.9% at depth 6, 272 and 281 s a process). Depth 6, the TTFT figures of
+# docs/BENCHMARKS.md, one call per order (the first with the GPU tests, about 75 s more):
+#   DEPTH=6 STAGES=15 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=540 OUT=$OUT bash ...
 #   DEPTH=6 STAGES=4 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=380 OUT=$OUT bash ...
-#   DEPTH=6 STAGES=5 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=380 OUT=$OUT bash ...
-# or both orders as counterbalanced passes of one process (block, fine, fine, block; an
-# estimated 400 s, not yet run): DEPTH=6 STAGES=4 REPEATS=2 ... BUDGET=560.
+# KDA GPU work (stage 8) waits for each layer, so at depth 6 it needs a call of its own of about
+# 400 s, BUDGET=420 (BUDGET=330 ran out in fine's pass); both orders as counterbalanced passes of one
+# process (block, fine, fine, block) are an estimated 400 s, not yet run: DEPTH=6 STAGES=4
+# REPEATS=2 ... BUDGET=560.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_seed.sh            # DEPTH=2 layer groups by default
 #   STAGES=45 OUTPUT_LEN=16 ...                         # the seed runs only, 16 decode tokens
