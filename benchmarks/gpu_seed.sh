@@ -170,7 +170,8 @@ layers "$site-baseline" layers_baseline
 
 run 3 && say "3. output check: default preset, none + block + fine"
 run 3 && {
-timeout 100 python3 -m prefixcache simulate --preset default "${common[@]}" \
+# Its limit grows with the layers: 100 s at depth 2, 200 s at depth 6.
+timeout $((25 * (depth + 2))) python3 -m prefixcache simulate --preset default "${common[@]}" \
     --json "$out/check.json" 2>>"$errors" | tail -8 | tee -a "$log"
 # The overlapped engine (the default) that fails here runs the seed one step at a time.
 [[ ${PIPESTATUS[0]} == 0 ]] || { seed+=(--no-overlap); say "output check failed: --no-overlap"; }
