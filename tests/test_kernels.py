@@ -702,6 +702,34 @@ def test_a_group_of_layers_from_two_stacks_copies_each_layer():
         assert torch.equal(cache.key, key) and torch.equal(cache.value, value)
 
 
+def test_copies_of_two_paged_groups_reach_only_their_own_caches():
+    """Rows of two paged groups, interleaved, move blocks in their own group's layers only:
+    the same as each row's ``copy_prefix`` in each of its group's caches, one at a time."""
+    generator = torch.Generator().manual_seed(3)
+
+    def filled(caches):
+        for cache in caches:
+            cache.key.copy_(torch.randn(cache.key.shape, generator=generator, dtype=F64))
+            cache.value.copy_(torch.randn(cache.value.shape, generator=generator, dtype=F64))
+        return caches
+
+    groups = {0: filled(kernels.PagedKVCache.stacked(2, 6, 4, 1, 2, dtype=F64)), 5: filled(
+        [kernels.PagedKVCache(6, 4, 1, 2, dtype=F64)]
+    )}  # fmt: skip
+    expected = {
+        g: [(c.key.clone(), c.value.clone()) for c in caches] for g, caches in groups.items()
+    }
+    rows = [[5, 0, 1, 3], [0, 2, 3, 4], [5, 2, 4, 1], [0, 0, 5, 2]]
+    for group, src, dst, tokens in rows:
+        for key, value in expected[group]:
+            key[dst, :tokens] = key[src, :tokens]
+            value[dst, :tokens] = value[src, :tokens]
+    kernels.apply_copies(np.array(rows, dtype=np.int64), groups)
+    for group, caches in groups.items():
+        for cache, (key, value) in zip(caches, expected[group], strict=True):
+            assert torch.equal(cache.key, key) and torch.equal(cache.value, value)
+
+
 def test_stacked_caches_refuse_bad_sizes():
     with pytest.raises(ValueError, match="layers must be >= 1"):
         kernels.PagedKVCache.stacked(0, 6, 4, 2, 3)

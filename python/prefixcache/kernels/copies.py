@@ -88,7 +88,10 @@ def copy_checked_blocks(
     rows: Sequence[tuple[int, int, int, int]],
     kv_caches: Mapping[int, PagedKVCache | Sequence[PagedKVCache]],
 ) -> None:
-    """Run copies already checked by ``check_copies`` (rows ``(group, src, dst, num_tokens)``)."""
+    """Run copies already checked by ``check_copies`` (rows ``(group, src, dst, num_tokens)``;
+    rows of different groups touch different caches, so each group's run together)."""
+    if not rows:
+        return
     layers = _layers_by_group(kv_caches)
-    for group, src, dst, num_tokens in rows:
-        copy_prefix_all(layers[group], src, dst, num_tokens)
+    for group in dict.fromkeys(row[0] for row in rows):
+        copy_prefix_all(layers[group], [(s, d, n) for g, s, d, n in rows if g == group])

@@ -17,6 +17,8 @@ request pays before its forward starts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -211,18 +213,20 @@ class PagedKVCache:
         storage[layer, :, dst_block, :num_tokens] = storage[layer, :, src_block, :num_tokens]
 
 
-def copy_prefix_all(
-    caches: list[PagedKVCache], src_block: int, dst_block: int, num_tokens: int
-) -> None:
-    """:meth:`PagedKVCache.copy_prefix` in every cache of ``caches`` (blocks already checked,
-    ``src_block != dst_block``): one copy when they are exactly the layers of one
-    :meth:`PagedKVCache.stacked` storage, one a cache otherwise."""
-    if caches:
-        storage = caches[0].stack[0]
-        if all(cache.stack[0] is storage for cache in caches) and sorted(
-            cache.stack[1] for cache in caches
-        ) == list(range(storage.shape[0])):
+def copy_prefix_all(caches: Sequence[PagedKVCache], rows: Sequence[tuple[int, int, int]]) -> None:
+    """:meth:`PagedKVCache.copy_prefix` of each ``(src_block, dst_block, num_tokens)`` row
+    (already checked by ``check_copies``) in every cache of ``caches``: one copy a row when the
+    caches are exactly the layers of one :meth:`PagedKVCache.stacked` storage, one a cache
+    otherwise."""
+    if not caches or not rows:
+        return
+    storage = caches[0].stack[0]
+    whole = all(cache.stack[0] is storage for cache in caches) and sorted(
+        cache.stack[1] for cache in caches
+    ) == list(range(storage.shape[0]))
+    for src_block, dst_block, num_tokens in rows:
+        if whole:
             storage[:, :, dst_block, :num_tokens] = storage[:, :, src_block, :num_tokens]
-            return
-    for cache in caches:
-        cache.copy_prefix(src_block, dst_block, num_tokens)
+        else:
+            for cache in caches:
+                cache.copy_prefix(src_block, dst_block, num_tokens)
