@@ -46,10 +46,13 @@
 # docs/BENCHMARKS.md, one call per order (the first with the GPU tests, about 75 s more):
 #   DEPTH=6 STAGES=15 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=540 OUT=$OUT bash ...
 #   DEPTH=6 STAGES=4 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=380 OUT=$OUT bash ...
-# KDA GPU work (stage 8) waits for each layer, so at depth 6 it needs a call of its own of
-# about 400 s, BUDGET=420 (BUDGET=330 ran out in fine's pass); both orders as counterbalanced
-# passes of one process (block, fine, fine, block) are an estimated 400 s, not yet run:
-# DEPTH=6 STAGES=4 REPEATS=2 ... BUDGET=560.
+# Both orders as counterbalanced passes of one process (block, fine, fine, block) with the GPU
+# tests first fit one call (499 s on an H100, 2026-12-06 14:22: -21.2%, passes within 0.7%):
+#   DEPTH=6 STAGES=14 REPEATS=2 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=585 OUT=$OUT bash ...
+# The output check at depth 6 takes 50 s on an H100 (DEPTH=6 STAGES=3 BUDGET=300). KDA GPU work
+# (stage 8) waits for each layer, so at depth 6 it needs a call of its own of about 380 to 400 s,
+# DEPTH=6 STAGES=8 ... BUDGET=445 (BUDGET=330 ran out in fine's pass). The three together are
+# about 950 device seconds on a warm machine.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_seed.sh            # DEPTH=2 layer groups by default
 #   STAGES=45 OUTPUT_LEN=16 ...                         # the seed runs only, 16 decode tokens

@@ -20,6 +20,7 @@ passes) print as before.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -311,10 +312,25 @@ def step_parts(policies: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        description="Tables of the seed measurement from `prefixcache simulate --json` documents."
+    )
+    parser.add_argument(
+        "documents",
+        nargs="+",
+        metavar="FILE",
+        help="one or two documents of the seed preset (two: the order check between them)",
+    )
+    argv = parser.parse_args(argv).documents
+    if len(argv) > 2:
+        parser.error(f"at most two documents (the two orders), got {len(argv)}")
     documents = []
     for path in argv:
-        with open(path, encoding="utf-8") as handle:
-            documents.append(json.load(handle))
+        try:
+            with open(path, encoding="utf-8") as handle:
+                documents.append(json.load(handle))
+        except (OSError, json.JSONDecodeError) as error:
+            parser.error(f"{path}: {error}")
     for path, document in zip(argv, documents, strict=True):
         policies = document["policies"]
         print(f"## {path}: {list(policies)} complete={document.get('complete')}")

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_seed_report
 
@@ -89,3 +91,22 @@ def test_the_needed_amounts_do_not_need_a_fit() -> None:
     # Block now 2 + 0.0005 * 6200 / 3 ms a request on average; x = (2.9 - 0.8 * that) / 0.2.
     expected = (2.9 - 0.8 * (2.0 + 0.0005 * 6200 / 3)) / 0.2
     assert f"needs {1e3 * expected:.0f} us less fixed work a request" in lines[1]
+
+
+def test_the_report_refuses_what_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A missing file, a file that is not JSON, and more than the two orders are usage errors
+    # (exit status 2, the path named), not tracebacks.
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json", encoding="utf-8")
+    for arguments, said in (
+        ([str(tmp_path / "missing.json")], "missing.json"),
+        ([str(broken)], "broken.json"),
+        (["a.json", "b.json", "c.json"], "at most two documents"),
+        ([], "FILE"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            gpu_seed_report.main(arguments)
+        assert exited.value.code == 2
+        assert said in capsys.readouterr().err
