@@ -78,6 +78,7 @@ def main(argv: list[str]) -> int:
     tables = importlib.import_module("prefixcache.kernels.block_tables")
     step_module = importlib.import_module("prefixcache.kernels.step")
     from prefixcache.engine.cli import main as cli
+    from prefixcache.engine.simulate import prefill_tokens
 
     def fixed_logits(model: Any, rows: int) -> torch.Tensor:
         logits = torch.zeros(rows, model.config.vocab_size)
@@ -103,7 +104,7 @@ def main(argv: list[str]) -> int:
     ) -> torch.Tensor:
         start = time.perf_counter()
         logits = saved["execute"](model, step, token_ids, caches, logits_indices)
-        if int(np.diff(np.asarray(step.query_start_loc)).max()) > 1:
+        if prefill_tokens(step) is not None:
             times["prefill_execute"].append(1e6 * (time.perf_counter() - start))
             copy_rows.append(len(step.copies))
         return logits

@@ -23,9 +23,12 @@ import timeit
 from typing import Any
 
 import torch
+from prefixcache.engine.workloads import workload_preset
 from prefixcache.kernels import PagedKVCache
 from prefixcache.kernels.copies import copy_checked_blocks
 from prefixcache.models import ModelConfig
+
+BLOCK_SIZE = workload_preset("growing-prefix", "seed").geometry.block_size  # 1,536
 
 
 def main(argv: list[str]) -> int:
@@ -37,12 +40,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--reps", type=int, default=2000)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    try:
+        layer_counts = [int(n) for n in args.layers.split(",")]
+    except ValueError:
+        parser.error(f"--layers takes comma-separated counts, got {args.layers!r}")
+    if min(layer_counts) < 1 or not 1 <= args.tokens <= BLOCK_SIZE or args.reps < 1:
+        parser.error(f"--layers >= 1, --tokens 1 to {BLOCK_SIZE} and --reps >= 1")
+    if args.blocks < 4:
+        parser.error("--blocks must be >= 4 (the row copies block 1 into block 3)")
     device = torch.device(args.device)
     config = ModelConfig.kimi_k3_tp8()
-    shape = (args.blocks, 1536, config.attention_kv_heads, config.attention_head_dim)
+    shape = (args.blocks, BLOCK_SIZE, config.attention_kv_heads, config.attention_head_dim)
     row = [(0, 1, 3, args.tokens)]
     results: list[dict[str, Any]] = []
-    for layers in (int(n) for n in args.layers.split(",")):
+    for layers in layer_counts:
         timings = {}
         for kind in ("separate", "stacked"):
             if kind == "stacked":

@@ -24,3 +24,15 @@ def test_both_layouts_are_timed_for_each_layer_count(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert [case["layers"] for case in result["cases"]] == [1, 3]
     assert all(case["separate_us"] > 0 and case["stacked_us"] > 0 for case in result["cases"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--blocks", "3"], ["--tokens", "0"], ["--tokens", "1537"], ["--layers", "2,0"],
+     ["--layers", "two"], ["--reps", "0"]],
+)  # fmt: skip
+def test_sizes_it_cannot_time_are_refused(argv: list[str]) -> None:
+    # Block 3 must exist, a copy moves 1 to 1,536 tokens of a block, every count is positive.
+    with pytest.raises(SystemExit) as exited:
+        kv_copies.main(argv)
+    assert exited.value.code == 2

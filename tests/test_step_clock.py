@@ -23,7 +23,7 @@ pytest.importorskip("prefixcache._core")
 
 from prefixcache.engine import Engine, build_model, engine_config_for
 from prefixcache.engine.policy import Policy
-from prefixcache.engine.simulate import PART_STEP_TOKENS, StepClock
+from prefixcache.engine.simulate import PART_STEP_TOKENS, StepClock, prefill_tokens
 from prefixcache.engine.workloads import Geometry, GrowingPrefixSpec, PresetWorkload
 
 SPEC = GrowingPrefixSpec(streams=2, first_prompt=150, growth=70, rounds=3, output_len=3)
@@ -154,3 +154,22 @@ def test_a_layers_backlog_leaves_the_outputs_unchanged() -> None:
         assert clock.summary()["prefill_steps"] > 0
     model.set_layers_backlog(0)
     assert outputs[0] == outputs[1]
+
+
+class _Step:
+    def __init__(self, query_start_loc: list[int]) -> None:
+        self.query_start_loc = np.asarray(query_start_loc, dtype=np.int32)
+
+
+@pytest.mark.parametrize(
+    ("query_start_loc", "expected"),
+    [
+        ([0, 1, 2, 3], None),  # three decode rows
+        ([0, 1], None),  # one decode row
+        ([0, 1, 6, 7], 7),  # a prefill row of 5 among decode rows: every token counts
+        ([0, 4096], 4096),  # one prefill chunk
+        ([0, 2], 2),  # the shortest prefill row
+    ],
+)
+def test_a_step_prefills_when_some_row_has_more_than_one_token(query_start_loc, expected):
+    assert prefill_tokens(_Step(query_start_loc)) == expected

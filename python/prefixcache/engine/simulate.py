@@ -58,6 +58,7 @@ __all__ = [
     "measured_names",
     "measured_order",
     "pass_state",
+    "prefill_tokens",
     "resolve_warm_up",
     "simulate",
     "warm_up_workload",
@@ -392,6 +393,14 @@ class SimulationReport:
 PART_STEP_TOKENS = 4096
 
 
+def prefill_tokens(step: Any) -> int | None:
+    """The tokens a step computes when it prefills (some row has more than one query token),
+    ``None`` for a decode step (every row one token): how the step clock and the benchmarks
+    that split steps by kind tell them apart."""
+    counts = np.diff(np.asarray(step.query_start_loc, dtype=np.int64))
+    return None if counts.size and int(counts.max()) == 1 else int(counts.sum())
+
+
 class StepClock:
     """The engine's forward, with each step's time recorded by its shape.
 
@@ -422,8 +431,7 @@ class StepClock:
     def __call__(
         self, step: Any, token_ids: torch.Tensor, caches: Any, logits_indices: np.ndarray
     ) -> torch.Tensor:
-        counts = np.diff(np.asarray(step.query_start_loc, dtype=np.int64))
-        tokens = None if counts.size and int(counts.max()) == 1 else int(counts.sum())
+        tokens = prefill_tokens(step)
         cuda = self.model.device.type == "cuda"
         marks: list[tuple[float, Any]] = []
 
