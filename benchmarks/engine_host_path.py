@@ -78,7 +78,6 @@ def main(argv: list[str]) -> int:
     tables = importlib.import_module("prefixcache.kernels.block_tables")
     step_module = importlib.import_module("prefixcache.kernels.step")
     from prefixcache.engine.cli import main as cli
-    from prefixcache.engine.simulate import prefill_tokens
 
     def fixed_logits(model: Any, rows: int) -> torch.Tensor:
         logits = torch.zeros(rows, model.config.vocab_size)
@@ -104,7 +103,7 @@ def main(argv: list[str]) -> int:
     ) -> torch.Tensor:
         start = time.perf_counter()
         logits = saved["execute"](model, step, token_ids, caches, logits_indices)
-        if prefill_tokens(step) is not None:
+        if step.prefill_tokens is not None:
             times["prefill_execute"].append(1e6 * (time.perf_counter() - start))
             copy_rows.append(len(step.copies))
         return logits

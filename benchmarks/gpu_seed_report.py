@@ -321,17 +321,17 @@ def main(argv: list[str]) -> int:
         metavar="FILE",
         help="one or two documents of the seed preset (two: the order check between them)",
     )
-    argv = parser.parse_args(argv).documents
-    if len(argv) > 2:
-        parser.error(f"at most two documents (the two orders), got {len(argv)}")
+    paths = parser.parse_args(argv).documents
+    if len(paths) > 2:
+        parser.error(f"at most two documents (the two orders), got {len(paths)}")
     documents = []
-    for path in argv:
+    for path in paths:
         try:
             with open(path, encoding="utf-8") as handle:
                 documents.append(json.load(handle))
         except (OSError, json.JSONDecodeError) as error:
             parser.error(f"{path}: {error}")
-    for path, document in zip(argv, documents, strict=True):
+    for path, document in zip(paths, documents, strict=True):
         policies = document["policies"]
         print(f"## {path}: {list(policies)} complete={document.get('complete')}")
         print(

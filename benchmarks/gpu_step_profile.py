@@ -41,7 +41,6 @@ import numpy as np
 import torch
 from prefixcache.engine import Engine, build_model, engine_config_for
 from prefixcache.engine.policy import Policy
-from prefixcache.engine.simulate import prefill_tokens
 from prefixcache.engine.workloads import Geometry, GrowingPrefixSpec, PresetWorkload
 from prefixcache.models import ModelConfig
 
@@ -64,7 +63,7 @@ class Probe:
     def __call__(self, step: Any, token_ids: torch.Tensor, caches: Any, indices: Any) -> Any:
         counts = np.diff(np.asarray(step.query_start_loc, dtype=np.int64))
         lens = np.asarray(step.seq_lens, dtype=np.int64)
-        kind = "decode" if prefill_tokens(step) is None else "prefill"
+        kind = "decode" if step.prefill_tokens is None else "prefill"
         if kind == "prefill" and int(lens[counts > 1].min()) > self.after_context:
             self.active = True
         cuda = self.model.device.type == "cuda"

@@ -23,8 +23,9 @@ pytest.importorskip("prefixcache._core")
 
 from prefixcache.engine import Engine, build_model, engine_config_for
 from prefixcache.engine.policy import Policy
-from prefixcache.engine.simulate import PART_STEP_TOKENS, StepClock, prefill_tokens
+from prefixcache.engine.simulate import PART_STEP_TOKENS, StepClock
 from prefixcache.engine.workloads import Geometry, GrowingPrefixSpec, PresetWorkload
+from prefixcache.kernels import Step
 
 SPEC = GrowingPrefixSpec(streams=2, first_prompt=150, growth=70, rounds=3, output_len=3)
 GEOMETRY = Geometry(block_size=32, unit=8, token_budget=96, max_running=2)
@@ -105,11 +106,8 @@ def test_a_failed_step_leaves_no_hook_behind(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(model, "execute", failing)
 
-    class _Step:
-        query_start_loc = np.asarray([0, 5], dtype=np.int32)
-
     with pytest.raises(RuntimeError, match="the forward failed"):
-        clock(_Step(), None, None, np.zeros(1, dtype=np.int64))
+        clock(_step([0, 5]), None, None, np.zeros(1, dtype=np.int64))
     assert model.layers_starting is None
     assert clock.prefill == [] and clock.parts == []
     assert "prefill_parts" not in clock.summary()
@@ -156,9 +154,15 @@ def test_a_layers_backlog_leaves_the_outputs_unchanged() -> None:
     assert outputs[0] == outputs[1]
 
 
-class _Step:
-    def __init__(self, query_start_loc: list[int]) -> None:
-        self.query_start_loc = np.asarray(query_start_loc, dtype=np.int32)
+def _step(query_start_loc: list[int]) -> Step:
+    rows = len(query_start_loc) - 1
+    return Step(
+        query_start_loc=np.asarray(query_start_loc, dtype=np.int32),
+        seq_lens=np.full(rows, 4096, dtype=np.int64),
+        copies=np.zeros((0, 4), dtype=np.int64),
+        paged=(),
+        state=(),
+    )
 
 
 @pytest.mark.parametrize(
@@ -166,10 +170,11 @@ class _Step:
     [
         ([0, 1, 2, 3], None),  # three decode rows
         ([0, 1], None),  # one decode row
+        ([0], None),  # no rows: nothing is prefilled
         ([0, 1, 6, 7], 7),  # a prefill row of 5 among decode rows: every token counts
         ([0, 4096], 4096),  # one prefill chunk
         ([0, 2], 2),  # the shortest prefill row
     ],
 )
 def test_a_step_prefills_when_some_row_has_more_than_one_token(query_start_loc, expected):
-    assert prefill_tokens(_Step(query_start_loc)) == expected
+    assert _step(query_start_loc).prefill_tokens == expected

@@ -33,7 +33,7 @@ import torch
 
 import prefixcache as pc
 
-from ..kernels import KDABackend, KDALayerParams, get_backend
+from ..kernels import KDABackend, KDALayerParams, Step, get_backend
 from ..kernels.backend import ConvImpl
 from ..kernels.ops import conv_function, default_conv
 from ..models import HybridModel, KernelTimer, ModelConfig
@@ -58,7 +58,6 @@ __all__ = [
     "measured_names",
     "measured_order",
     "pass_state",
-    "prefill_tokens",
     "resolve_warm_up",
     "simulate",
     "warm_up_workload",
@@ -393,14 +392,6 @@ class SimulationReport:
 PART_STEP_TOKENS = 4096
 
 
-def prefill_tokens(step: Any) -> int | None:
-    """The tokens a step computes when it prefills (some row has more than one query token),
-    ``None`` for a decode step (every row one token): how the step clock and the benchmarks
-    that split steps by kind tell them apart."""
-    counts = np.diff(np.asarray(step.query_start_loc, dtype=np.int64))
-    return None if counts.size and int(counts.max()) == 1 else int(counts.sum())
-
-
 class StepClock:
     """The engine's forward, with each step's time recorded by its shape.
 
@@ -429,9 +420,9 @@ class StepClock:
         self._pending_parts: list[tuple[int, float, float, Any, Any]] = []
 
     def __call__(
-        self, step: Any, token_ids: torch.Tensor, caches: Any, logits_indices: np.ndarray
+        self, step: Step, token_ids: torch.Tensor, caches: Any, logits_indices: np.ndarray
     ) -> torch.Tensor:
-        tokens = prefill_tokens(step)
+        tokens = step.prefill_tokens
         cuda = self.model.device.type == "cuda"
         marks: list[tuple[float, Any]] = []
 

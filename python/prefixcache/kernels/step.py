@@ -101,6 +101,16 @@ class Step:
         """T, the scheduled tokens."""
         return int(self.query_start_loc[-1]) if self.query_start_loc.shape[0] else 0
 
+    @property
+    def prefill_tokens(self) -> int | None:
+        """T when the step prefills (some row has more than one query token), ``None`` when it
+        does not (every row one token, or no rows): how the simulator's step clock and the
+        benchmarks that split steps by kind tell prefill steps from decode steps."""
+        if self.query_start_loc.shape[0] < 2:
+            return None
+        longest = int(np.diff(self.query_start_loc).max())
+        return self.num_tokens if longest > 1 else None
+
     def paged_group(self, group: int) -> PagedStep:
         """The part of paged group ``group``; ``KeyError`` when the step has none."""
         for part in self.paged:
