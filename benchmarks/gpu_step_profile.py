@@ -42,6 +42,7 @@ import torch
 from prefixcache.engine import Engine, build_model, engine_config_for
 from prefixcache.engine.policy import Policy
 from prefixcache.engine.workloads import Geometry, GrowingPrefixSpec, PresetWorkload
+from prefixcache.kernels import Step
 from prefixcache.models import ModelConfig
 
 BACKLOG_CYCLES = 200_000_000  # about 100 ms at the H200's clock: longer than any step's launches
@@ -60,30 +61,28 @@ class Probe:
         self.syncs: dict[str, Counter[str]] = {"prefill": Counter(), "decode": Counter()}
         self.profiles: dict[str, Any] = {}
 
-    def __call__(self, step: Any, token_ids: torch.Tensor, caches: Any, indices: Any) -> Any:
-        counts = np.diff(np.asarray(step.query_start_loc, dtype=np.int64))
-        lens = np.asarray(step.seq_lens, dtype=np.int64)
+    def __call__(self, step: Step, token_ids: torch.Tensor, caches: Any, indices: Any) -> Any:
         kind = "decode" if step.prefill_tokens is None else "prefill"
-        if kind == "prefill" and int(lens[counts > 1].min()) > self.after_context:
-            self.active = True
+        if kind == "prefill" and not self.active:
+            prefilling = np.diff(np.asarray(step.query_start_loc, dtype=np.int64)) > 1
+            shortest = int(np.asarray(step.seq_lens, dtype=np.int64)[prefilling].min())
+            self.active = shortest > self.after_context
         cuda = self.model.device.type == "cuda"
         records = self.records[kind]
         if not self.active or not cuda:
             if self.active and len(records) < self.wanted:
                 start = time.perf_counter()
                 out = self.inner(step, token_ids, caches, indices)
-                records.append({"tokens": int(counts.sum()), "wall_ms": _ms(start)})
+                records.append({"tokens": step.num_tokens, "wall_ms": _ms(start)})
                 return out
             return self.inner(step, token_ids, caches, indices)
         if len(records) < self.wanted:
-            return self._measure(kind, step, token_ids, caches, indices, counts)
+            return self._measure(kind, step, token_ids, caches, indices)
         if kind not in self.profiles:
             return self._profile(kind, step, token_ids, caches, indices)
         return self.inner(step, token_ids, caches, indices)
 
-    def _measure(
-        self, kind: str, step: Any, token_ids: Any, caches: Any, indices: Any, counts: Any
-    ) -> Any:
+    def _measure(self, kind: str, step: Step, token_ids: Any, caches: Any, indices: Any) -> Any:
         # Timing pass: the backlog lets the host launch everything before the GPU starts.
         torch.cuda.synchronize()
         begin = torch.cuda.Event(enable_timing=True)
@@ -111,8 +110,8 @@ class Probe:
         # the wall time comes from the run's own step times.
         self.records[kind].append(
             {
-                "tokens": int(counts.sum()),
-                "rows": int(counts.size),
+                "tokens": step.num_tokens,
+                "rows": step.num_rows,
                 "host_ms": host,
                 "gpu_ms": gpu,
                 "syncs": len(found),
