@@ -38,12 +38,11 @@ def _hooks(
     original_admit: Any,
     original_after: Any,
     steps: list[int],
-    decode_only: list[bool],
     admitted: dict[int, int],
     first: dict[int, int],
 ) -> tuple[Any, Any]:
-    """The loop hooks: a request's admission step, each step's tokens and whether every row of
-    it had one token, the first token's step."""
+    """The loop hooks: a request's admission step and its first token's step (``steps`` holds
+    one entry per step run so far, appended by the forward)."""
 
     def admit(self: Any) -> None:
         before = set(self.live)
@@ -52,10 +51,6 @@ def _hooks(
             admitted[seq_id] = len(steps)
 
     def after(self: Any, rows: Any, *rest: Any) -> None:
-        count = self.buffers.num_rows
-        scheduled = self.buffers.num_scheduled[:count].tolist()
-        steps.append(int(sum(scheduled)))
-        decode_only.append(max(scheduled) == 1)
         waiting = {seq.seq_id for seq in rows if seq.first_token_time is None}
         original_after(self, rows, *rest)
         for seq in rows:
@@ -85,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from prefixcache.engine import Engine, Policy, engine_config_for
     from prefixcache.engine import engine as engine_module
     from prefixcache.engine.workloads import workload_preset
-    from prefixcache.kernels import TorchBackend
+    from prefixcache.kernels import Step, TorchBackend
     from prefixcache.models import HybridModel, ModelConfig
 
     workload = workload_preset("growing-prefix", "seed")
@@ -101,9 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     # One step at a time: the hooks are those of the plain loop (the seed runs use --no-overlap).
     pools = engine_config_for(workload, geometry, backend, overlap=False)
 
-    def stand_in(step: Any, token_ids: Any, caches: Any, logits_indices: Any) -> torch.Tensor:
-        return torch.zeros(len(logits_indices), config.vocab_size)
-
     loop = engine_module._Loop
     original_admit, original_after = loop.admit_arrivals, loop.after_forward
     for name in ("block", "fine"):
@@ -118,7 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         admitted: dict[int, int] = {}
         first: dict[int, int] = {}
 
-        admit, after = _hooks(original_admit, original_after, steps, decode_only, admitted, first)
+        def stand_in(
+            step: Step, token_ids: Any, caches: Any, logits_indices: Any,
+            steps: list[int] = steps, decode_only: list[bool] = decode_only,
+        ) -> torch.Tensor:  # fmt: skip
+            steps.append(step.num_tokens)
+            decode_only.append(step.prefill_tokens is None)  # the step's own statement
+            return torch.zeros(len(logits_indices), config.vocab_size)
+
+        admit, after = _hooks(original_admit, original_after, steps, admitted, first)
         loop.admit_arrivals, loop.after_forward = admit, after  # type: ignore[method-assign]
         try:
             run = Engine(model, policy, pools, forward=stand_in).run(workload.build(64))
