@@ -42,17 +42,18 @@
 #
 # More layers dilute what a request pays whatever its tokens (2026-12-06, H100s: TTFT fine
 # against block -18.4% / -20.2% at depth 2, -19.6% / -19.9% at depth 4 in one call of 426 s,
-# -21.6% / -20.9% at depth 6, 272 and 281 s a process). Depth 6, the TTFT figures of
-# docs/BENCHMARKS.md, one call per order (the first with the GPU tests, about 75 s more):
+# -21.6% / -20.9% at depth 6, 272 and 281 s a process). Depth 6, the figures of
+# docs/BENCHMARKS.md, in two calls on one machine (the H200, 2026-12-06 20:26 to 20:41: TTFT
+# -20.8% / -21.0%, KDA GPU work -20.1%, outputs checked; 840 device seconds): both orders as
+# counterbalanced passes of one process (block, fine, fine, block) with the GPU tests first
+# (437 s on the H200, 499 s on an H100), then the output check (43 s on the H200, 50 s on an
+# H100) and KDA GPU work (stage 8, 350 s on the H200, 380 s on an H100: it waits for each layer;
+# BUDGET=330 ran out in fine's pass on an H100):
+#   DEPTH=6 STAGES=14 REPEATS=2 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=585 OUT=$OUT bash ...
+#   DEPTH=6 STAGES=38 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=565 OUT=$OUT bash ...
+# One process per order instead (the first with the GPU tests, about 75 s more):
 #   DEPTH=6 STAGES=15 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=540 OUT=$OUT bash ...
 #   DEPTH=6 STAGES=4 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=380 OUT=$OUT bash ...
-# Both orders as counterbalanced passes of one process (block, fine, fine, block) with the GPU
-# tests first fit one call (499 s on an H100, 2026-12-06 14:22: -21.2%, passes within 0.7%):
-#   DEPTH=6 STAGES=14 REPEATS=2 WARM_UP=full SEED_ARGS=--no-overlap BUDGET=585 OUT=$OUT bash ...
-# The output check at depth 6 takes 50 s on an H100 (DEPTH=6 STAGES=3 BUDGET=300). KDA GPU work
-# (stage 8) waits for each layer, so at depth 6 it needs a call of its own of about 380 to 400 s,
-# DEPTH=6 STAGES=8 ... BUDGET=445 (BUDGET=330 ran out in fine's pass). The three together are
-# about 950 device seconds on a warm machine.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_seed.sh            # DEPTH=2 layer groups by default
 #   STAGES=45 OUTPUT_LEN=16 ...                         # the seed runs only, 16 decode tokens
