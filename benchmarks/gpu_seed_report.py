@@ -11,9 +11,10 @@ policy's figures in the two runs side by side (the order check: within 5%); and 
 measured step times (decode steps, prefill steps and their fit). A document of
 ``simulate --repeats N`` (N > 1) also gets its per-pass table (rounds 2 to 23, the median pass
 starred; the per-round tables and totals are the median pass's) with each figure's spread
-(max / min - 1) over the passes, and the order check of pass 1 against pass 2 of each policy;
-with two such documents the order check compares their median passes. Older documents (no
-passes) print as before.
+(max / min - 1) over the passes, the order check of pass 1 against pass 2 of each policy, and
+each pass's own per-round table and totals, fine against block (pass 2 runs fine first when
+pass 1 ran block first); with two such documents the order check compares their median
+passes. Older documents (no passes) print as before.
 
     python3 benchmarks/gpu_seed_report.py seed_block_first.json [seed_fine_first.json]
 """
@@ -375,6 +376,14 @@ def main(argv: list[str]) -> int:
             checked = (pass_policies(document, 1), pass_policies(document, 2))
             print("\n".join(order_check(*checked, labels=("pass 1", "pass 2"))))
             print()
+            for number in range(1, document["repeats"] + 1):
+                both = pass_policies(document, number)
+                if "block" in both and "fine" in both:
+                    print(f"### pass {number}: fine against block")
+                    print("\n".join(per_round({"policies": both})))
+                    print()
+                    print("\n".join(totals({"policies": both})))
+                    print()
         states = pass_states(document)
         if states:
             print("### what each pass changed (pass_state)")

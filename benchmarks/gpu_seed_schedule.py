@@ -96,8 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     # One step at a time: the hooks are those of the plain loop (the seed runs use --no-overlap).
     pools = engine_config_for(workload, geometry, backend, overlap=False)
 
+    # Per policy run: each step's tokens and whether it only decodes (recorded by the forward,
+    # from the step's own statement), each request's admission step and first token's step.
+    steps: list[int] = []
+    decode_only: list[bool] = []
+    admitted: dict[int, int] = {}
+    first: dict[int, int] = {}
+
+    def stand_in(step: Step, token_ids: Any, caches: Any, logits_indices: Any) -> torch.Tensor:
+        steps.append(step.num_tokens)
+        decode_only.append(step.prefill_tokens is None)
+        return torch.zeros(len(logits_indices), config.vocab_size)
+
     loop = engine_module._Loop
     original_admit, original_after = loop.admit_arrivals, loop.after_forward
+    admit, after = _hooks(original_admit, original_after, steps, admitted, first)
     for name in ("block", "fine"):
         policy = Policy.named(name, block_size=geometry.block_size, fine_unit=geometry.unit)
         fixed, per_token, decode = args.fixed_ms, args.token_us, args.decode_ms
@@ -105,20 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             times = measured[name if args.per_policy else "block"]
             fixed, per_token = times["prefill_fixed_ms"], times["prefill_per_token_us"]
             decode = times["decode_ms_p50"]
-        steps: list[int] = []
-        decode_only: list[bool] = []
-        admitted: dict[int, int] = {}
-        first: dict[int, int] = {}
-
-        def stand_in(
-            step: Step, token_ids: Any, caches: Any, logits_indices: Any,
-            steps: list[int] = steps, decode_only: list[bool] = decode_only,
-        ) -> torch.Tensor:  # fmt: skip
-            steps.append(step.num_tokens)
-            decode_only.append(step.prefill_tokens is None)  # the step's own statement
-            return torch.zeros(len(logits_indices), config.vocab_size)
-
-        admit, after = _hooks(original_admit, original_after, steps, admitted, first)
+        for record in (steps, decode_only, admitted, first):
+            record.clear()
         loop.admit_arrivals, loop.after_forward = admit, after  # type: ignore[method-assign]
         try:
             run = Engine(model, policy, pools, forward=stand_in).run(workload.build(64))
